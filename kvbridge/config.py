@@ -1,0 +1,121 @@
+"""Frozen configs, validated in __post_init__, passed explicitly. Derived values are properties."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvbridge.errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+LoadFailurePolicy = Literal["recompute", "fail"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, in which precision, on which device."""
+
+    model: str = "tiny"  # a built-in preset name or a local Hugging Face checkpoint directory
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    seed: int = 0  # seeds the random weights of built-in presets
+    max_model_len: int | None = None  # defaults to the model's own limit
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"ModelConfig.dtype={self.dtype!r}; expected one of {DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"ModelConfig.device={self.device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"ModelConfig.max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. Give `num_blocks`, or a `memory_fraction` of free device memory."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"CacheConfig.num_blocks must be at least 2, got {self.num_blocks}")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(f"CacheConfig.memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+        if self.num_blocks is not None and self.memory_fraction is not None:
+            raise ConfigError("CacheConfig: give num_blocks or memory_fraction, not both")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64  # requests in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"SchedulerConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(
+                f"SchedulerConfig.max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which connector to run and how. `extra` carries connector-specific options.
+
+    `connector` is a registered name (see `kvbridge.connectors.factory`), an entry point of the
+    `kvbridge.connectors` group, or a `module:Class` path.
+    """
+
+    connector: str
+    role: KVRole = "kv_both"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: pick a free port
+    load_failure_policy: LoadFailurePolicy = "recompute"
+    flush_timeout_s: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.connector:
+            raise ConfigError("KVTransferConfig.connector must name a connector")
+        if self.role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConfigError(
+                f"KVTransferConfig.role={self.role!r}; expected 'kv_producer', 'kv_consumer' or 'kv_both'"
+            )
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(
+                f"KVTransferConfig.load_failure_policy={self.load_failure_policy!r}; expected 'recompute' or 'fail'"
+            )
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"KVTransferConfig.side_channel_port={self.side_channel_port} is not a port")
+        if self.flush_timeout_s <= 0:
+            raise ConfigError(f"KVTransferConfig.flush_timeout_s must be positive, got {self.flush_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine is built from."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig | None = None

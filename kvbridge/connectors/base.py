@@ -1,0 +1,236 @@
+"""The KV connector API: how a transport or a memory tier plugs into the engine.
+
+The shape follows vLLM's V1 KV connector API. One connector class implements two halves, and
+the engine builds one instance per half from the same `KVTransferConfig`:
+
+* the **scheduler side** (`role=KVConnectorRole.SCHEDULER`) lives in the scheduler. It is pure
+  bookkeeping: it decides which tokens come from outside, records which blocks they land in, and
+  emits a `KVConnectorMetadata` each step telling the worker what to load and save. It must never
+  block or do I/O.
+* the **worker side** (`role=KVConnectorRole.WORKER`) lives next to the KV cache tensor, in the
+  model runner. It moves bytes and reports what finished.
+
+The two halves talk only through `KVConnectorMetadata` (scheduler -> worker, once per step) and
+`KVConnectorOutput` (worker -> scheduler, once per step), so they may live in different
+processes. Every method is called on the engine thread unless its docstring says otherwise.
+
+Per-step order, driven by `EngineCore.step()`:
+
+    scheduler: get_num_new_matched_tokens -> update_state_after_alloc   (per admitted request)
+               build_connector_meta(scheduler_output)
+    worker:    bind_connector_metadata -> start_load_kv
+               forward, with wait_for_layer_load(i) / save_kv_layer(i) around layer i
+               wait_for_save -> get_finished -> get_block_ids_with_load_errors
+               clear_connector_metadata
+    scheduler: update_connector_output(KVConnectorOutput)
+               request_finished(request, block_ids)             (per finished request)
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvbridge.config import KVTransferConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
+    from kvbridge.engine.request import Request
+    from kvbridge.layout import KVCacheLayout
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = enum.auto()
+    WORKER = enum.auto()
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What the engine tells a connector about itself when building it."""
+
+    model_id: str  # identifies the weights; part of the handshake compatibility hash
+    block_size: int
+    device: str  # device of the KV cache ("cpu", "cuda:0", ...)
+    hash_namespace: str = ""  # namespace of the chained block hashes (see engine/block_hash.py)
+
+
+class KVConnectorMetadata:
+    """Base of the per-step plan a scheduler side hands its worker side.
+
+    Subclasses hold plain data (ids, block ids, hashes) so the plan could cross a process boundary.
+    """
+
+
+class MatchResult(NamedTuple):
+    """Answer of `get_num_new_matched_tokens`.
+
+    `num_external_tokens` is None when the connector cannot tell yet (e.g. a lookup in flight):
+    the scheduler then leaves the request waiting and asks again next step.
+    """
+
+    num_external_tokens: int | None
+    load_async: bool
+
+
+class FinishResult(NamedTuple):
+    """Answer of `request_finished`."""
+
+    delay_free_blocks: bool  # True: the scheduler frees the blocks only once get_finished reports the request
+    kv_transfer_params: dict[str, Any] | None  # returned to the client with the request's output
+
+
+class FinishedTransfers(NamedTuple):
+    """Answer of `get_finished`: request ids whose sends / receives completed since the last call."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+
+
+class FlushResult(NamedTuple):
+    """Answer of `flush`.
+
+    `is_complete` is True when nothing is in flight any more. `pending_req_ids` names the requests
+    whose transfers are still in flight at the deadline; `num_failed` counts transfers that ended in
+    failure while flushing (their requests are reported through the usual error paths).
+    """
+
+    is_complete: bool
+    pending_req_ids: frozenset[str] = frozenset()
+    num_failed: int = 0
+
+
+class KVConnectorBase(ABC):
+    """A KV connector. Subclasses implement both halves; `self.role` says which one this instance is."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
+        self.config = config
+        self.role = role
+        self.context = context
+
+    # ------------------------------------------------------------------ scheduler side
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+        """How many tokens beyond the local prefix hit the connector can provide.
+
+        Called by the scheduler for a waiting request before it allocates blocks; `num_computed_tokens`
+        is the local prefix-cache hit (a multiple of the block size). The answer must leave at least
+        the last prompt token to compute. `load_async=True` parks the request in
+        `WAITING_FOR_REMOTE_KVS` until the worker reports it in `finished_recving`; with False the
+        worker loads it inside this step's `start_load_kv`, before the forward pass. May be called
+        again for the same request in a later step (if it could not be admitted).
+        """
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Record the blocks that external tokens will land in.
+
+        Called by the scheduler once blocks were allocated for a request admitted with a non-zero
+        (or any, for producers that want to see every admission) `num_external_tokens`. `block_ids` are all
+        the request's blocks in token order; the external tokens fill those after the local hit.
+        """
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The worker's plan for this step (what to load, what to save). Resets per-step state.
+
+        Called by the scheduler once per step, after scheduling, before the model runs.
+        """
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Learn what the worker finished (sends, receives, load errors, stats).
+
+        Called by the scheduler once per step after the model ran, before finished requests are freed.
+        """
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+        """A request finished or was aborted; decide whether its blocks must outlive it.
+
+        Called by the scheduler once per request. With `delay_free_blocks=True` the scheduler keeps the
+        blocks until the worker reports the request in `finished_sending` (a transfer or store in flight).
+        """
+        return FinishResult(False, None)
+
+    def has_pending_transfers(self) -> bool:
+        """True while any request this side knows of still waits on a transfer."""
+        return False
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+        """The engine's KV cache tensor (`layout.shape`, block-major) and its geometry.
+
+        Called by the model runner once, after allocating the cache and before the first step.
+        The connector may register the memory with a transport. It must drop every reference to
+        `kv_cache` in `shutdown()`.
+        """
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """This step's plan. Called by the model runner at the start of each step."""
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Called by the model runner at the end of each step."""
+        self._metadata = None
+
+    def get_connector_metadata(self) -> KVConnectorMetadata | None:
+        return getattr(self, "_metadata", None)
+
+    @abstractmethod
+    def start_load_kv(self) -> None:
+        """Start this step's loads. Synchronous loads (load_async=False) must be done when the
+        corresponding `wait_for_layer_load` returns; async loads are polled by `get_finished`."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until layer `layer` of this step's synchronous loads is in the KV cache.
+
+        Called by the model runner before layer `layer` reads the cache.
+        """
+
+    def save_kv_layer(self, layer: int) -> None:
+        """Layer `layer` of this step has been written to the KV cache.
+
+        Called by the model runner after layer `layer` ran. Must not block the forward pass.
+        """
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Called by the model runner after the forward pass. A connector whose stores must be
+        complete before blocks are reused waits here, or reports them as pending through
+        `request_finished` / `get_finished` instead of waiting."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+        """Request ids whose sends / receives completed since the last call. Must not block.
+
+        Called by the model runner once per step; `finished_req_ids` are the requests the scheduler
+        finished since the last step.
+        """
+        return FinishedTransfers(set(), set())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call; the scheduler recomputes or fails their requests."""
+        return set()
+
+    def flush(self, timeout_s: float) -> FlushResult:
+        """Drive every in-flight transfer to completion or failure, waiting at most `timeout_s`.
+
+        Called by the engine before `reset_prefix_cache` touches blocks and before `shutdown`. Must
+        return by the deadline, reporting what is still in flight; never "not yet" forever. Results
+        (finished sends/receives, load errors) are reported by the following `get_finished` and
+        `get_block_ids_with_load_errors` calls as usual.
+        """
+        return FlushResult(True)
+
+    def shutdown(self) -> None:
+        """Release everything: deregister memory from transports before it is freed, release
+        transfer handles, stop threads, close sockets, drop references to KV tensors.
+
+        Called by the engine after `flush`, on either side. Idempotent.
+        """
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters and latency summaries (bytes moved, transfers, failures, ...). Either side."""
+        return {}

@@ -1,0 +1,45 @@
+"""Chained block hashes: the single identity of KV everywhere.
+
+hash(block i) = H(hash(block i-1), token ids of block i). The same hash keys the prefix
+cache, the offload tiers and remote lookups, so it must be stable across processes and hosts:
+it is a cryptographic digest, never Python's salted `hash()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+
+BlockHash = NewType("BlockHash", bytes)
+
+# Seeds the chain; a different namespace (model id) gives disjoint hashes.
+_ROOT = b"kvbridge-block-hash-v1"
+
+
+def root_hash(namespace: str = "") -> BlockHash:
+    return BlockHash(hashlib.blake2b(_ROOT + namespace.encode(), digest_size=16).digest())
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one full block given its parent's hash."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return BlockHash(digest.digest())
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    known: Sequence[BlockHash] = (),
+    namespace: str = "",
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`, extending the already-known prefix `known`."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else root_hash(namespace)
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,90 @@
+"""One request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
+from kvbridge.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, an async KV load in flight
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. a KV load failed under the `fail` policy
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+
+class Request:
+    """Token ids, progress and the chained hashes of every full block of the request."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+        hash_namespace: str = "",
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.kv_transfer_params = kv_transfer_params
+        self.hash_namespace = hash_namespace
+        self.arrival_time = time.monotonic()
+
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the local prefix cache
+        self.num_external_tokens = 0  # prompt tokens served by a connector
+        self.num_preemptions = 0
+        self.error: str | None = None
+        self.block_hashes: list[BlockHash] = hash_full_blocks(
+            self.prompt_token_ids, block_size, namespace=hash_namespace
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self.block_hashes = hash_full_blocks(
+                self.all_token_ids, self.block_size, self.block_hashes, self.hash_namespace
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

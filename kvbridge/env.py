@@ -1,0 +1,52 @@
+"""Every environment variable kvbridge reads, typed, in one place. All are prefixed KVBRIDGE_."""
+
+from __future__ import annotations
+
+import os
+
+
+def _get_str(name: str, default: str | None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _get_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _get_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def side_channel_secret() -> bytes | None:
+    """KVBRIDGE_SIDE_CHANNEL_SECRET: shared secret that authenticates side-channel peers (HMAC)."""
+    value = _get_str("KVBRIDGE_SIDE_CHANNEL_SECRET", None)
+    return value.encode() if value else None
+
+
+def log_level() -> str:
+    """KVBRIDGE_LOG_LEVEL: logging level of the `kvbridge` logger (default WARNING)."""
+    return (_get_str("KVBRIDGE_LOG_LEVEL", "WARNING") or "WARNING").upper()
+
+
+def flush_timeout_s() -> float:
+    """KVBRIDGE_FLUSH_TIMEOUT_S: default bound on reset_prefix_cache/shutdown waiting for transfers."""
+    return _get_float("KVBRIDGE_FLUSH_TIMEOUT_S", 30.0)
+
+
+def nixl_backend() -> str:
+    """KVBRIDGE_NIXL_BACKEND: NIXL backend plugin to create (default UCX)."""
+    return _get_str("KVBRIDGE_NIXL_BACKEND", "UCX") or "UCX"
+
+
+def disable_gc_freeze() -> bool:
+    """KVBRIDGE_DISABLE_GC_FREEZE: do not gc.freeze() after engine start-up."""
+    return _get_bool("KVBRIDGE_DISABLE_GC_FREEZE", False)

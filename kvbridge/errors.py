@@ -1,0 +1,64 @@
+"""Every error a user can cause, named. Each message says what to do about it."""
+
+
+class KVBridgeError(Exception):
+    """Base of every kvbridge error."""
+
+
+class ConfigError(KVBridgeError, ValueError):
+    """A config value is invalid; the message names the field and the accepted values."""
+
+
+class ConnectorNotFoundError(ConfigError):
+    """No connector is registered under the configured name."""
+
+
+class NixlNotAvailableError(KVBridgeError, ImportError):
+    """NIXL is not installed or its backend plugin cannot be created."""
+
+
+class TransferError(KVBridgeError):
+    """A KV transfer failed."""
+
+
+class PeerUnreachableError(TransferError):
+    """The peer's side channel did not answer within the deadline."""
+
+
+class HandshakeError(TransferError):
+    """The handshake with a peer failed."""
+
+
+class IncompatiblePeerError(HandshakeError):
+    """The peer runs a different protocol version, model, dtype or KV layout."""
+
+
+class AuthenticationError(TransferError):
+    """A side-channel message was not signed with the shared secret (or was replayed)."""
+
+
+class MalformedMessageError(TransferError):
+    """Bytes that do not decode to a known side-channel message."""
+
+
+class TransferTimeoutError(TransferError):
+    """A transfer passed its deadline."""
+
+
+class FlushTimeoutError(KVBridgeError, TimeoutError):
+    """Transfers were still in flight when a flush deadline passed.
+
+    `pending_req_ids` names the requests whose transfers were still in flight.
+    """
+
+    def __init__(self, message: str, pending_req_ids: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.pending_req_ids = pending_req_ids
+
+
+class KVLoadError(KVBridgeError):
+    """External KV could not be loaded for a request and the failure policy is `fail`."""
+
+
+class ModelLoadError(KVBridgeError):
+    """A model checkpoint directory is missing, incomplete or of an unsupported architecture."""
