@@ -62,3 +62,11 @@ class KVLoadError(KVBridgeError):
 
 class ModelLoadError(KVBridgeError):
     """A model checkpoint directory is missing, incomplete or of an unsupported architecture."""
+
+
+class InvalidRequestError(KVBridgeError, ValueError):
+    """An HTTP API request is malformed (bad JSON, a missing or mistyped field); the server answers 400."""
+
+
+class NodeStartError(KVBridgeError):
+    """A node or proxy subprocess exited or did not become healthy before its deadline; see its log."""
