@@ -65,7 +65,14 @@ class ModelLoadError(KVBridgeError):
 
 
 class InvalidRequestError(KVBridgeError, ValueError):
-    """An HTTP API request is malformed (bad JSON, a missing or mistyped field); the server answers 400."""
+    """An HTTP API request is malformed (bad JSON, a missing or mistyped field); the server answers 400.
+
+    `param` names the offending request field, if one is to blame.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class NodeStartError(KVBridgeError):

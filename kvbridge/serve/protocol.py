@@ -1,0 +1,185 @@
+"""The OpenAI-compatible `/v1/completions` wire format: parse a request body, build responses.
+
+Pure functions on plain dicts: the server (serve/api.py) calls `parse_completion_request` on
+every POST body and the `*_response` / `*_chunk` builders on the engine's `RequestOutput`s; the
+proxy and the demo read the same shapes. Nothing here imports torch or aiohttp.
+
+Non-standard fields, all optional for clients:
+  request: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, `kv_transfer_params`;
+  response: `choices[i].token_ids`, top-level `kv_transfer_params`, and a `kvbridge` dict with
+  per-request cache and transfer figures (see `kvbridge_stats`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.errors import ConfigError, InvalidRequestError
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default
+# Fields OpenAI defines that this server cannot honour: a truthy value is rejected, not ignored.
+UNSUPPORTED_FIELDS = ("logprobs", "echo", "best_of", "suffix", "logit_bias", "stop")
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated `/v1/completions` body. Exactly one of `prompt_text` / `prompt_token_ids` is set."""
+
+    model: str | None
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    sampling_params: SamplingParams
+    stream: bool
+    kv_transfer_params: dict[str, Any] | None
+
+
+def _fail(message: str, param: str | None = None) -> InvalidRequestError:
+    return InvalidRequestError(message, param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """A string, a list of one string, a list of token ids, or a list of one token-id list."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _fail("'prompt' is empty; send at least one character or token id", "prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return None, list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _fail(f"'prompt' holds {len(prompt)} prompts; send one prompt per request", "prompt")
+    raise _fail(
+        "'prompt' must be a non-empty string, a list of one string, or a non-empty list of "
+        "non-negative token ids",
+        "prompt",
+    )
+
+
+def _get(body: dict, name: str, check, expected: str, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise _fail(f"'{name}' must be {expected}, got {value!r}", name)
+    return value
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a decoded JSON body. Raises InvalidRequestError (HTTP 400) naming the bad field."""
+    if not isinstance(body, dict):
+        raise _fail("the request body must be a JSON object")
+    if "prompt" not in body:
+        raise _fail("'prompt' is required", "prompt")
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name):
+            hint = "; use 'stop_token_ids'" if name == "stop" else ""
+            raise _fail(f"'{name}' is not supported by kvbridge{hint}", name)
+    if body.get("n", 1) != 1:
+        raise _fail("'n' must be 1: kvbridge returns one completion per request", "n")
+    prompt_text, prompt_token_ids = _parse_prompt(body["prompt"])
+
+    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
+    max_tokens = _get(body, "max_tokens", _is_int, "an integer >= 1", DEFAULT_MAX_TOKENS)
+    temperature = _get(body, "temperature", _is_number, "a number >= 0", 1.0)
+    top_p = _get(body, "top_p", _is_number, "a number in (0, 1]", 1.0)
+    top_k = _get(body, "top_k", _is_int, "an integer >= 0 (or -1 for no cut)", 0)
+    seed = _get(body, "seed", _is_int, "an integer", None)
+    stop_token_ids = _get(
+        body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of token ids", []
+    )
+    ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    kv_transfer_params = _get(body, "kv_transfer_params", lambda v: isinstance(v, dict), "a JSON object", None)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=0 if top_k == -1 else top_k,
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=ignore_eos,
+        )
+    except ConfigError as exc:
+        raise _fail(str(exc).replace("SamplingParams.", "")) from exc
+    return CompletionRequest(model, prompt_text, prompt_token_ids, params, stream, kv_transfer_params)
+
+
+def error_body(message: str, err_type: str = "invalid_request_error", code: int = 400, param: str | None = None) -> dict:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def finish_reason(output: RequestOutput) -> str | None:
+    return output.outputs[0].finish_reason if output.outputs else None
+
+
+def kvbridge_stats(output: RequestOutput, timings: dict[str, float]) -> dict[str, Any]:
+    """The non-standard per-request figures: cache hits, tokens pulled from a peer, timings."""
+    stats: dict[str, Any] = {
+        "num_cached_tokens": output.num_cached_tokens,
+        "num_external_tokens": output.num_external_tokens,
+        "prompt_token_ids_len": len(output.prompt_token_ids),
+        **{k: round(v, 6) for k, v in timings.items()},
+    }
+    transfer = getattr(output, "kv_transfer_stats", None)  # per-request stats, if the engine reports them
+    if transfer:
+        stats["kv_transfer"] = transfer
+    return stats
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    prompt = len(output.prompt_token_ids)
+    completion = len(output.outputs[0].token_ids) if output.outputs else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_response(
+    request_id: str, created: int, model: str, output: RequestOutput, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole (non-streamed) response for a finished request."""
+    completion = output.outputs[0]
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": completion.text,
+                "token_ids": list(completion.token_ids),
+                "finish_reason": completion.finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(output),
+        "kv_transfer_params": output.kv_transfer_params,
+        "kvbridge": extra,
+    }
+
+
+def completion_chunk(
+    request_id: str, created: int, model: str, text: str, token_ids: list[int], reason: str | None
+) -> dict[str, Any]:
+    """One SSE chunk: the text and token ids generated since the previous chunk."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": reason, "logprobs": None}],
+    }
