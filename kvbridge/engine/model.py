@@ -1,0 +1,215 @@
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Parameter names match Hugging Face's LlamaForCausalLM (`model.layers.0.self_attn.q_proj.weight`,
+...), so a checkpoint's state dict loads as is (see weights.py). Qwen2 (q/k/v biases) and
+Mistral are the same graph with other flags in `ModelArgs`.
+
+The model knows nothing about paging: each layer hands its q, k, v to an `attention` callable
+given to `forward` (the model runner's paged attention, or the dense reference in tests). The
+connector's per-layer hooks are passed the same way, per call, and never stored.
+
+Flattened token batch convention: every tensor has the tokens of all scheduled requests
+concatenated along dim 0 (`T` tokens in total).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbridge.engine.presets import ModelArgs
+from kvbridge.errors import ModelLoadError
+
+LayerHook = Callable[[int], None]
+
+
+class AttentionFn(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with Hugging Face `rope_scaling` applied."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    scaling = args.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    else:
+        raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
+    return inv_freq.float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    original_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_len / low_freq_factor
+    high_freq_wavelen = original_len / high_freq_factor
+    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, out)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions [0, max_len). Plain attributes (not buffers): `release()` drops them."""
+
+    def __init__(self, args: ModelArgs, max_len: int, device: torch.device | str) -> None:
+        inv_freq = rope_inv_freq(args).to(device)  # [head_dim // 2]
+        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        self.cos: torch.Tensor | None = emb.cos()
+        self.sin: torch.Tensor | None = emb.sin()
+        self.max_len = max_len
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim], positions [T] -> x rotated (rotate-half convention), same dtype."""
+        if self.cos is None or self.sin is None:
+            raise RuntimeError("RotaryEmbedding was released (the model runner was shut down)")
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x32 * cos + rotated * sin).to(x.dtype)
+
+    def release(self) -> None:
+        self.cos = None
+        self.sin = None
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary.apply(q, positions), rotary.apply(k, positions)
+        out = attention(self.layer, q, k, v)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = SelfAttention(args, layer)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.*`: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head. `rotary` is attached by the builder (`attach_rotary`)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderStack(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attach_rotary(self, max_len: int) -> None:
+        """Build the cos/sin tables on the weights' device for positions [0, max_len)."""
+        self.rotary = RotaryEmbedding(self.args, max_len, self.lm_head.weight.device)
+
+    def release(self) -> None:
+        """Drop the rope tables (the parameters go with the module)."""
+        if self.rotary is not None:
+            self.rotary.release()
+        self.rotary = None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attention: AttentionFn,
+        before_layer: LayerHook | None = None,
+        after_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. Hooks run around each layer i."""
+        if self.rotary is None:
+            raise RuntimeError("LlamaForCausalLM.forward before attach_rotary() (or after release())")
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)
+            x = layer(x, positions, self.rotary, attention)
+            if after_layer is not None:
+                after_layer(i)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,213 @@
+"""The model runner: owns the weights and the KV cache tensor, runs one step of the engine.
+
+`EngineCore` builds one `ModelRunner` and calls `execute(scheduler_output)` once per step. The
+runner also hosts the worker side of the KV connector (`attach_connector`) and drives it at the
+points that `connectors/base.py` lists. `shutdown()` drops every tensor it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.connectors.base import KVConnectorBase
+from kvbridge.engine import sampler
+from kvbridge.engine.attention import PagedAttention, SeqSpan
+from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
+from kvbridge.engine.model import LayerHook, LlamaForCausalLM
+from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kvbridge.engine.weights import load_model
+from kvbridge.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] int64, every scheduled request's new tokens, concatenated
+    positions: torch.Tensor  # [T] int64
+    spans: list[SeqSpan]
+    sample_rows: list[int]  # row of the last new token of each request that samples this step
+    sample_req_ids: list[str]
+
+
+class StepLogits(NamedTuple):
+    req_ids: list[str]  # requests whose step reached request.num_tokens, in scheduled order
+    logits: torch.Tensor  # [len(req_ids), vocab] float32
+
+
+class ModelRunner:
+    """Weights, tokenizer and the one KV cache tensor of an engine.
+
+    Attributes others read: `layout` (KVCacheLayout), `kv_cache` ([*layout.shape] tensor),
+    `tokenizer`, `model_id`, `max_model_len`, `device`, `model` (LlamaForCausalLM).
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(model_config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"ModelConfig.device={model_config.device!r} but CUDA is not available; use 'cpu'")
+        loaded = load_model(model_config)
+        self.model: LlamaForCausalLM | None = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.model_id
+        self.layout = make_layout(loaded.model.args, cache_config, model_config.dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len(loaded.max_position)
+        self.kv_cache: torch.Tensor | None = allocate_kv_cache(self.layout, self.device)
+        loaded.model.attach_rotary(self.max_model_len)
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests only
+        self._connector: KVConnectorBase | None = None
+        self._is_shut_down = False
+
+    def _resolve_max_model_len(self, model_limit: int) -> int:
+        requested = self.model_config.max_model_len
+        if requested is not None and requested > model_limit:
+            raise ConfigError(f"ModelConfig.max_model_len={requested} exceeds the model's limit of {model_limit}")
+        capacity = self.layout.num_blocks * self.layout.block_size
+        wanted = requested or model_limit
+        if wanted > capacity:
+            # A request longer than the whole cache could never finish; cap instead of failing late.
+            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens", wanted, capacity)
+        return min(wanted, capacity)
+
+    # ------------------------------------------------------------------ connector
+
+    def attach_connector(self, connector: KVConnectorBase) -> None:
+        """Host the worker side of a connector; registers the KV cache with it. Called once by EngineCore."""
+        self._check_alive()
+        self._connector = connector
+        connector.register_kv_caches(self.kv_cache, self.layout)
+
+    # ------------------------------------------------------------------ one step
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Load (connector), forward every scheduled request, save (connector), sample, report.
+
+        Called by EngineCore once per step, also when nothing is scheduled (the connector is still
+        polled for finished transfers then).
+        """
+        self._check_alive()
+        connector = self._connector
+        sampled: dict[str, int] = {}
+        kv_output = KVConnectorOutput()
+        try:
+            if connector is not None:
+                if scheduler_output.kv_connector_metadata is not None:
+                    connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+                connector.start_load_kv()
+            if scheduler_output.scheduled:
+                hooks = (connector.wait_for_layer_load, connector.save_kv_layer) if connector else (None, None)
+                step = self.forward(scheduler_output, *hooks)
+                sampled = self._sample(scheduler_output, step)
+            if connector is not None:
+                connector.wait_for_save()
+                sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
+                kv_output = KVConnectorOutput(
+                    finished_sending=set(sending),
+                    finished_recving=set(recving),
+                    invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
+                    stats=dict(connector.get_stats()),
+                )
+        finally:
+            if connector is not None:
+                connector.clear_connector_metadata()
+            for req_id in scheduler_output.finished_req_ids:
+                self._generators.pop(req_id, None)
+        return ModelRunnerOutput(sampled_token_ids=sampled, kv_connector_output=kv_output)
+
+    def forward(
+        self,
+        scheduler_output: SchedulerOutput,
+        before_layer: LayerHook | None = None,
+        after_layer: LayerHook | None = None,
+    ) -> StepLogits:
+        """Write the scheduled tokens' KV into their blocks and return the logits of sampling requests.
+
+        `execute` uses it; tests call it to compare logits. Does not touch the connector or sample.
+        """
+        self._check_alive()
+        inputs = self._prepare(scheduler_output)
+        attention = PagedAttention(
+            self.kv_cache, inputs.spans, self.layout.block_size, scale=self.layout.head_dim**-0.5
+        )
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, attention, before_layer, after_layer)
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+        return StepLogits(inputs.sample_req_ids, logits)
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        for sched in scheduler_output.scheduled:
+            req, start, num_new = sched.request, sched.start, sched.num_new_tokens
+            end = start + num_new
+            self._validate(req.request_id, start, num_new, req.num_tokens, sched.block_ids)
+            spans.append(SeqSpan(len(token_ids), start, num_new, tuple(sched.block_ids)))
+            token_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == req.num_tokens:
+                sample_rows.append(len(token_ids) - 1)
+                sample_req_ids.append(req.request_id)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return StepInputs(as_tensor(token_ids), as_tensor(positions), spans, sample_rows, sample_req_ids)
+
+    def _validate(self, req_id: str, start: int, num_new: int, num_tokens: int, block_ids: list[int]) -> None:
+        # The scheduler's contract; a violation is a bug there, named here rather than a CUDA assert.
+        end = start + num_new
+        if num_new <= 0 or start < 0 or end > num_tokens:
+            raise ValueError(f"request {req_id}: tokens [{start}, {end}) outside its {num_tokens} tokens")
+        if end > self.max_model_len:
+            raise ValueError(f"request {req_id}: {end} tokens exceed max_model_len={self.max_model_len}")
+        if len(block_ids) * self.layout.block_size < end:
+            raise ValueError(f"request {req_id}: {len(block_ids)} blocks cannot hold {end} tokens")
+        if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
+            raise ValueError(f"request {req_id}: block ids {block_ids} outside [0, {self.layout.num_blocks})")
+
+    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> dict[str, int]:
+        requests = {s.request.request_id: s.request for s in scheduler_output.scheduled}
+        params = [requests[r].sampling_params for r in step.req_ids]
+        generators = [self._generator_for(r, p) for r, p in zip(step.req_ids, params)]
+        return dict(zip(step.req_ids, sampler.sample(step.logits, params, generators)))
+
+    def _generator_for(self, req_id: str, params) -> torch.Generator | None:
+        if params.seed is None or params.is_greedy:
+            return None
+        if req_id not in self._generators:
+            self._generators[req_id] = sampler.make_generator(params.seed, self.device)
+        return self._generators[req_id]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._is_shut_down
+
+    def _check_alive(self) -> None:
+        if self._is_shut_down:
+            raise RuntimeError("ModelRunner was shut down; build a new engine")
+
+    def shutdown(self) -> None:
+        """Drop the weights, the KV cache, the rope tables, the generators and the connector reference.
+
+        Called by EngineCore after the connector was flushed and shut down. Idempotent. The
+        connector itself is shut down by its owner (EngineCore), not here.
+        """
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        self._connector = None
+        self._generators.clear()
+        if self.model is not None:
+            self.model.release()
+        self.model = None
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

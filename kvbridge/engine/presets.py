@@ -1,0 +1,110 @@
+"""Model architecture hyperparameters (`ModelArgs`) and the built-in presets.
+
+A preset is a Llama-style geometry with seeded random weights (`ModelConfig.seed`), so the
+engine runs offline on a fresh machine. Hugging Face checkpoints produce a `ModelArgs` from
+their config.json (see `weights.py`). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvbridge.errors import ConfigError
+
+# The byte-level tokenizer's vocabulary: 256 bytes, then the specials, then reserved ids.
+BYTE_VOCAB_BOS = 256
+BYTE_VOCAB_EOS = 257
+BYTE_VOCAB_PAD = 258
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Geometry of a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    # Hugging Face `rope_scaling` (None, or {"rope_type": "llama3" | "linear", ...}); see model.py.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelArgs.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"ModelArgs: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelArgs.head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token per element byte (multiply by the dtype's size)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+
+PRESETS: dict[str, ModelArgs] = {
+    # The default: fast enough for CPU tests, big enough to exercise GQA and several layers.
+    "tiny": ModelArgs(
+        vocab_size=384,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        max_position=4096,
+        rope_theta=10000.0,
+        bos_token_id=BYTE_VOCAB_BOS,
+        eos_token_id=BYTE_VOCAB_EOS,
+    ),
+    # For benchmarks: ~95M parameters; 8 KV heads of head_dim 64, i.e. 16 KiB of bf16 KV per token.
+    "small": ModelArgs(
+        vocab_size=384,
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=2816,
+        max_position=8192,
+        rope_theta=500000.0,
+        bos_token_id=BYTE_VOCAB_BOS,
+        eos_token_id=BYTE_VOCAB_EOS,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelArgs:
+    """The preset called `name`; raises ConfigError listing the presets otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model preset {name!r}; built-in presets: {sorted(PRESETS)}") from None
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def with_overrides(args: ModelArgs, **changes: Any) -> ModelArgs:
+    """A copy of `args` with some fields changed (tests build odd geometries this way)."""
+    return replace(args, **changes)

@@ -1,0 +1,122 @@
+"""Tokenizers: byte-level (built-in presets, checkpoints without tokenizer.json) and tokenizer.json.
+
+Both expose the same small interface the engine uses:
+
+    encode(text) -> list[int]      # adds BOS where the tokenizer's own rules say so
+    decode(token_ids) -> str       # special tokens skipped
+    bos_token_id, eos_token_id: int | None
+    eos_token_ids: tuple[int, ...] # every id that ends generation (generation_config may list several)
+    vocab_size: int
+
+Nothing is fetched at run time: `load_tokenizer` reads only files inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from kvbridge.engine.presets import BYTE_VOCAB_BOS, BYTE_VOCAB_EOS, BYTE_VOCAB_PAD
+from kvbridge.errors import ModelLoadError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; BOS/EOS/PAD follow. Ids >= 256 decode to nothing."""
+
+    def __init__(
+        self,
+        vocab_size: int = 384,
+        bos_token_id: int | None = BYTE_VOCAB_BOS,
+        eos_token_ids: Sequence[int] = (BYTE_VOCAB_EOS,),
+        add_bos: bool = True,
+    ) -> None:
+        if vocab_size < 256:
+            raise ModelLoadError(f"a byte-level tokenizer needs a vocabulary of at least 256 ids, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = BYTE_VOCAB_PAD if vocab_size > BYTE_VOCAB_PAD else None
+        self.add_bos = add_bos and bos_token_id is not None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if self.add_bos else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` read from tokenizer.json."""
+
+    def __init__(self, path: str, bos_token_id: int | None, eos_token_ids: Sequence[int]) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as exc:  # the library raises a bare Exception on malformed files
+            raise ModelLoadError(f"cannot read tokenizer {path}: {exc}; fix or remove the file") from exc
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot parse {path}: {exc}; fix or remove the file") from exc
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
+def special_token_ids(checkpoint_dir: str) -> tuple[int | None, tuple[int, ...]]:
+    """(bos id, eos ids): generation_config.json wins over config.json, as in transformers."""
+    config = _read_json(os.path.join(checkpoint_dir, "config.json"))
+    gen = _read_json(os.path.join(checkpoint_dir, "generation_config.json"))
+    bos = gen.get("bos_token_id", config.get("bos_token_id"))
+    eos = _as_ids(gen.get("eos_token_id", config.get("eos_token_id")))
+    return (bos if isinstance(bos, int) else None), eos
+
+
+def load_tokenizer(checkpoint_dir: str, vocab_size: int) -> Tokenizer:
+    """tokenizer.json from `checkpoint_dir` when present, else a byte-level tokenizer.
+
+    The byte-level fallback gives meaningful ids only for byte-level models; it exists so a
+    checkpoint without a tokenizer can still run from token-id prompts.
+    """
+    bos, eos = special_token_ids(checkpoint_dir)
+    path = os.path.join(checkpoint_dir, "tokenizer.json")
+    if os.path.exists(path):
+        return HFTokenizer(path, bos, eos)
+    return ByteTokenizer(vocab_size, bos_token_id=bos, eos_token_ids=eos, add_bos=bos is not None)

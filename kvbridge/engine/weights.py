@@ -1,0 +1,176 @@
+"""Where the parameters come from: seeded random init for presets, safetensors for checkpoints.
+
+`load_model(model_config)` is what the model runner calls. It resolves `ModelConfig.model`:
+a built-in preset name (see presets.py), or a local Hugging Face checkpoint directory holding
+config.json and *.safetensors (one file, or shards listed by model.safetensors.index.json).
+Nothing is downloaded. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM. Every problem with the directory raises `ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+from kvbridge.config import ModelConfig
+from kvbridge.engine.model import LlamaForCausalLM
+from kvbridge.engine.presets import PRESETS, ModelArgs, get_preset, is_preset
+from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvbridge.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM  # on the configured device and dtype, rotary not yet attached
+    tokenizer: Tokenizer
+    model_id: str  # identity of the weights, e.g. "tiny:seed=0" or "<dir name>:<config.json hash>"
+    max_position: int  # the model's own context limit
+
+
+def load_model(model_config: ModelConfig) -> LoadedModel:
+    """The model, tokenizer and identity that `model_config.model` names."""
+    device, dtype = torch.device(model_config.device), getattr(torch, model_config.dtype)
+    if is_preset(model_config.model):
+        args = get_preset(model_config.model)
+        model = random_model(args, model_config.seed).to(device=device, dtype=dtype)
+        tokenizer = ByteTokenizer(args.vocab_size, args.bos_token_id, (args.eos_token_id,))
+        return LoadedModel(model.eval(), tokenizer, f"{model_config.model}:seed={model_config.seed}", args.max_position)
+    path = model_config.model
+    if not os.path.isdir(path):
+        raise ModelLoadError(
+            f"model {path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a local directory; "
+            "kvbridge fetches nothing at run time: download the checkpoint first "
+            "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) and pass the directory"
+        )
+    args, max_position = read_hf_config(path)
+    model = load_checkpoint(path, args, device, dtype)
+    return LoadedModel(model.eval(), load_tokenizer(path, args.vocab_size), checkpoint_id(path), max_position)
+
+
+def random_model(args: ModelArgs, seed: int) -> LlamaForCausalLM:
+    """A float32 CPU model with weights drawn from a CPU generator seeded with `seed`.
+
+    Linear weights ~ N(0, 1/fan_in) keep activations at unit scale through the residual stream,
+    so logits differ from token to token and greedy decoding does not collapse to one token.
+    The same seed gives the same weights on every device and dtype (cast after drawing).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(args)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif param.dim() == 1:  # biases
+                param.normal_(0.0, 0.02, generator=gen)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 1.0, generator=gen)
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+    return model
+
+
+def _read_config(path: str) -> dict:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ModelLoadError(f"{path} has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot parse {config_path}: {exc}") from exc
+
+
+def read_hf_config(path: str) -> tuple[ModelArgs, int]:
+    """(ModelArgs, max positions) from a checkpoint's config.json."""
+    cfg = _read_config(path)
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: architectures={archs} is not supported; kvbridge runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        num_heads = cfg["num_attention_heads"]
+        max_position = int(cfg.get("max_position_embeddings", 4096))
+        sliding = cfg.get("sliding_window")
+        if sliding and (arch != "Qwen2ForCausalLM" or cfg.get("use_sliding_window")):
+            # Attention here is always full; capping the context at the window keeps it exact.
+            max_position = min(max_position, int(sliding))
+        args = ModelArgs(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            intermediate_size=cfg["intermediate_size"],
+            max_position=max_position,
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=cfg.get("rope_scaling"),
+            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+            eos_token_id=cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else None,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}/config.json lacks {exc.args[0]!r}") from None
+    return args, max_position
+
+
+def checkpoint_id(path: str) -> str:
+    """'<dir name>:<12 hex of sha256(config.json)>': stable across hosts holding the same checkpoint."""
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return f"{os.path.basename(os.path.normpath(path))}:{digest}"
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The shard files of a checkpoint: from model.safetensors.index.json, else every *.safetensors."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+        raise ModelLoadError(f"{path} holds no *.safetensors files; kvbridge loads safetensors checkpoints only")
+    files = [os.path.join(path, n) for n in names]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise ModelLoadError(f"{path}: shards listed in model.safetensors.index.json are missing: {missing}")
+    return files
+
+
+def load_checkpoint(path: str, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Build the model on the meta device and assign the checkpoint's tensors, cast and moved."""
+    from safetensors.torch import load_file
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    expected = set(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        for name, tensor in load_file(file, device="cpu").items():
+            if name in expected:  # skips e.g. rotary_emb.inv_freq buffers of old exports
+                state[name] = tensor.to(device=device, dtype=dtype)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, tensor in state.items():
+        want = tuple(model.get_parameter(name).shape)
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {want}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    return model
