@@ -77,3 +77,11 @@ class InvalidRequestError(KVBridgeError, ValueError):
 
 class NodeStartError(KVBridgeError):
     """A node or proxy subprocess exited or did not become healthy before its deadline; see its log."""
+
+
+class EngineShutdownError(KVBridgeError, RuntimeError):
+    """An engine was used after `shutdown()`; build a new one."""
+
+
+class EngineStalledError(KVBridgeError, TimeoutError):
+    """Requests made no progress for longer than the deadline (e.g. waiting on KV that never arrives)."""
