@@ -1,0 +1,283 @@
+"""EngineCore: one engine. Owns the scheduler, the model runner and both connector halves.
+
+Not thread-safe: one thread calls every method (the `LLM` loop, or the server's engine thread).
+
+    core = EngineCore(EngineConfig(...))
+    core.add_request("r1", token_ids, SamplingParams(max_tokens=8))
+    while core.has_unfinished_requests():
+        for out in core.step(): ...            # cumulative RequestOutput per progressed request
+        if core.is_idle: time.sleep(0.001)     # nothing computed: waiting on transfers
+    core.shutdown()
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import weakref
+
+from kvbridge import env
+from kvbridge.config import EngineConfig
+from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from kvbridge.connectors.factory import create_connector
+from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.outputs import CompletionOutput, RequestOutput, SchedulerOutput
+from kvbridge.engine.request import Request, RequestStatus
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.scheduler import RequestUpdate, Scheduler
+from kvbridge.errors import EngineShutdownError, FlushTimeoutError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+# Engines still alive at interpreter exit are shut down then. Weak: the registry keeps none alive.
+_LIVE_ENGINES: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+
+
+def _shutdown_live_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - at exit, keep shutting down the others
+            logger.exception("shutting down an engine at exit failed")
+
+
+atexit.register(_shutdown_live_engines)
+
+
+class EngineCore:
+    """Schedule -> connector metadata -> model runner (load, forward, save, collect) -> update."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._is_shut_down = False
+        self.runner = ModelRunner(config.model, config.cache)
+        self.tokenizer = self.runner.tokenizer
+        self.model_id = self.runner.model_id
+        self.layout = self.runner.layout
+        self.hash_namespace = self.model_id
+        self.worker_connector, scheduler_connector = self._build_connectors(config)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            num_blocks=self.layout.num_blocks,
+            block_size=self.layout.block_size,
+            max_model_len=self.runner.max_model_len,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            eos_token_ids=_eos_ids(self.tokenizer),
+            connector=scheduler_connector,
+            load_failure_policy=config.kv_transfer.load_failure_policy if config.kv_transfer else "recompute",
+        )
+        self.scheduler_connector = scheduler_connector
+        self._pending_outputs: list[RequestOutput] = []  # produced outside step(), returned by the next one
+        self.is_idle = False  # the last step computed nothing
+        self._froze_gc = False
+        if not env.disable_gc_freeze():
+            # Start-up objects (weights, tables) leave the GC's view: no pauses over them in steps.
+            gc.collect()
+            gc.freeze()
+            self._froze_gc = True
+        _LIVE_ENGINES.add(self)
+
+    def _build_connectors(self, config: EngineConfig) -> tuple[KVConnectorBase | None, KVConnectorBase | None]:
+        if config.kv_transfer is None:
+            return None, None
+        context = ConnectorContext(
+            model_id=self.model_id,
+            block_size=self.layout.block_size,
+            device=str(self.runner.device),
+            hash_namespace=self.hash_namespace,
+        )
+        worker = create_connector(config.kv_transfer, KVConnectorRole.WORKER, context)
+        self.runner.attach_connector(worker)
+        return worker, create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, context)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError for an empty or too long prompt or a live duplicate id."""
+        self._check_alive()
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request a unique id")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        if num_prompt >= self.scheduler.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens, but this engine serves at most {self.scheduler.max_model_len} "
+                "tokens per request (prompt + output); shorten the prompt or raise max_model_len / the KV cache size",
+                param="prompt",
+            )
+        if not self.config.scheduler.enable_chunked_prefill and num_prompt > self.config.scheduler.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens="
+                f"{self.config.scheduler.max_num_batched_tokens} with chunked prefill off; enable chunked prefill",
+                param="prompt",
+            )
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                self.layout.block_size,
+                kv_transfer_params=kv_transfer_params,
+                hash_namespace=self.hash_namespace,
+            )
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request as aborted; its final output comes with the next `step()`. Unknown ids are ignored."""
+        update = self.scheduler.abort_request(request_id)
+        if update is not None:
+            self._pending_outputs.append(self._to_output(update))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that got a token or finished."""
+        self._check_alive()
+        scheduler_output = self.scheduler.schedule()
+        scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(scheduler_output)
+        runner_output = self.runner.execute(scheduler_output)  # load, forward, save, collect finished
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.is_idle = scheduler_output.is_empty
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs + [self._to_output(u) for u in updates]
+
+    def _to_output(self, update: RequestUpdate) -> RequestOutput:
+        request = update.request
+        token_ids = list(request.output_token_ids)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[CompletionOutput(0, token_ids, self.tokenizer.decode(token_ids), FINISH_REASONS.get(request.status))],
+            finished=request.is_finished,
+            kv_transfer_params=update.kv_transfer_params,
+            num_cached_tokens=request.num_cached_tokens,
+            num_external_tokens=request.num_external_tokens,
+            error=request.error,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def has_pending_transfers(self) -> bool:
+        return self.scheduler.has_pending_transfers()
+
+    # ------------------------------------------------------------------ flush, reset, stats
+
+    def _flush(self, timeout_s: float) -> frozenset[str]:
+        """Drive the worker connector's transfers to an end (bounded), then let the scheduler learn
+        what finished through a step that computes nothing. Returns the requests still in flight."""
+        if self.worker_connector is None:
+            return frozenset()
+        result = self.worker_connector.flush(timeout_s)
+        empty = self.scheduler.empty_output()
+        empty.kv_connector_metadata = self.scheduler.build_connector_meta(empty)
+        updates = self.scheduler.update_from_output(empty, self.runner.execute(empty))
+        self._pending_outputs.extend(self._to_output(u) for u in updates)
+        return frozenset() if result.is_complete else result.pending_req_ids
+
+    def reset_prefix_cache(self, timeout_s: float | None = None) -> bool:
+        """Forget every cached prefix, after in-flight transfers finished (waits at most `timeout_s`,
+        default `kv_transfer.flush_timeout_s`). Returns True; raises FlushTimeoutError naming the
+        requests still in flight at the deadline (the cache is then left as it was)."""
+        self._check_alive()
+        timeout_s = timeout_s if timeout_s is not None else self._flush_timeout_s()
+        pending = self._flush(timeout_s)
+        if pending:
+            raise FlushTimeoutError(
+                f"reset_prefix_cache: KV transfers of requests {sorted(pending)} were still in flight after "
+                f"{timeout_s} s; retry later, or raise KVTransferConfig.flush_timeout_s",
+                pending,
+            )
+        self.scheduler.reset_prefix_cache()
+        return True
+
+    def _flush_timeout_s(self) -> float:
+        return self.config.kv_transfer.flush_timeout_s if self.config.kv_transfer else env.flush_timeout_s()
+
+    def get_stats(self) -> dict:
+        """Scheduler and block-pool counters, plus each connector half's own stats."""
+        stats = self.scheduler.get_stats()
+        if self.worker_connector is not None:
+            stats["connector"] = {
+                "scheduler": self.scheduler_connector.get_stats(),
+                "worker": self.worker_connector.get_stats(),
+            }
+        return stats
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # ------------------------------------------------------------------ shutdown
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._is_shut_down
+
+    def _check_alive(self) -> None:
+        if self._is_shut_down:
+            raise EngineShutdownError("this engine was shut down; build a new one")
+
+    def shutdown(self) -> None:
+        """Stop admitting, flush connectors (bounded), shut both connector halves down (the worker
+        deregisters the KV tensor before it is freed), drop weights and KV, undo gc.freeze(), give
+        cached CUDA memory back. Idempotent; runs at interpreter exit for engines still alive."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        _LIVE_ENGINES.discard(self)
+        device = getattr(self.runner, "device", None)
+        try:
+            self._shutdown_connectors()
+        finally:
+            self.runner.shutdown()
+            self.worker_connector = self.scheduler_connector = self.scheduler.conn.connector = None
+            self._pending_outputs.clear()
+            if self._froze_gc:
+                gc.unfreeze()
+                self._froze_gc = False
+            gc.collect()
+            if device is not None and device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+
+    def _shutdown_connectors(self) -> None:
+        if self.worker_connector is None:
+            return
+        try:
+            pending = self._flush(self._flush_timeout_s())
+            if pending:
+                logger.warning("shutdown: transfers of %s still in flight after the flush deadline", sorted(pending))
+        except Exception:  # noqa: BLE001 - a failed flush must not keep memory alive
+            logger.exception("shutdown: flushing the connector failed")
+        finally:
+            for connector in (self.worker_connector, self.scheduler_connector):
+                try:
+                    connector.shutdown()
+                except Exception:  # noqa: BLE001
+                    logger.exception("shutdown: %s.shutdown() failed", type(connector).__name__)
+
+    def __repr__(self) -> str:
+        return f"EngineCore(model_id={self.model_id!r}, shut_down={self._is_shut_down})"
+
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return tuple(ids)

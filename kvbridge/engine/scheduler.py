@@ -1,0 +1,290 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Pure bookkeeping (no torch). `EngineCore.step()` calls, on the engine thread:
+
+    output = scheduler.schedule()                        # running first, then admissions
+    output.kv_connector_metadata = scheduler.build_connector_meta(output)
+    runner_output = model_runner.execute(output)
+    updates = scheduler.update_from_output(output, runner_output)
+
+Policy (first come, first served):
+* Running requests go first, in admission order: decodes take one token, unfinished (chunked)
+  prefills take what the token budget leaves. When a running request needs a block and none is
+  free, the most recently admitted running request is preempted by recompute: its blocks are
+  freed, its progress reset, and it goes back to the front of the waiting queue; its output tokens
+  are kept and recomputed as part of its sequence.
+* Waiting requests are admitted while the budget, `max_num_seqs` and the blocks allow and nothing
+  was preempted this step. Admission takes the local prefix-cache hit, then asks the connector
+  for external tokens (`kvbridge/engine/scheduler_connector.py` holds that side).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+from kvbridge.config import SchedulerConfig
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata
+from kvbridge.engine.kv_cache_manager import KVCacheManager
+from kvbridge.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvbridge.engine.request import Request, RequestStatus
+from kvbridge.engine.scheduler_connector import ConnectorState
+from kvbridge.engine.scheduler_stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class RequestUpdate(NamedTuple):
+    """A request that progressed (a new token) or finished in a step. `kv_transfer_params` comes
+    from the connector's `request_finished`."""
+
+    request: Request
+    kv_transfer_params: dict | None = None
+
+
+class Scheduler:
+    """Owns every live request, the waiting queue, the running list and the block tables."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        *,
+        enable_prefix_caching: bool = True,
+        eos_token_ids: tuple[int, ...] = (),
+        connector: KVConnectorBase | None = None,
+        load_failure_policy: str = "recompute",
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        # A request alone must always fit: KV exists for at most max_model_len - 1 tokens.
+        self.max_model_len = min(max_model_len, num_blocks * block_size + 1)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.stats = SchedulerStats()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.conn = ConnectorState(connector, self, load_failure_policy)
+        self._finished_req_ids: set[str] = set()  # since the last schedule()
+
+    # ------------------------------------------------------------------ requests in / out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (validated by the caller: unique id, 0 < prompt < max_model_len)."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestUpdate | None:
+        """Finish a live request as aborted; unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        return self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestUpdate:
+        """Mark finished, leave the queues, let the connector decide about the blocks, free or park them."""
+        request.status = status
+        request.error = error
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+        self.stats.num_finished_requests += 1
+        params = self.conn.release_blocks(request)
+        return RequestUpdate(request, params)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_transfers(self) -> bool:
+        return self.conn.has_pending_transfers()
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch. Advances nothing: progress is recorded in `update_from_output`."""
+        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted_req_ids:
+            self._schedule_waiting(output, budget)
+        self.stats.num_steps += 1
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                self._add_scheduled(output, request, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing further fits
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        skipped: deque[Request] = deque()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            num_new = self._admit(request, budget)
+            if num_new is None:  # not now: connector undecided, or parked for an async load
+                if request.status == RequestStatus.WAITING:
+                    skipped.append(request)
+                continue
+            if num_new == 0:  # no blocks
+                skipped.append(request)
+                if self.running or output.scheduled:
+                    break
+                continue  # nothing runs: let a later request that already holds blocks go first
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(output, request, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        if not self.running and not output.scheduled and self.waiting:
+            self._unblock_waiting(output)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Take blocks for a waiting request. Returns the tokens to compute this step, 0 when the blocks
+        are missing, or None when the request cannot run this step for another reason."""
+        if self.kv.holds_blocks(request.request_id):  # back from an async load: progress is known
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._fits_unchunked(request, num_new):
+                return 0
+            ok = self.kv.allocate_slots(request, request.num_computed_tokens + num_new)
+            return num_new if ok else 0
+        hits = self.kv.get_computed_blocks(request)
+        num_local = len(hits) * self.block_size
+        match = self.conn.match(request, num_local)
+        if match is None:
+            return None
+        num_external, load_async = match
+        num_ready = min(num_local + num_external, request.num_tokens - 1)
+        num_new = 0 if load_async else min(request.num_tokens - num_ready, budget)
+        if not load_async and not self._fits_unchunked(request, num_ready + num_new):
+            return 0
+        if not self.kv.allocate_slots(request, max(num_local + num_external, num_ready + num_new), hits):
+            return 0
+        self.stats.record_admission(num_local, num_external)
+        request.num_cached_tokens = num_local
+        request.num_external_tokens = num_external
+        request.num_computed_tokens = num_local if load_async else num_ready
+        self.conn.after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+        if load_async:
+            self.conn.park(request, num_local + num_external)
+            return None
+        return num_new
+
+    def _fits_unchunked(self, request: Request, num_tokens_after: int) -> bool:
+        return self.config.enable_chunked_prefill or num_tokens_after >= request.num_tokens
+
+    def _unblock_waiting(self, output: SchedulerOutput) -> None:
+        """Nothing runs and no waiting request got blocks: requests back from async loads hold blocks
+        while each needs more. Give up the newest one's blocks (its loaded prefix stays cached)."""
+        holders = [r for r in self.waiting if self.kv.holds_blocks(r.request_id)]
+        if holders and self.kv.pool.num_free_blocks < self.kv.pool.num_blocks:
+            self._preempt(holders[-1], output, requeue=False)
+
+    def _preempt(self, request: Request, output: SchedulerOutput, requeue: bool = True) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        output.preempted_req_ids.add(request.request_id)
+        output.scheduled = [s for s in output.scheduled if s.request is not request]
+        if requeue:
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        logger.debug("preempted %s", request.request_id)
+
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        block_ids = list(self.kv.block_ids(request.request_id))
+        output.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids))
+
+    def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata | None:
+        return self.conn.build_meta(output)
+
+    def empty_output(self) -> SchedulerOutput:
+        """A step that computes nothing (lets the worker report transfers, e.g. after a flush)."""
+        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        return output
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Record what the step computed and sampled; finish requests; apply the connector's report."""
+        kv_output = runner_output.kv_connector_output
+        updates: list[RequestUpdate] = []
+        self.stats.num_computed_tokens += output.num_scheduled_tokens
+        spoiled = self.conn.begin_update(kv_output, updates)  # load errors: rolled back or failed
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.is_finished or request.request_id in spoiled:
+                continue
+            request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            self.stats.num_generated_tokens += 1
+            status = self._stop_status(request, token_id)
+            updates.append(self.finish_request(request, status) if status else RequestUpdate(request))
+        self.conn.end_update(kv_output)  # finished receives resume, finished sends free blocks
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ maintenance
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        pool = self.kv.pool
+        return self.stats.as_dict() | {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_waiting_for_remote_kvs": self.conn.num_parked,
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_used_blocks": pool.num_used_blocks,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "num_evictions": pool.num_evictions,
+        }
+
+    def check_integrity(self) -> None:
+        """Block invariants, plus: every block table belongs to a live request or a parked release."""
+        self.kv.check_integrity()
+        owners = set(self.requests) | self.conn.block_owners()
+        for request_id in self.kv._tables:
+            if request_id not in owners:
+                raise AssertionError(f"Scheduler integrity: blocks held for unknown request {request_id}")
+        for request in self.running:
+            if request.status != RequestStatus.RUNNING or not self.kv.holds_blocks(request.request_id):
+                raise AssertionError(f"Scheduler integrity: running {request} is not RUNNING with blocks")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("Scheduler integrity: more running requests than max_num_seqs")
