@@ -1,0 +1,160 @@
+"""`kvbridge serve`: one engine behind the OpenAI-compatible HTTP API (serve/api.py).
+
+    kvbridge serve --role prefill --port 8100 --side-channel-port 5600 --model tiny
+    kvbridge serve --role decode  --port 8200 --side-channel-port 5700 --model tiny
+    kvbridge serve --no-connector --port 8000                     # a plain engine
+
+`--role` picks the NixlConnector's role (prefill -> kv_producer, decode -> kv_consumer, both ->
+kv_both); `--kv-connector NAME` runs another connector, `--no-connector` none. The HTTP port
+opens at once and `/health` answers 503 until the engine is built; a start-up failure ends the
+process with exit code 1. SIGINT/SIGTERM stop admitting, then shut the engine down (which
+flushes its connector) before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from kvbridge.config import DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from kvbridge.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+DEFAULT_CONNECTOR = "NixlConnector"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    net = parser.add_argument_group("network")
+    net.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both", help="P/D role of this node")
+    net.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
+    net.add_argument("--port", type=int, default=8000, help="HTTP port")
+    net.add_argument("--side-channel-port", type=int, default=0, help="connector side-channel port (0: pick one)")
+    net.add_argument("--side-channel-host", default=None, help="side-channel address peers reach (default --host)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="tiny", help="built-in preset or checkpoint directory")
+    model.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default --model)")
+    model.add_argument("--dtype", choices=DTYPES, default="float32")
+    model.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    model.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    model.add_argument("--max-model-len", type=int, default=None)
+    model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of this process")
+    cache = parser.add_argument_group("cache and scheduler")
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    cache.add_argument("--memory-fraction", type=float, default=None)
+    cache.add_argument("--no-prefix-caching", action="store_true")
+    cache.add_argument("--max-num-seqs", type=int, default=64)
+    cache.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    kv = parser.add_argument_group("KV connector")
+    kv.add_argument("--kv-connector", default=DEFAULT_CONNECTOR, help="connector name or module:Class")
+    kv.add_argument("--no-connector", action="store_true", help="run a plain engine without a connector")
+    kv.add_argument("--engine-id", default=None, help="this engine's id in transfers (default random)")
+    kv.add_argument("--load-failure-policy", choices=("recompute", "fail"), default="recompute")
+    kv.add_argument("--kv-connector-extra", default="{}", help="JSON object of connector-specific options")
+
+
+def build_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Pure: the EngineConfig the flags describe. Raises ConfigError naming the bad flag."""
+    kv_transfer = None
+    if not args.no_connector:
+        try:
+            extra = json.loads(args.kv_connector_extra)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-connector-extra is not valid JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise ConfigError("--kv-connector-extra must be a JSON object, e.g. '{\"lease_s\": 30}'")
+        optional = {"engine_id": args.engine_id} if args.engine_id else {}
+        kv_transfer = KVTransferConfig(
+            connector=args.kv_connector,
+            role=ROLE_TO_KV_ROLE[args.role],
+            side_channel_host=args.side_channel_host or args.host,
+            side_channel_port=args.side_channel_port,
+            load_failure_policy=args.load_failure_policy,
+            extra=extra,
+            **optional,
+        )
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port} is not a port")
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            memory_fraction=args.memory_fraction,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        kv_transfer=kv_transfer,
+    )
+
+
+def _engine_factory(config: EngineConfig, num_threads: int | None):
+    def build():
+        from kvbridge.engine.core import EngineCore  # torch: imported on the engine thread, in run()
+
+        if num_threads:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        return EngineCore(config)
+
+    return build
+
+
+async def serve(app, engine, host: str, port: int, describe: str) -> int:
+    """Serve `app` until SIGINT/SIGTERM or an engine failure; returns the exit code."""
+    from aiohttp import web
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    exit_code = 0
+    try:
+        ready = asyncio.ensure_future(engine.wait_ready(timeout_s=3600))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is not None:
+            print(f"kvbridge serve: engine start-up failed: {ready.exception()}", file=sys.stderr, flush=True)
+            exit_code = 1
+        else:
+            if ready.done():
+                print(f"kvbridge serve: ready: {describe} on http://{host}:{port}", file=sys.stderr, flush=True)
+            await stopped
+        ready.cancel()
+    finally:
+        await runner.cleanup()
+    return exit_code
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.serve.api import create_app
+    from kvbridge.serve.async_engine import AsyncEngine
+
+    try:
+        config = build_engine_config(args)
+    except ConfigError as exc:
+        print(f"kvbridge serve: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(_engine_factory(config, args.num_threads))
+    engine.start()
+    connector = f"{config.kv_transfer.connector}/{config.kv_transfer.role}" if config.kv_transfer else "no connector"
+    app = create_app(engine, args.served_model_name or args.model, args.role)
+    try:
+        return asyncio.run(serve(app, engine, args.host, args.port, f"role={args.role}, {connector}"))
+    except OSError as exc:
+        print(f"kvbridge serve: cannot listen on {args.host}:{args.port}: {exc}; pick another --port", file=sys.stderr)
+        return 1
+    finally:
+        engine.shutdown()

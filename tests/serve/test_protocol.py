@@ -1,0 +1,114 @@
+"""The /v1/completions body parser and response builders (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.engine.outputs import CompletionOutput, RequestOutput
+from kvbridge.errors import InvalidRequestError
+from kvbridge.serve import protocol
+
+
+def test_defaults_and_text_prompt():
+    req = protocol.parse_completion_request({"prompt": "hi"})
+    assert req.prompt_text == "hi" and req.prompt_token_ids is None
+    assert req.sampling_params.max_tokens == protocol.DEFAULT_MAX_TOKENS
+    assert req.sampling_params.temperature == 1.0
+    assert not req.stream and req.kv_transfer_params is None and req.model is None
+
+
+@pytest.mark.parametrize(
+    "prompt, text, ids",
+    [(["hi"], "hi", None), ([1, 2, 3], None, [1, 2, 3]), ([[4, 5]], None, [4, 5])],
+)
+def test_prompt_forms(prompt, text, ids):
+    req = protocol.parse_completion_request({"prompt": prompt})
+    assert (req.prompt_text, req.prompt_token_ids) == (text, ids)
+
+
+def test_all_fields():
+    req = protocol.parse_completion_request(
+        {
+            "model": "tiny",
+            "prompt": "x",
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": -1,
+            "seed": 7,
+            "stop_token_ids": [2, 3],
+            "ignore_eos": True,
+            "stream": True,
+            "kv_transfer_params": {"do_remote_decode": True},
+            "user": "ignored-openai-field",
+        }
+    )
+    p = req.sampling_params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (5, 0.0, 0.5, 0, 7)
+    assert p.stop_token_ids == (2, 3) and p.ignore_eos and p.is_greedy
+    assert req.stream and req.kv_transfer_params == {"do_remote_decode": True} and req.model == "tiny"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ([1, 2], None),
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": "a", "max_tokens": "3"}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"prompt": "a", "stream": "yes"}, "stream"),
+        ({"prompt": "a", "stop_token_ids": [1, "x"]}, "stop_token_ids"),
+        ({"prompt": "a", "kv_transfer_params": [1]}, "kv_transfer_params"),
+        ({"prompt": "a", "stop": ["\n"]}, "stop"),
+        ({"prompt": "a", "n": 2}, "n"),
+        ({"prompt": "a", "logprobs": 3}, "logprobs"),
+    ],
+)
+def test_bad_fields_name_the_param(body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        protocol.parse_completion_request(body)
+    assert info.value.param == param
+    if param:
+        assert param in str(info.value)
+
+
+@pytest.mark.parametrize("body", [{"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_p": 0}])
+def test_sampling_range_errors_become_invalid_request(body):
+    with pytest.raises(InvalidRequestError, match="max_tokens|top_p"):
+        protocol.parse_completion_request(body)
+
+
+def _output(**kw) -> RequestOutput:
+    base = dict(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        outputs=[CompletionOutput(0, [7, 8], "ab", "length")],
+        finished=True,
+        kv_transfer_params={"remote_block_ids": [1]},
+        num_cached_tokens=2,
+        num_external_tokens=1,
+    )
+    return RequestOutput(**{**base, **kw})
+
+
+def test_completion_response_shape():
+    out = _output()
+    body = protocol.completion_response("cmpl-1", 123, "tiny", out, protocol.kvbridge_stats(out, {"e2e_s": 0.5}))
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == "tiny"
+    assert body["choices"] == [{"index": 0, "text": "ab", "token_ids": [7, 8], "finish_reason": "length", "logprobs": None}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["kv_transfer_params"] == {"remote_block_ids": [1]}
+    assert body["kvbridge"]["num_cached_tokens"] == 2 and body["kvbridge"]["num_external_tokens"] == 1
+    assert body["kvbridge"]["e2e_s"] == 0.5
+
+
+def test_error_body_is_openai_shaped():
+    assert protocol.error_body("bad", param="prompt") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "prompt", "code": 400}
+    }
