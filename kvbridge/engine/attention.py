@@ -94,7 +94,9 @@ class PagedAttention:
             self.decode_table = _block_table(self.decodes, num_ctx_blocks, device)  # [Bd, nb]
             ctx_lens = torch.tensor([s.context_len for s in self.decodes], device=device)
             key_pos = torch.arange(num_ctx_blocks * block_size, device=device)
-            self.decode_mask = (key_pos[None, :] < ctx_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nb*bs]
+            is_key = key_pos[None, :] < ctx_lens[:, None]  # [Bd, nb * bs]
+            self.decode_mask = is_key[:, None, None, :]  # [Bd, 1, 1, nb * bs]
+            self.decode_pad = ~is_key[:, None, :, None]  # [Bd, 1, nb * bs, 1]
         self.prefill_tables = [_block_table([s], -(-s.context_len // block_size), device) for s in self.prefills]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -114,6 +116,8 @@ class PagedAttention:
     def _decode(self, kv_layer: torch.Tensor, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         # q [Bd, Hq, D]: one new token per request; keys padded to the longest context, masked.
         k, v = _gather_kv(kv_layer, self.decode_table)  # [Bd, Hkv, Lmax, D]
+        # Slots past a request's context hold stale bytes (maybe NaN); a masked NaN still poisons SDPA.
+        k, v = k.masked_fill(self.decode_pad, 0.0), v.masked_fill(self.decode_pad, 0.0)
         qf = _fold_gqa(q.unsqueeze(1), num_kv_heads)  # [Bd, Hkv, group, D]
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=self.decode_mask, scale=self.scale)
         return _unfold_gqa(out, 1).squeeze(1)  # [Bd, Hq, D]

@@ -91,6 +91,9 @@ class ModelRunner:
         polled for finished transfers then).
         """
         self._check_alive()
+        # Finished since the last step: their state goes first (a request id may be reused).
+        for req_id in scheduler_output.finished_req_ids:
+            self._generators.pop(req_id, None)
         connector = self._connector
         sampled: dict[str, int] = {}
         kv_output = KVConnectorOutput()
@@ -115,8 +118,6 @@ class ModelRunner:
         finally:
             if connector is not None:
                 connector.clear_connector_metadata()
-            for req_id in scheduler_output.finished_req_ids:
-                self._generators.pop(req_id, None)
         return ModelRunnerOutput(sampled_token_ids=sampled, kv_connector_output=kv_output)
 
     def forward(

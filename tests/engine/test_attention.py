@@ -1,0 +1,83 @@
+"""PagedAttention against DenseCausalAttention on random q/k/v, and where it writes K/V."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvbridge.engine.attention import DenseCausalAttention, PagedAttention, SeqSpan
+
+NUM_LAYERS = 2
+
+
+def make_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], poisoned so unwritten slots show.
+    return torch.full((num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim), float("nan"))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1), (6, 2)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_steps_match_dense(num_heads, num_kv_heads, block_size):
+    """Three sequences advance by different chunk sizes each step; every step's output equals
+    dense attention over the whole sequence so far (rows of the new tokens)."""
+    seed = 1000 * num_heads + 10 * num_kv_heads + block_size
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    head_dim, layer = 8, 1
+    lengths = [13, 1, 29]
+    schedule = [[5, 1, 29], [7, 0, 0], [1, 0, 0]]  # new tokens per sequence per step (0: not scheduled)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    block_ids = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    q_all = [torch.randn(n, num_heads, head_dim, generator=gen) for n in lengths]
+    k_all = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in lengths]
+    v_all = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in lengths]
+    done = [0, 0, 0]
+    for new_counts in schedule:
+        spans, qs, ks, vs = [], [], [], []
+        offset = 0
+        for i, n in enumerate(new_counts):
+            if n == 0:
+                continue
+            spans.append(SeqSpan(offset, done[i], n, tuple(block_ids[i])))
+            rows = slice(done[i], done[i] + n)
+            qs.append(q_all[i][rows]), ks.append(k_all[i][rows]), vs.append(v_all[i][rows])
+            offset += n
+        attn = PagedAttention(cache, spans, block_size, scale=head_dim**-0.5)
+        out = attn(layer, torch.cat(qs), torch.cat(ks), torch.cat(vs))
+        for span, (i, n) in zip(spans, [(i, n) for i, n in enumerate(new_counts) if n]):
+            end = done[i] + n
+            dense = DenseCausalAttention([end])(layer, q_all[i][:end], k_all[i][:end], v_all[i][:end])
+            got = out[span.offset : span.offset + n]
+            torch.testing.assert_close(got, dense[done[i] : end], atol=1e-5, rtol=1e-5)
+            done[i] = end
+    assert torch.isnan(cache[:, 0]).all(), "writing layer 1 must not touch layer 0"
+
+
+def test_kv_lands_in_its_slot():
+    block_size, head_dim = 4, 2
+    cache = make_cache(8, block_size, 1, head_dim)
+    k = torch.arange(6 * head_dim, dtype=torch.float32).view(6, 1, head_dim)
+    v = -k
+    span = SeqSpan(0, 3, 6, (6, 2, 5))  # tokens at positions 3..8
+    PagedAttention(cache, [span], block_size, scale=1.0)(0, torch.zeros(6, 1, head_dim), k, v)
+    for i, pos in enumerate(range(3, 9)):
+        block, slot = span.block_ids[pos // block_size], pos % block_size
+        assert torch.equal(cache[block, 0, 0, slot, 0], k[i, 0])
+        assert torch.equal(cache[block, 0, 1, slot, 0], v[i, 0])
+    assert torch.isnan(cache[6, 0, 0, :3]).all(), "positions before `start` are not written"
+    assert torch.isnan(cache[[0, 1, 3, 4, 7]]).all(), "blocks outside the table are not written"
+
+
+def test_dense_reference_is_causal():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 2, 4, generator=gen) for _ in range(3))
+    full = DenseCausalAttention([5])(0, q, k, v)
+    prefix = DenseCausalAttention([3])(0, q[:3], k[:3], v[:3])
+    torch.testing.assert_close(full[:3], prefix)
+    assert not torch.allclose(full[3:], DenseCausalAttention([2])(0, q[3:], k[3:], v[3:]))
