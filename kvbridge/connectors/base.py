@@ -56,6 +56,7 @@ class ConnectorContext:
     block_size: int
     device: str  # device of the KV cache ("cpu", "cuda:0", ...)
     hash_namespace: str = ""  # namespace of the chained block hashes (see engine/block_hash.py)
+    layout: KVCacheLayout | None = None  # the KV cache geometry, when the engine knows it at build time
 
 
 class KVConnectorMetadata:

@@ -1,0 +1,236 @@
+"""Moves whole blocks between the KV cache and the host pool, asynchronously.
+
+Two implementations behind one interface:
+
+* `ThreadCopier` (CPU KV cache): one worker thread per direction, so a store and a load overlap.
+  Runs of adjacent block ids on both sides coalesce into one memcpy.
+* `CudaCopier` (CUDA KV cache): one dedicated stream per direction, never the compute stream.
+  Scattered GPU blocks are gathered with `index_select` into a device staging buffer, which then
+  goes to a contiguous range of (pinned) host slots in one DMA; loads do the reverse with
+  `index_copy_`. Runs contiguous on both sides skip the staging buffer. A store first waits (on
+  the GPU, not the host) for an event recorded on the compute stream, so it reads the blocks the
+  forward pass wrote without delaying it. Completion is signalled by CUDA events.
+
+`before`, when given, runs on a helper thread ahead of the copy (disk reads, barriers, test delays).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+Run = tuple[int, int, int]  # (src_start, dst_start, num_blocks)
+
+
+def coalesce_runs(src_ids: list[int], dst_ids: list[int]) -> list[Run]:
+    """Split a block mapping into runs contiguous on both sides."""
+    runs: list[Run] = []
+    for src, dst in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def split_dst_contiguous(src_ids: list[int], dst_ids: list[int], max_len: int) -> list[tuple[list[int], int]]:
+    """Split into segments whose destination ids are consecutive (at most `max_len` long).
+
+    Returns (source ids, first destination id) per segment: one gather + one DMA each.
+    """
+    segments: list[tuple[list[int], int]] = []
+    for src, dst in zip(src_ids, dst_ids):
+        if segments and segments[-1][1] + len(segments[-1][0]) == dst and len(segments[-1][0]) < max_len:
+            segments[-1][0].append(src)
+        else:
+            segments.append(([src], dst))
+    return segments
+
+
+def is_consecutive(ids: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+class CopyHandle(ABC):
+    """One asynchronous copy. `error` is set when it failed."""
+
+    error: BaseException | None = None
+
+    @abstractmethod
+    def is_done(self) -> bool: ...
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> bool:
+        """Block until done or `timeout_s` passed; True when done."""
+
+
+class _FutureHandle(CopyHandle):
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def is_done(self) -> bool:
+        if self._future.done() and self.error is None and self._future.exception() is not None:
+            self.error = self._future.exception()
+        return self._future.done()
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            self._future.result(timeout=max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        except BaseException as exc:  # the copy failed: report through `error`
+            self.error = exc
+        return True
+
+
+class BlockCopier(ABC):
+    """Copies blocks `kv[gpu_ids] <-> host[slots]` off the engine thread."""
+
+    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor) -> None:
+        self.kv_cache = kv_cache  # [num_blocks, L, 2, block_size, H, D]
+        self.host_pool = host_pool  # [num_slots, L, 2, block_size, H, D]
+
+    @abstractmethod
+    def store(self, gpu_ids: list[int], slots: list[int], before: Callable[[], None] | None = None) -> CopyHandle:
+        """kv_cache[gpu_ids] -> host_pool[slots], after this step's forward pass."""
+
+    @abstractmethod
+    def load(self, slots: list[int], gpu_ids: list[int], before: Callable[[], None] | None = None) -> CopyHandle:
+        """host_pool[slots] -> kv_cache[gpu_ids]."""
+
+    def close(self) -> None:
+        """Stop threads; drop tensor references. In-flight copies must be finished first."""
+        self.kv_cache = self.host_pool = None
+
+
+def copy_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+    """dst[dst_ids] = src[src_ids], one copy per run of adjacent ids (same device or CPU<->CPU)."""
+    for s, d, n in coalesce_runs(src_ids, dst_ids):
+        dst[d : d + n].copy_(src[s : s + n])
+
+
+class ThreadCopier(BlockCopier):
+    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor) -> None:
+        super().__init__(kv_cache, host_pool)
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-store")
+        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-load")
+
+    def _run(self, pool: ThreadPoolExecutor, before, src, src_ids, dst, dst_ids) -> CopyHandle:
+        def job() -> None:
+            if before is not None:
+                before()
+            copy_runs(src, src_ids, dst, dst_ids)
+
+        return _FutureHandle(pool.submit(job))
+
+    def store(self, gpu_ids, slots, before=None) -> CopyHandle:
+        return self._run(self._store_thread, before, self.kv_cache, gpu_ids, self.host_pool, slots)
+
+    def load(self, slots, gpu_ids, before=None) -> CopyHandle:
+        return self._run(self._load_thread, before, self.host_pool, slots, self.kv_cache, gpu_ids)
+
+    def close(self) -> None:
+        self._store_thread.shutdown(wait=True)
+        self._load_thread.shutdown(wait=True)
+        super().close()
+
+
+class _CudaHandle(CopyHandle):
+    """Done when the helper-thread part (if any) finished and the recorded event completed."""
+
+    def __init__(self) -> None:
+        self.future: Future | None = None
+        self.event: torch.cuda.Event | None = None
+        self._ready = threading.Event()  # set once `event` is recorded (or the job failed)
+
+    def is_done(self) -> bool:
+        if self.future is not None and self.future.done() and self.future.exception() is not None:
+            self.error = self.future.exception()
+            return True
+        return self._ready.is_set() and self.event.query()
+
+    def wait(self, timeout_s: float) -> bool:
+        import time
+
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while not self.is_done():  # events have no timed wait: poll
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+
+class CudaCopier(BlockCopier):
+    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int) -> None:
+        super().__init__(kv_cache, host_pool)
+        device = kv_cache.device
+        self._streams = {d: torch.cuda.Stream(device=device) for d in ("store", "load")}
+        # One staging buffer per direction: [staging_blocks, L, 2, block_size, H, D] on the device.
+        self._staging = {d: torch.empty((staging_blocks, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
+                         for d in ("store", "load")}  # fmt: skip
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-cuda")
+
+    def _enqueue(self, direction: str, gpu_ids: list[int], slots: list[int], after: torch.cuda.Event,
+                 handle: _CudaHandle) -> None:  # fmt: skip
+        stream, staging = self._streams[direction], self._staging[direction]
+        with torch.cuda.device(self.kv_cache.device), torch.cuda.stream(stream):
+            stream.wait_event(after)  # the compute stream's work on these blocks comes first
+            order = sorted(range(len(slots)), key=slots.__getitem__)  # host side contiguous when possible
+            src_ids, dst_slots = [gpu_ids[i] for i in order], [slots[i] for i in order]
+            for ids, slot0 in split_dst_contiguous(src_ids, dst_slots, staging.shape[0]):
+                n, host = len(ids), self.host_pool[slot0 : slot0 + len(ids)]
+                if is_consecutive(ids):
+                    dev = self.kv_cache[ids[0] : ids[0] + n]
+                    if direction == "store":
+                        host.copy_(dev, non_blocking=True)
+                    else:
+                        dev.copy_(host, non_blocking=True)
+                    continue
+                index = torch.tensor(ids, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+                if direction == "store":
+                    torch.index_select(self.kv_cache, 0, index, out=staging[:n])  # gather on the device
+                    host.copy_(staging[:n], non_blocking=True)  # one DMA
+                else:
+                    staging[:n].copy_(host, non_blocking=True)  # one DMA
+                    self.kv_cache.index_copy_(0, index, staging[:n])  # scatter on the device
+            handle.event = torch.cuda.Event()
+            handle.event.record(stream)
+        handle._ready.set()
+
+    def _submit(self, direction, gpu_ids, slots, before) -> CopyHandle:
+        handle = _CudaHandle()
+        after = torch.cuda.Event()
+        after.record(torch.cuda.current_stream(self.kv_cache.device))
+        if before is None:
+            self._enqueue(direction, gpu_ids, slots, after, handle)
+        else:
+
+            def job() -> None:
+                before()
+                self._enqueue(direction, gpu_ids, slots, after, handle)
+
+            handle.future = self._helper.submit(job)
+        return handle
+
+    def store(self, gpu_ids, slots, before=None) -> CopyHandle:
+        return self._submit("store", gpu_ids, slots, before)
+
+    def load(self, slots, gpu_ids, before=None) -> CopyHandle:
+        return self._submit("load", gpu_ids, slots, before)
+
+    def close(self) -> None:
+        self._helper.shutdown(wait=True)
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._staging.clear()
+        super().close()
+
+
+def make_copier(kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int = 64) -> BlockCopier:
+    if kv_cache.is_cuda:
+        return CudaCopier(kv_cache, host_pool, staging_blocks)
+    return ThreadCopier(kv_cache, host_pool)

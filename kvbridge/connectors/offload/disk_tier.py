@@ -1,0 +1,145 @@
+"""The disk tier's files: one file per block, named by the block hash, under one directory.
+
+File format (little endian):
+
+    magic      8 bytes   b"KVBBLOCK"
+    version    u32       FORMAT_VERSION
+    compat     32 bytes  KVCacheLayout.compat_hash(model_id): model identity + block geometry
+    hash       16 bytes  the block hash (must match the file name)
+    nbytes     u64       payload size (must equal the layout's block size in bytes)
+    crc32      u32       zlib.crc32 of the payload
+    payload    nbytes    the block, in the block-major layout
+
+A file from another model, dtype or geometry, an older format or a torn/corrupt write is rejected
+on read (`DiskBlockError`); the load then fails like any other and the block is recomputed.
+Writes go to a temporary name and are renamed into place, so a crash never leaves a half file
+under a valid name. All I/O runs on one worker thread (FIFO, so a delete or read issued after a
+write of the same block sees it).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvbridge.connectors.offload.disk_index import block_file_name
+from kvbridge.engine.block_hash import BlockHash
+from kvbridge.errors import KVBridgeError
+
+MAGIC = b"KVBBLOCK"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sI32s16sQI")
+
+
+class DiskBlockError(KVBridgeError):
+    """A block file is missing, stale, foreign or corrupt; the block is recomputed instead."""
+
+
+def encode_header(compat_hash: str, block_hash: BlockHash, payload: memoryview) -> bytes:
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, compat_hash.encode(), block_hash, payload.nbytes, zlib.crc32(payload))
+
+
+def check_header(header: bytes, compat_hash: str, block_hash: BlockHash, nbytes: int) -> int:
+    """Validate a header; returns the expected crc32 of the payload."""
+    if len(header) != _HEADER.size:
+        raise DiskBlockError("truncated header")
+    magic, version, compat, stored_hash, stored_nbytes, crc = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise DiskBlockError("not a kvbridge block file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise DiskBlockError(f"format version {version}, expected {FORMAT_VERSION}")
+    if compat != compat_hash.encode():
+        raise DiskBlockError("written by another model or KV layout (compat hash differs)")
+    if stored_hash != block_hash:
+        raise DiskBlockError("block hash in the header does not match the file name")
+    if stored_nbytes != nbytes:
+        raise DiskBlockError(f"payload of {stored_nbytes} B, expected {nbytes} B")
+    return crc
+
+
+class DiskTier:
+    """Reads and writes block files for the worker side, on one I/O thread."""
+
+    def __init__(self, directory: str, compat_hash: str, block_nbytes: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.compat_hash = compat_hash
+        self.block_nbytes = block_nbytes
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-disk")
+        self.bytes_written = self.bytes_read = self.num_write_failures = self.num_read_failures = 0
+
+    def path(self, block_hash: BlockHash) -> str:
+        return os.path.join(self.directory, block_file_name(block_hash))
+
+    # ------------------------------------------------------------------ synchronous (I/O thread)
+
+    def write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
+        """Write one block ([block_nbytes] uint8, CPU) to its file, atomically."""
+        payload = memoryview(block.numpy())
+        tmp = f"{self.path(block_hash)}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(encode_header(self.compat_hash, block_hash, payload))
+                f.write(payload)
+            os.replace(tmp, self.path(block_hash))
+        except OSError:
+            self.num_write_failures += 1
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        self.bytes_written += payload.nbytes
+
+    def read_into(self, block_hash: BlockHash, out: torch.Tensor) -> None:
+        """Read one block into `out` ([block_nbytes] uint8, CPU); DiskBlockError when invalid."""
+        try:
+            with open(self.path(block_hash), "rb") as f:
+                crc = check_header(f.read(_HEADER.size), self.compat_hash, block_hash, self.block_nbytes)
+                view = memoryview(out.numpy())
+                if f.readinto(view) != self.block_nbytes or f.read(1):
+                    raise DiskBlockError("payload size differs from the header")
+        except OSError as exc:
+            self.num_read_failures += 1
+            raise DiskBlockError(f"cannot read {self.path(block_hash)}: {exc}") from exc
+        except DiskBlockError:
+            self.num_read_failures += 1
+            raise
+        if zlib.crc32(view) != crc:
+            self.num_read_failures += 1
+            raise DiskBlockError("checksum mismatch (corrupt file)")
+        self.bytes_read += self.block_nbytes
+
+    def delete(self, block_hash: BlockHash) -> None:
+        try:
+            os.unlink(self.path(block_hash))
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ asynchronous
+
+    def submit_write(self, block_hash: BlockHash, block: torch.Tensor) -> Future:
+        return self._io.submit(self.write, block_hash, block)
+
+    def submit_read(self, block_hash: BlockHash, out: torch.Tensor) -> Future:
+        return self._io.submit(self.read_into, block_hash, out)
+
+    def submit_delete(self, block_hash: BlockHash) -> Future:
+        return self._io.submit(self.delete, block_hash)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued operation ran; True when the queue is empty."""
+        return self._io.submit(lambda: None).result(timeout=timeout_s) is None
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+    def get_stats(self) -> dict[str, int]:
+        return {
+            "disk_bytes_written": self.bytes_written,
+            "disk_bytes_read": self.bytes_read,
+            "disk_write_failures": self.num_write_failures,
+            "disk_read_failures": self.num_read_failures,
+        }

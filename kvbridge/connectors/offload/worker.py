@@ -1,0 +1,268 @@
+"""Worker side of the OffloadingConnector: executes the scheduler side's copy plan asynchronously.
+
+Per step (see `connectors/base.py`): `start_load_kv` starts the planned loads (disk -> host slot
+-> GPU block), `wait_for_save` starts the planned stores (GPU block -> host slot, then written
+through to disk) after the forward pass was issued, and `get_finished` polls completions without
+blocking:
+
+* a request is in `finished_recving` once all its loads ended; failed blocks are reported by
+  `get_block_ids_with_load_errors` (the scheduler recomputes them);
+* a finished request that had any job is in `finished_sending` once none of its copies is in
+  flight any more (the scheduler side delayed freeing its blocks until then).
+
+A host slot is never rewritten while the disk thread still reads it for a write-through: the
+copy that overwrites it first waits for that write (a barrier per slot).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbridge.connectors.base import FinishedTransfers, FlushResult
+from kvbridge.connectors.offload.config import OffloadConfig
+from kvbridge.connectors.offload.copier import BlockCopier, CopyHandle, make_copier
+from kvbridge.connectors.offload.disk_tier import DiskTier
+from kvbridge.connectors.offload.host_tier import HostTier
+from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
+from kvbridge.connectors.offload.stats import LatencyStats
+from kvbridge.errors import TransferTimeoutError
+from kvbridge.layout import KVCacheLayout
+
+
+@dataclass
+class _InFlight:
+    job: StoreJob | LoadJob
+    handle: CopyHandle
+    start: float
+
+    @property
+    def is_store(self) -> bool:
+        return isinstance(self.job, StoreJob)
+
+
+class OffloadWorker:
+    def __init__(self, config: OffloadConfig, model_id: str, flush_timeout_s: float) -> None:
+        self.config = config
+        self.model_id = model_id
+        self.flush_timeout_s = flush_timeout_s
+        self.host: HostTier | None = None
+        self.copier: BlockCopier | None = None
+        self.disk: DiskTier | None = None
+        self.block_nbytes = 0
+        self._in_flight: list[_InFlight] = []
+        self._pending = Counter()  # req id -> copies in flight
+        self._seen: set[str] = set()  # requests that had a job (the scheduler delays their free)
+        self._finished: set[str] = set()  # finished requests not yet reported in finished_sending
+        self._loads_left = Counter()  # req id -> load jobs in flight
+        self._recving_done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._slot_barriers: dict[int, Future] = {}  # slot -> disk write reading it
+        self._stats = Counter()
+        self._store_latency, self._load_latency = LatencyStats(), LatencyStats()
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+        num_slots = self.config.num_host_blocks(layout.block_nbytes)
+        pin = self.config.pin_memory if self.config.pin_memory is not None else kv_cache.is_cuda
+        self.block_nbytes = layout.block_nbytes
+        self.host = HostTier(layout, num_slots, pin_memory=pin)
+        self.copier = make_copier(kv_cache, self.host.pool, self.config.staging_blocks)
+        if self.config.has_disk:
+            self.disk = DiskTier(self.config.disk_dir, layout.compat_hash(self.model_id), layout.block_nbytes)
+
+    # ------------------------------------------------------------------ per step
+
+    def start_load_kv(self, meta: OffloadMetadata | None) -> None:
+        if meta is None or self.copier is None:
+            return
+        for req_id in meta.wait_for_req_ids:  # preempted: its GPU blocks may be reused by this step
+            self._wait_for_request(req_id)
+        if self.disk is not None:
+            for block_hash in meta.disk_deletes:
+                self.disk.submit_delete(block_hash)
+        for job in meta.loads:
+            self._start_load(job)
+
+    def wait_for_save(self, meta: OffloadMetadata | None) -> None:
+        if meta is None or self.copier is None:
+            return
+        for job in meta.stores:
+            self._seen.add(job.req_id)
+            self._pending[job.req_id] += 1
+            before = self._before_write(job.slots, self.config.debug_store_delay_s)
+            self._in_flight.append(_InFlight(job, self.copier.store(job.gpu_block_ids, job.slots, before), time.monotonic()))
+            self._stats["store_jobs"] += 1
+
+    def _start_load(self, job: LoadJob) -> None:
+        self._seen.add(job.req_id)
+        self._loads_left[job.req_id] += 1
+        self._stats["load_jobs"] += 1
+        # A slot whose last store failed holds garbage: fail those blocks instead of copying them.
+        poisoned = {g for g, s, d in zip(job.gpu_block_ids, job.slots, job.from_disk)
+                    if not d and s in self.host.poisoned_slots}  # fmt: skip
+        self._load_errors |= set(job.failed_gpu_block_ids) | poisoned
+        blocks = [(g, s, h, d) for g, s, h, d in zip(job.gpu_block_ids, job.slots, job.hashes, job.from_disk)
+                  if g not in poisoned]  # fmt: skip
+        if not blocks:
+            self._end_load(job.req_id)
+            return
+        disk_reads = [(h, s) for _, s, h, d in blocks if d]
+        barrier = self._before_write([s for _, s in disk_reads], self.config.debug_load_delay_s)
+        disk, host = self.disk, self.host
+
+        def before() -> None:
+            barrier()
+            futures = [disk.submit_read(h, host.slot_bytes(s)) for h, s in disk_reads]  # FIFO after writes
+            for future in futures:
+                future.result()  # DiskBlockError fails the whole job; its blocks are recomputed
+
+        self._pending[job.req_id] += 1
+        gpu_ids, slots = [b[0] for b in blocks], [b[1] for b in blocks]
+        handle = self.copier.load(slots, gpu_ids, before if disk_reads or barrier is not _noop else None)
+        self._in_flight.append(_InFlight(job, handle, time.monotonic()))
+
+    def _before_write(self, slots: list[int], delay_s: float):
+        """What a copy into `slots` must wait for first: disk writes still reading them, a test delay."""
+        barriers = [f for f in (self._slot_barriers.pop(s, None) for s in slots) if f is not None]
+        if not barriers and not delay_s:
+            return _noop
+
+        def before() -> None:
+            for future in barriers:
+                future.exception()  # waits; a failed write-through does not fail this copy
+            if delay_s:
+                time.sleep(delay_s)
+
+        return before
+
+    def _end_load(self, req_id: str) -> None:
+        self._loads_left[req_id] -= 1
+        if self._loads_left[req_id] <= 0:
+            del self._loads_left[req_id]
+            self._recving_done.add(req_id)
+
+    # ------------------------------------------------------------------ completion
+
+    def _poll(self) -> int:
+        """Retire finished copies; returns how many failed."""
+        num_failed, still = 0, []
+        for op in self._in_flight:
+            if not op.handle.is_done():
+                still.append(op)
+                continue
+            num_failed += op.handle.error is not None
+            self._retire(op)
+        self._in_flight = still
+        return num_failed
+
+    def _retire(self, op: _InFlight) -> None:
+        job, failed, elapsed = op.job, op.handle.error is not None, time.monotonic() - op.start
+        self._pending[job.req_id] -= 1
+        if self._pending[job.req_id] <= 0:
+            del self._pending[job.req_id]
+        nbytes = len(job.gpu_block_ids) * self.block_nbytes
+        if op.is_store:
+            if failed:
+                self._stats["store_failures"] += 1
+                self.host.poisoned_slots.update(job.slots)
+                return
+            self.host.poisoned_slots.difference_update(job.slots)
+            self._stats["bytes_stored"] += nbytes
+            self._stats["blocks_stored"] += len(job.slots)
+            self._store_latency.add(elapsed)
+            if self.disk is not None:
+                for block_hash, slot, write in zip(job.hashes, job.slots, job.write_to_disk):
+                    if write:
+                        self._slot_barriers[slot] = self.disk.submit_write(block_hash, self.host.slot_bytes(slot))
+        else:
+            if failed:
+                self._stats["load_failures"] += 1
+                self._load_errors.update(job.gpu_block_ids)
+            else:
+                self.host.poisoned_slots.difference_update(s for s, d in zip(job.slots, job.from_disk) if d)
+                self._stats["bytes_loaded"] += nbytes
+                self._stats["blocks_loaded"] += len(job.gpu_block_ids)
+                self._load_latency.add(elapsed)
+            self._end_load(job.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+        self._finished |= finished_req_ids & self._seen
+        self._poll()
+        recving = self._recving_done - self._finished
+        self._recving_done.clear()
+        sending = {r for r in self._finished if r not in self._pending and r not in self._loads_left}
+        self._finished -= sending
+        self._seen -= sending
+        return FinishedTransfers(sending, recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _wait_for_request(self, req_id: str) -> None:
+        deadline = time.monotonic() + self.flush_timeout_s
+        for op in [op for op in self._in_flight if op.job.req_id == req_id and op.is_store]:
+            if not op.handle.wait(deadline - time.monotonic()):
+                raise TransferTimeoutError(
+                    f"offload stores of preempted request {req_id!r} still run after {self.flush_timeout_s}s; "
+                    "the host or disk tier is stuck (raise KVTransferConfig.flush_timeout_s or check the disk)"
+                )
+        self._poll()
+
+    def flush(self, timeout_s: float) -> FlushResult:
+        deadline = time.monotonic() + timeout_s
+        num_failed = self._poll()
+        while self._in_flight and time.monotonic() < deadline:
+            self._in_flight[0].handle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            num_failed += self._poll()
+        if not self._in_flight and self.disk is not None:  # write-through done too: a restart finds it
+            try:
+                self.disk.drain(max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                return FlushResult(False, frozenset(), num_failed)
+            self._slot_barriers.clear()
+        if self._in_flight:
+            return FlushResult(False, frozenset(op.job.req_id for op in self._in_flight), num_failed)
+        return FlushResult(True, frozenset(), num_failed)
+
+    def shutdown(self) -> None:
+        if self.copier is None:
+            return
+        result = self.flush(self.flush_timeout_s)
+        if result.is_complete:
+            self.copier.close()
+        if self.disk is not None:
+            self.disk.close()
+        self.copier = None
+        self.host.free()  # after the copies that touch it finished (or were abandoned at the deadline)
+
+    def get_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = dict(self._stats)
+        stats["store_latency"] = self._store_latency.summary()
+        stats["load_latency"] = self._load_latency.summary()
+        stats["in_flight_copies"] = len(self._in_flight)
+        if self.host is not None:
+            stats["host_pool_bytes"] = self.host.nbytes if self.host.pool is not None else 0
+            stats["host_pool_pinned"] = self.host.is_pinned
+        if self.disk is not None:
+            stats.update(self.disk.get_stats())
+        return stats
+
+    def check_integrity(self) -> None:
+        if self.host is not None:
+            self.host.check_integrity()
+        if any(n <= 0 for n in self._pending.values()):
+            raise AssertionError("offload worker: a non-positive in-flight count")
+        if sum(self._pending.values()) != len(self._in_flight):
+            raise AssertionError("offload worker: in-flight counts differ from the copies in flight")
+
+
+def _noop() -> None:
+    pass
