@@ -1,0 +1,41 @@
+"""The NixlConnector's per-step plan, scheduler side -> worker side. Plain data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbridge.connectors.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """A prefill engine's identity and side-channel address, as its kv_transfer_params gave them."""
+
+    engine_id: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RecvJob:
+    """Decode side: read `remote_block_ids` of `remote` into `local_block_ids` (same length, token order).
+
+    An empty job still tells the prefill engine to release its blocks (everything hit locally).
+    """
+
+    request_id: str
+    remote: RemoteEngine
+    remote_request_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+
+
+@dataclass
+class NixlConnectorMetadata(KVConnectorMetadata):
+    recvs: dict[str, RecvJob] = field(default_factory=dict)  # decode: reads to start
+    leases: dict[str, tuple[int, ...]] = field(default_factory=dict)  # prefill: blocks held for a remote read

@@ -1,0 +1,125 @@
+"""Scheduler half of the NixlConnector: pure bookkeeping, no torch, no nixl, no I/O.
+
+Prefill (producer): a request sent with `do_remote_decode` keeps its prompt's full blocks when it
+finishes (`delay_free_blocks`) and returns `RemotePrefillParams`; the worker holds them under a
+lease until the decode side reports the read, or the lease expires.
+
+Decode (consumer): a request with `do_remote_prefill` asks for the remote blocks that its own
+prefix cache lacks, loaded asynchronously (the request parks in WAITING_FOR_REMOTE_KVS); the
+worker reads them and tells the prefill engine to release them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.connectors.base import FinishResult, MatchResult
+from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
+from kvbridge.connectors.nixl.params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
+from kvbridge.engine.request import RequestStatus
+from kvbridge.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvbridge.config import KVTransferConfig
+    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
+    from kvbridge.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Key of KVConnectorOutput.stats under which the worker reports its side-channel port.
+SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
+
+
+class NixlScheduler:
+    def __init__(self, config: KVTransferConfig, block_size: int, lease_s: float) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self.side_channel_port = config.side_channel_port  # replaced by the bound port once the worker reports it
+        self._local_hits: dict[str, int] = {}  # decode: local prefix hit seen at matching
+        self._handled: set[str] = set()  # decode: remote KV already asked for (never twice)
+        self._new_recvs: dict[str, RecvJob] = {}
+        self._new_leases: dict[str, tuple[int, ...]] = {}
+        self._leased: set[str] = set()  # prefill: blocks held until finished_sending
+
+    # ------------------------------------------------------------------ decode
+
+    def _remote_params(self, request: Request) -> RemotePrefillParams | None:
+        if not self.config.is_consumer or request.request_id in self._handled:
+            return None
+        try:
+            return parse_remote_prefill(request.kv_transfer_params)
+        except InvalidRequestError as e:
+            logger.error("request %s: %s; computing its prompt locally", request.request_id, e)
+            self._handled.add(request.request_id)
+            return None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+        params = self._remote_params(request)
+        if params is None:
+            return MatchResult(0, False)
+        num_remote = min(len(params.remote_block_ids) * self.block_size, request.num_prompt_tokens)
+        num_remote -= num_remote % self.block_size
+        self._local_hits[request.request_id] = num_computed_tokens
+        return MatchResult(max(0, num_remote - num_computed_tokens), True)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        params = self._remote_params(request)
+        if params is None:
+            return
+        self._handled.add(request.request_id)
+        first = self._local_hits.pop(request.request_id, request.num_computed_tokens) // self.block_size
+        count = num_external_tokens // self.block_size
+        self._new_recvs[request.request_id] = RecvJob(
+            request_id=request.request_id,
+            remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port),
+            remote_request_id=params.remote_request_id,
+            local_block_ids=tuple(block_ids[first : first + count]),
+            remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
+        )
+
+    # ------------------------------------------------------------------ both
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        meta = NixlConnectorMetadata(recvs=self._new_recvs, leases=self._new_leases)
+        self._new_recvs, self._new_leases = {}, {}
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        port = output.stats.get(SIDE_CHANNEL_PORT_STAT)
+        if port:
+            self.side_channel_port = int(port)
+        self._leased -= output.finished_sending
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._leased or self._new_leases or self._new_recvs)
+
+    # ------------------------------------------------------------------ prefill
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+        self._handled.discard(request.request_id)
+        self._local_hits.pop(request.request_id, None)
+        if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
+            return FinishResult(False, None)
+        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            return FinishResult(False, None)  # aborted or failed: there is nothing worth reading
+        num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
+        held = tuple(block_ids[:num_full])
+        params = RemotePrefillParams(
+            remote_engine_id=self.config.engine_id,
+            remote_host=self.config.side_channel_host,
+            remote_port=self.side_channel_port,
+            remote_block_ids=list(held),
+            remote_request_id=request.request_id,
+            remote_num_tokens=num_full * self.block_size,
+            lease_s=self.lease_s,
+        ).to_dict()
+        if not held:
+            return FinishResult(False, params)
+        self._new_leases[request.request_id] = held
+        self._leased.add(request.request_id)
+        return FinishResult(True, params)
+
+    def get_stats(self) -> dict[str, Any]:
+        return {"num_leased_requests": len(self._leased)}
