@@ -1,0 +1,100 @@
+"""Shared-secret authentication of side-channel frames: HMAC-SHA256 with a nonce and a timestamp.
+
+Both ends of a side channel own a `FrameSigner`. `seal` wraps an encoded message in a `Frame`,
+signed when a secret is configured; `verify` checks a received frame and raises
+`AuthenticationError` when it is unsigned, badly signed, outside the time window, or replayed
+(its nonce was already seen inside the window).
+
+The MAC covers: a domain string, the correlation id, the timestamp, the nonce and the payload.
+Only frames with a valid MAC enter the replay cache, so forged traffic cannot grow it; its size
+is capped anyway, and evicting an entry raises a floor below which every timestamp is refused,
+so a capped cache never re-opens a replay.
+
+A signer without a secret seals unsigned frames and accepts any frame (no authentication).
+Error messages never contain the secret or a MAC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from kvbridge.errors import AuthenticationError
+from kvbridge.transfer.messages import Frame
+
+_DOMAIN = b"kvbridge-side-channel-v1"
+NONCE_NBYTES = 16
+_HINT = "set the same KVBRIDGE_SIDE_CHANNEL_SECRET on both nodes"
+
+
+class FrameSigner:
+    """Signs outgoing frames and verifies incoming ones. Not thread-safe; one per socket owner."""
+
+    def __init__(
+        self,
+        secret: bytes | None,
+        *,
+        window_s: float = 30.0,
+        max_nonces: int = 100_000,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self._secret = secret or None
+        self._window_ns = int(window_s * 1e9)
+        self._max_nonces = max_nonces
+        self._clock_ns = clock_ns
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> timestamp_ns, oldest first
+        self._floor_ns = 0  # timestamps <= floor are refused (set by evictions)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._secret is not None
+
+    def seal(self, corr_id: int, payload: bytes) -> Frame:
+        if self._secret is None:
+            return Frame(corr_id, payload)
+        nonce = os.urandom(NONCE_NBYTES)
+        ts = self._clock_ns()
+        return Frame(corr_id, payload, nonce, ts, self._mac(corr_id, ts, nonce, payload))
+
+    def verify(self, frame: Frame) -> None:
+        """Raise AuthenticationError unless `frame` is acceptable; remember its nonce."""
+        if self._secret is None:
+            return
+        if not frame.mac:
+            raise AuthenticationError(f"unsigned side-channel message refused; {_HINT}")
+        if len(frame.nonce) != NONCE_NBYTES:
+            raise AuthenticationError(f"side-channel message with a malformed nonce refused; {_HINT}")
+        expected = self._mac(frame.corr_id, frame.timestamp_ns, frame.nonce, frame.payload)
+        if not hmac.compare_digest(expected, frame.mac):
+            raise AuthenticationError(f"side-channel message with a wrong signature refused; {_HINT}")
+        now = self._clock_ns()
+        if abs(now - frame.timestamp_ns) > self._window_ns or frame.timestamp_ns <= self._floor_ns:
+            raise AuthenticationError(
+                f"side-channel message outside the {self._window_ns / 1e9:.0f}s replay window refused; "
+                "check that both nodes' clocks are synchronized"
+            )
+        self._prune(now)
+        if frame.nonce in self._seen:
+            raise AuthenticationError("replayed side-channel message refused (nonce already seen)")
+        self._seen[frame.nonce] = frame.timestamp_ns
+        while len(self._seen) > self._max_nonces:
+            _, ts = self._seen.popitem(last=False)
+            self._floor_ns = max(self._floor_ns, ts)
+
+    def _prune(self, now_ns: int) -> None:
+        oldest_kept = now_ns - self._window_ns
+        while self._seen:
+            nonce, ts = next(iter(self._seen.items()))
+            if ts >= oldest_kept:
+                break
+            del self._seen[nonce]
+
+    def _mac(self, corr_id: int, timestamp_ns: int, nonce: bytes, payload: bytes) -> bytes:
+        assert self._secret is not None
+        header = struct.pack(">QQ", corr_id & 0xFFFF_FFFF_FFFF_FFFF, timestamp_ns & 0xFFFF_FFFF_FFFF_FFFF)
+        return hmac.new(self._secret, _DOMAIN + header + nonce + payload, hashlib.sha256).digest()

@@ -1,0 +1,356 @@
+"""`KVEndpoint`: one engine's KV tensor on the wire. What the NIXL connector builds on.
+
+An endpoint owns one `NixlAgent` with the engine's KV tensor registered, a `SideChannelServer`
+answering handshakes (and passing other messages to the connector's `message_handler`), side
+channel clients to peers, and a `TransferTracker`. Typical decode-pulls use:
+
+    ep = KVEndpoint(engine_id, model_id, kv, layout, host=..., port=..., message_handler=on_msg)
+    rec = ep.read_blocks(req_id, remote_address, local_ids, remote_ids,
+                         notif=TransferDone(engine_id=ep.engine_id, req_ids=[remote_req_id]))
+    ...each engine step: for rec in ep.poll(): report rec.req_id as done / failed
+    ep.flush(timeout_s)  # before blocks are reused; ep.close() at shutdown
+
+On the prefill side, `ep.get_notifs()` yields the decoded `TransferDone`s, and `message_handler`
+receives side-channel `TransferDone` / `LeaseRenew` messages (on the server thread).
+
+`read_blocks` / `write_blocks` never block: when the peer is not known yet the record starts
+HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
+the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
+handshakes again (a restarted peer is picked up). Every live record has a deadline.
+
+Descriptor modes: "blocks" (default) prepares one NIXL list per side with a descriptor per block,
+once (per peer, cached), and posts block indices; NIXL merges runs adjacent on both sides.
+"ranges" coalesces with `descriptors.coalesce_blocks` (splitting at `max_descriptor_nbytes`) and
+prepares both lists per transfer. docs/transfer.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+import numpy as np
+
+from kvbridge import env
+from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, TransferError
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer import messages as m
+from kvbridge.transfer.agent import NixlAgent, XferState
+from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
+from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, make_request, peer_from_response
+from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer
+from kvbridge.transfer.tracker import FlushOutcome, TransferRecord, TransferState, TransferTracker
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+_FROM_ENV = object()
+
+
+class Notification(NamedTuple):
+    """A decoded NIXL notification: which peer agent sent which message."""
+
+    agent_name: str
+    message: m.Message
+
+
+class _Op(NamedTuple):
+    op: str  # "READ" | "WRITE"
+    local_ids: np.ndarray  # [n] int64
+    remote_ids: np.ndarray  # [n] int64
+    notif: bytes
+
+
+class _Posted(NamedTuple):
+    xfer: object
+    dlists: tuple  # per-transfer lists ("ranges" mode), released with the transfer
+
+
+class KVEndpoint:
+    """One engine's registered KV tensor, its side channel, and its transfers. Owner thread only."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        model_id: str,
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+        layout: KVCacheLayout,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        serve: bool = True,
+        secret: bytes | None = _FROM_ENV,  # default: KVBRIDGE_SIDE_CHANNEL_SECRET
+        backend: str | None = None,
+        message_handler: Callable[[m.Message], m.Message | None] | None = None,
+        descriptor_mode: str = "blocks",
+        max_descriptor_nbytes: int | None = None,
+        handshake_timeout_s: float = 5.0,
+        handshake_retries: int = 2,
+        transfer_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
+            raise ConfigError(
+                f"KV tensor {tuple(kv_cache.shape)} is not a contiguous tensor of layout {layout.shape}"
+            )
+        if descriptor_mode not in ("blocks", "ranges"):
+            raise ConfigError(f"descriptor_mode={descriptor_mode!r}; expected 'blocks' or 'ranges'")
+        self.engine_id = engine_id
+        self.layout = layout
+        self.compat_hash = layout.compat_hash(model_id)
+        self.descriptor_mode = descriptor_mode
+        self.max_descriptor_nbytes = max_descriptor_nbytes
+        self.transfer_timeout_s = transfer_timeout_s
+        self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
+        self._hs_timeout_s, self._hs_retries = handshake_timeout_s, handshake_retries
+        self._message_handler = message_handler
+        self._kv = kv_cache
+        self.agent = NixlAgent(engine_id, backend)
+        reg = self.agent.register_tensor(kv_cache)
+        self._region = m.KVRegion(
+            base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
+        )
+        self._me = LocalIdentity(engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout)
+        self.tracker = TransferTracker(clock)
+        self._peers: dict[str, PeerInfo] = {}  # address -> peer
+        self._remote_block_lists: dict[str, object] = {}  # address -> prepared per-block list ("blocks" mode)
+        self._local_block_list: object | None = None
+        self._handshakes: dict[str, Future] = {}
+        self._clients: dict[str, SideChannelClient] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-handshake-{engine_id}")
+        self._closed = False
+        self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
+
+    @property
+    def address(self) -> str | None:
+        """This endpoint's side-channel address (what peers handshake with), or None when not serving."""
+        return self.server.address if self.server else None
+
+    # ------------------------------------------------------------------ server side (server thread)
+
+    def _serve(self, msg: m.Message) -> m.Message | None:
+        match msg:
+            case m.HandshakeRequest():
+                return answer_handshake(msg, self._me)
+            case m.Ping():
+                return m.Pong(engine_id=self.engine_id)
+            case _ if self._message_handler is not None:
+                return self._message_handler(msg)
+            case _:
+                return m.ErrorReply(code=m.ErrorCode.UNSUPPORTED, message=f"{type(msg).__name__} is not handled here")
+
+    # ------------------------------------------------------------------ peers
+
+    def handshake(self, address: str) -> PeerInfo:
+        """Blocking handshake with the endpoint at `address` (cached). Raises the named errors."""
+        if address not in self._peers:
+            future = self._handshakes.pop(address, None)
+            info = future.result() if future is not None else self._fetch_peer(address)
+            self._connect(info)
+        return self._peers[address]
+
+    def forget_peer(self, address: str) -> None:
+        """Drop a peer's metadata and cached lists; the next transfer to it handshakes again."""
+        info = self._peers.pop(address, None)
+        self._remote_block_lists.pop(address, None)  # released by remove_peer below
+        if info is not None:
+            self.agent.remove_peer(info.agent_name)
+
+    def request(self, address: str, msg: m.Message) -> m.Message:
+        """Send a side-channel message (LeaseRenew, TransferDone, Ping...) to `address`; blocking."""
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = self._new_client(address)
+        return client.request(msg)
+
+    def _new_client(self, address: str) -> SideChannelClient:
+        return SideChannelClient(address, self._secret, self._hs_timeout_s, self._hs_retries)
+
+    def _fetch_peer(self, address: str) -> PeerInfo:  # may run on a helper thread: no NIXL here
+        client = self._new_client(address)
+        try:
+            resp = client.request(make_request(self._me))
+        finally:
+            client.close()
+        return peer_from_response(resp, address, self.compat_hash, self.layout)
+
+    def _connect(self, info: PeerInfo) -> None:
+        self.agent.add_peer(info.agent_name, info.agent_metadata)
+        self._peers[info.address] = info
+        if self.descriptor_mode == "blocks":
+            r = info.region
+            descs = block_descs(info.layout, r.base_addr, r.device_id)
+            self._remote_block_lists[info.address] = self.agent.prep_remote(info.agent_name, descs, r.mem_type)
+
+    # ------------------------------------------------------------------ transfers
+
+    def read_blocks(
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None
+    ) -> TransferRecord:
+        """Start copying the peer's `remote_block_ids` into local `local_block_ids` (same order). Non-blocking.
+
+        `notif` (a Message or bytes) reaches the peer when the read is complete. Returns the live record.
+        """
+        return self._start("READ", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s)
+
+    def write_blocks(
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None
+    ) -> TransferRecord:
+        """Start copying local `local_block_ids` into the peer's `remote_block_ids`. Non-blocking."""
+        return self._start("WRITE", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s)
+
+    def _start(self, op, req_id, address, local_ids, remote_ids, notif, timeout_s) -> TransferRecord:
+        local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
+        remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+        if local.shape != remote.shape:
+            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+        self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
+        payload = notif if isinstance(notif, bytes) else m.encode(notif)
+        timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
+        rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload))
+        if address in self._peers:
+            self._post(rec)
+        elif address not in self._handshakes:
+            self._handshakes[address] = self._pool.submit(self._fetch_peer, address)
+        return rec
+
+    def _post(self, rec: TransferRecord) -> None:
+        op: _Op = rec.payload
+        peer = self._peers[rec.peer]
+        try:
+            posted, num_descs = self._post_op(op, peer)
+        except (KVBridgeError, IndexError, ValueError) as e:
+            self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
+            return
+        # the record keeps its original deadline: handshake time counts against it
+        remaining_s = max(0.0, rec.deadline - self.tracker.clock())
+        nbytes = len(op.local_ids) * self.layout.block_nbytes
+        self.tracker.mark_posted(rec.req_id, remaining_s, handle=posted, nbytes=nbytes, num_descriptors=num_descs)
+        if posted is None:
+            self.tracker.mark_done(rec.req_id)
+
+    def _post_op(self, op: _Op, peer: PeerInfo) -> tuple[_Posted | None, int]:
+        peer.layout.block_offsets(op.remote_ids)  # IndexError for ids the peer does not have
+        if len(op.local_ids) == 0:
+            if op.notif:
+                self.agent.send_notif(peer.agent_name, op.notif)
+            return None, 0
+        r, mine = peer.region, self._region
+        if self.descriptor_mode == "blocks":
+            if self._local_block_list is None:
+                descs = block_descs(self.layout, mine.base_addr, mine.device_id)
+                self._local_block_list = self.agent.prep_local(descs, mine.mem_type)
+            remote_list = self._remote_block_lists[peer.address]
+            xfer = self.agent.post(op.op, self._local_block_list, op.local_ids, remote_list, op.remote_ids, op.notif)
+            return _Posted(xfer, ()), len(run_starts(op.local_ids, op.remote_ids))
+        ranges = coalesce_blocks(op.local_ids, op.remote_ids, self.layout, peer.layout, self.max_descriptor_nbytes)
+        local_descs = range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id)
+        local_list = self.agent.prep_local(local_descs, mine.mem_type)
+        remote_list = self.agent.prep_remote(
+            peer.agent_name, range_descs(ranges.remote_offsets, ranges.nbytes, r.base_addr, r.device_id), r.mem_type
+        )
+        idx = np.arange(ranges.num_descriptors)
+        try:
+            xfer = self.agent.post(op.op, local_list, idx, remote_list, idx, op.notif)
+        except TransferError:
+            self.agent.release_dlist(local_list)
+            self.agent.release_dlist(remote_list)
+            raise
+        return _Posted(xfer, (local_list, remote_list)), ranges.num_descriptors
+
+    def poll(self) -> list[TransferRecord]:
+        """Advance every transfer without blocking; return (and forget) the records that became final."""
+        self._advance()
+        return self.tracker.pop_final()
+
+    def flush(self, timeout_s: float) -> FlushOutcome:
+        """Drive transfers until none is live or `timeout_s` passed. Final records stay for `poll`."""
+        return self.tracker.flush(timeout_s, self._advance)
+
+    def _advance(self) -> None:
+        self._finish_handshakes()
+        for rec in self.tracker.live():
+            if rec.state is TransferState.POSTED:
+                state = self.agent.poll(rec.handle.xfer)
+                if state is XferState.IN_PROGRESS:
+                    continue
+                self._release(rec)
+                if state is XferState.DONE:
+                    self.tracker.mark_done(rec.req_id)
+                else:
+                    self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed {rec.op} from {rec.peer}")
+                    self.forget_peer(rec.peer)
+        for rec in self.tracker.expire_overdue():
+            self._release(rec)
+
+    def _finish_handshakes(self) -> None:
+        for address, future in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[address]
+            try:
+                self._connect(future.result())
+            except Exception as e:
+                for rec in self.tracker.live():
+                    if rec.peer == address and rec.state is TransferState.HANDSHAKING:
+                        self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
+        for rec in self.tracker.live():
+            if rec.state is TransferState.HANDSHAKING and rec.peer in self._peers:
+                self._post(rec)
+
+    def _release(self, rec: TransferRecord) -> None:
+        posted, rec.handle = rec.handle, None
+        if posted is not None:
+            self.agent.release(posted.xfer)
+            for dlist in posted.dlists:
+                self.agent.release_dlist(dlist)
+
+    # ------------------------------------------------------------------ notifications
+
+    def send_notif(self, address: str, msg: m.Message) -> None:
+        """Send `msg` as a NIXL notification to a peer we handshook with."""
+        self.agent.send_notif(self._peers[address].agent_name, m.encode(msg))
+
+    def get_notifs(self) -> list[Notification]:
+        """Decoded NIXL notifications received since the last call; undecodable ones are logged and dropped."""
+        out = []
+        for agent_name, payloads in self.agent.get_notifs().items():
+            for payload in payloads:
+                try:
+                    out.append(Notification(agent_name, m.decode(payload)))
+                except MalformedMessageError as e:
+                    logger.warning("dropping a NIXL notification from %s: %s", agent_name, e)
+        return out
+
+    def get_stats(self) -> dict:
+        t = self.tracker
+        return {
+            "num_done": t.num_done,
+            "num_failed": t.num_failed,
+            "bytes_done": t.bytes_done,
+            "num_live": t.num_live,
+            "num_peers": len(self._peers),
+        }
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop serving, release every transfer and list, deregister the KV tensor, drop it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.server is not None:
+            self.server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in self._clients.values():
+            client.close()
+        for rec in self.tracker.live():
+            self._release(rec)
+        self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
+        self._peers.clear()
+        self._remote_block_lists.clear()
+        self._local_block_list = None
+        self._kv = None

@@ -1,0 +1,109 @@
+"""Both halves of the handshake as pure functions (no sockets, no NIXL), plus what a reader keeps.
+
+Owner of the KV (server thread): `answer_handshake(request, identity)` checks the protocol
+version range and the compatibility hash and returns the `HandshakeResponse`, or raises
+`IncompatiblePeerError` (sent back as `ErrorReply(INCOMPATIBLE)`).
+
+Reader: `peer_from_response(response, address, expected_hash, local_layout)` re-checks the
+answer and turns it into a `PeerInfo`: everything needed to build descriptors for that peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.errors import HandshakeError, IncompatiblePeerError
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer import messages as m
+
+
+@dataclass(frozen=True)
+class LocalIdentity:
+    """What an engine tells peers about itself in a handshake response."""
+
+    engine_id: str
+    compat_hash: str
+    agent_name: str
+    agent_metadata: bytes
+    region: m.KVRegion
+    layout: KVCacheLayout
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A remote engine after a successful handshake (cached per address by KVEndpoint)."""
+
+    address: str
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    protocol_version: int
+    region: m.KVRegion
+    layout: KVCacheLayout  # the local geometry with the peer's block count
+
+
+def make_request(me: LocalIdentity) -> m.HandshakeRequest:
+    return m.HandshakeRequest(
+        protocol_version=m.PROTOCOL_VERSION,
+        min_protocol_version=m.MIN_PROTOCOL_VERSION,
+        engine_id=me.engine_id,
+        compat_hash=me.compat_hash,
+        agent_name=me.agent_name,
+    )
+
+
+def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeResponse:
+    """The response to `req`, or IncompatiblePeerError. Called on the side-channel server thread."""
+    version = m.negotiate_version(req.protocol_version, req.min_protocol_version)
+    if req.compat_hash != me.compat_hash:
+        raise IncompatiblePeerError(
+            f"engine {req.engine_id!r} has compat hash {req.compat_hash}, engine {me.engine_id!r} has "
+            f"{me.compat_hash}: the model, dtype or KV block geometry differ; run the same model and "
+            "cache config on both"
+        )
+    return m.HandshakeResponse(
+        protocol_version=version,
+        engine_id=me.engine_id,
+        compat_hash=me.compat_hash,
+        agent_name=me.agent_name,
+        agent_metadata=me.agent_metadata,
+        regions=[me.region],
+        num_blocks=me.layout.num_blocks,
+        block_nbytes=me.layout.block_nbytes,
+    )
+
+
+def peer_from_response(
+    resp: m.Message, address: str, expected_hash: str, local_layout: KVCacheLayout
+) -> PeerInfo:
+    """Validate a handshake answer. Raises IncompatiblePeerError or HandshakeError."""
+    if not isinstance(resp, m.HandshakeResponse):
+        raise HandshakeError(f"peer {address} answered a handshake with {type(resp).__name__}")
+    version = m.negotiate_version(resp.protocol_version, resp.protocol_version)
+    if resp.compat_hash != expected_hash:
+        raise IncompatiblePeerError(
+            f"peer {address} (engine {resp.engine_id!r}) has compat hash {resp.compat_hash}, ours is "
+            f"{expected_hash}: the model, dtype or KV block geometry differ"
+        )
+    if resp.block_nbytes != local_layout.block_nbytes:
+        raise IncompatiblePeerError(
+            f"peer {address} has {resp.block_nbytes}-byte blocks, ours are {local_layout.block_nbytes}"
+        )
+    if len(resp.regions) != 1:
+        raise HandshakeError(f"peer {address} sent {len(resp.regions)} KV regions; this build expects exactly one")
+    region = resp.regions[0]
+    if resp.num_blocks <= 0 or region.nbytes < resp.num_blocks * resp.block_nbytes:
+        raise HandshakeError(
+            f"peer {address} claims {resp.num_blocks} blocks of {resp.block_nbytes} B in a {region.nbytes}-byte region"
+        )
+    if not resp.agent_name or not resp.agent_metadata:
+        raise HandshakeError(f"peer {address} sent no NIXL agent name or metadata")
+    return PeerInfo(
+        address=address,
+        engine_id=resp.engine_id,
+        agent_name=resp.agent_name,
+        agent_metadata=resp.agent_metadata,
+        protocol_version=version,
+        region=region,
+        layout=local_layout.with_num_blocks(resp.num_blocks),
+    )
