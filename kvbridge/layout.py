@@ -73,6 +73,16 @@ class KVCacheLayout:
             raise IndexError(f"block id {block_id} outside [0, {self.num_blocks})")
         return block_id * self.block_nbytes
 
+    def block_offsets(self, block_ids):
+        """Vectorized `block_offset`: byte offsets (int64 numpy array) of an array of block ids."""
+        import numpy as np  # local: this module is imported where numpy may not be wanted
+
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            bad = ids[(ids < 0) | (ids >= self.num_blocks)][0]
+            raise IndexError(f"block id {int(bad)} outside [0, {self.num_blocks})")
+        return ids * self.block_nbytes
+
     def with_num_blocks(self, num_blocks: int) -> KVCacheLayout:
         """The same geometry with another block count (a host tier, a peer with more memory)."""
         return KVCacheLayout(num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
