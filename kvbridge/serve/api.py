@@ -130,7 +130,7 @@ class CompletionsAPI:
                     run.saw(await anext(outputs))
                 except ValueError as exc:  # the engine rejected the input
                     run.outcome = "bad_request"
-                    return _error(400, str(exc), "invalid_request_error", "prompt")
+                    return _error(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
                 except EngineDeadError as exc:
                     run.outcome = "error"
                     return _error(503, str(exc), "service_unavailable")
@@ -169,7 +169,7 @@ class CompletionsAPI:
         run.outcome = "error" if failure else "ok"
         if failure:
             return _error(500, failure, "engine_error")
-        extra = protocol.kvbridge_stats(run.last, run.timings())
+        extra = self._kvbridge_stats(run)
         return web.json_response(protocol.completion_response(run.request_id, run.created, self.model_name, run.last, extra))
 
     async def _stream(self, request: web.Request, outputs, run: _Run) -> web.StreamResponse:
@@ -182,7 +182,8 @@ class CompletionsAPI:
             while True:
                 completion = output.outputs[0] if output.outputs else None
                 if completion is not None and (len(completion.token_ids) > sent_tokens or output.finished):
-                    text = completion.text[len(sent_text):] if completion.text.startswith(sent_text) else ""
+                    full_text = protocol.stable_text(completion.text, output.finished)
+                    text = full_text[len(sent_text):] if full_text.startswith(sent_text) else ""
                     chunk = protocol.completion_chunk(
                         run.request_id, run.created, self.model_name, text,
                         list(completion.token_ids[sent_tokens:]), completion.finish_reason,
@@ -190,7 +191,8 @@ class CompletionsAPI:
                     if output.finished:
                         self._finish_chunk(chunk, run)
                     await response.write(_sse(chunk))
-                    sent_tokens, sent_text = len(completion.token_ids), completion.text
+                    sent_tokens = len(completion.token_ids)
+                    sent_text = full_text if full_text.startswith(sent_text) else sent_text
                 if output.finished:
                     break
                 output = await anext(outputs)
@@ -209,7 +211,12 @@ class CompletionsAPI:
             chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
         chunk["usage"] = protocol.usage(run.last)
         chunk["kv_transfer_params"] = run.last.kv_transfer_params
-        chunk["kvbridge"] = protocol.kvbridge_stats(run.last, run.timings())
+        chunk["kvbridge"] = self._kvbridge_stats(run)
+
+    def _kvbridge_stats(self, run: _Run) -> dict[str, Any]:
+        layout = getattr(self.engine.engine, "layout", None)
+        block_size, block_nbytes = (layout.block_size, layout.block_nbytes) if layout is not None else (0, 0)
+        return protocol.kvbridge_stats(run.last, run.timings(), block_size, block_nbytes)
 
     # ------------------------------------------------------------ health, metrics, admin
 

@@ -263,7 +263,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self._dispatch(outputs)
                 # No output: requests are parked (remote KV, held blocks); poll instead of spinning.
-                idle_wait = None if not self._has_work() else (0.0 if outputs else self._poll_interval_s)
+                computed = outputs or not getattr(self.engine, "is_idle", False)
+                idle_wait = None if not self._has_work() else (0.0 if computed else self._poll_interval_s)
         except BaseException as exc:  # noqa: BLE001 - a step failure kills the engine, loudly
             logger.exception("engine step failed; the engine is stopped")
             self._error = exc

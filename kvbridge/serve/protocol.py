@@ -127,12 +127,23 @@ def finish_reason(output: RequestOutput) -> str | None:
     return output.outputs[0].finish_reason if output.outputs else None
 
 
-def kvbridge_stats(output: RequestOutput, timings: dict[str, float]) -> dict[str, Any]:
-    """The non-standard per-request figures: cache hits, tokens pulled from a peer, timings."""
+def external_kv_bytes(num_external_tokens: int, block_size: int, block_nbytes: int) -> int:
+    """Bytes of KV a request loaded through its connector: whole blocks move, so a partly filled
+    last block counts in full (local prefix-cache hits are whole blocks, so external runs start
+    on a block boundary)."""
+    return -(-num_external_tokens // block_size) * block_nbytes
+
+
+def kvbridge_stats(
+    output: RequestOutput, timings: dict[str, float], block_size: int = 0, block_nbytes: int = 0
+) -> dict[str, Any]:
+    """The non-standard per-request figures: cache hits, tokens and bytes loaded from a peer, timings."""
     stats: dict[str, Any] = {
         "num_cached_tokens": output.num_cached_tokens,
         "num_external_tokens": output.num_external_tokens,
-        "prompt_token_ids_len": len(output.prompt_token_ids),
+        "kv_transfer_bytes": (
+            external_kv_bytes(output.num_external_tokens, block_size, block_nbytes) if block_size else 0
+        ),
         **{k: round(v, 6) for k, v in timings.items()},
     }
     transfer = getattr(output, "kv_transfer_stats", None)  # per-request stats, if the engine reports them
@@ -170,6 +181,12 @@ def completion_response(
         "kv_transfer_params": output.kv_transfer_params,
         "kvbridge": extra,
     }
+
+
+def stable_text(text: str, finished: bool) -> str:
+    """Text safe to stream: a trailing U+FFFD may be half a UTF-8 character that the next token
+    completes, so it is held back until the request finishes."""
+    return text if finished else text.rstrip("\ufffd")
 
 
 def completion_chunk(

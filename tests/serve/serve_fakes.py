@@ -13,6 +13,7 @@ import threading
 import time
 
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput
+from kvbridge.errors import InvalidRequestError
 
 EOS = 0
 
@@ -48,7 +49,7 @@ class FakeEngineCore:
     def add_request(self, request_id, prompt_token_ids, sampling_params, kv_transfer_params=None) -> None:
         self._touch()
         if any(not 0 <= t < 256 for t in prompt_token_ids):
-            raise ValueError("token id out of the vocabulary [0, 256)")
+            raise InvalidRequestError("token id out of the vocabulary [0, 256)", param="prompt")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.requests[request_id] = {

@@ -208,3 +208,16 @@ def test_non_streaming_disconnect_aborts_the_request():
         return fake.num_aborted
 
     assert _serve(scenario, FakeEngineCore(step_delay_s=0.002)) == 1
+
+
+def test_streamed_text_equals_the_whole_text_with_split_utf8():
+    # Bytes 0xC3.. are UTF-8 lead bytes: each decodes to U+FFFD until the request ends.
+    async def scenario(client, fake, engine):
+        body = {"prompt": [0xC2], "max_tokens": 3}
+        whole = await (await client.post("/v1/completions", json=body)).json()
+        raw = await (await client.post("/v1/completions", json={**body, "stream": True})).text()
+        return whole["choices"][0]["text"], _sse_events(raw)
+
+    text, chunks = _serve(scenario)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["", ""]  # held back, not garbled

@@ -112,3 +112,14 @@ def test_error_body_is_openai_shaped():
     assert protocol.error_body("bad", param="prompt") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "prompt", "code": 400}
     }
+
+
+def test_stable_text_holds_back_a_trailing_replacement_char():
+    assert protocol.stable_text("ab\ufffd", finished=False) == "ab"
+    assert protocol.stable_text("ab\ufffd", finished=True) == "ab\ufffd"
+
+
+def test_external_kv_bytes_counts_whole_blocks():
+    assert protocol.external_kv_bytes(0, 16, 100) == 0
+    assert protocol.external_kv_bytes(16, 16, 100) == 100
+    assert protocol.external_kv_bytes(17, 16, 100) == 200

@@ -1,0 +1,228 @@
+"""`kvbridge proxy`: the P/D router. Each completion goes to a prefill node, then to a decode node.
+
+    kvbridge proxy --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 http://10.0.0.3:8200
+
+Per request (ARCHITECTURE.md, "P/D flow"):
+1. POST the body to the next prefill node (round-robin) with `max_tokens=1`, `stream=false` and
+   `kv_transfer_params={"do_remote_decode": true}`; its response carries `kv_transfer_params`
+   naming the blocks it holds for us.
+2. POST the original body to the next decode node with those params plus `do_remote_prefill:
+   true`, and return its response (streamed through byte for byte when `stream` is set).
+A node that is unreachable or answers 5xx gives a 502 that names it and its reason, a node that
+does not answer within `--timeout` a 504; a 4xx from a node (the client's mistake) is passed
+through unchanged. A client that hangs up closes the upstream connection, which aborts the
+request on that node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvbridge.serve.protocol import error_body
+
+PREFILL_PARAMS = {"do_remote_decode": True}
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+class RoundRobin:
+    """Cycles over node base URLs; `next()` is called on the event loop thread only."""
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("give at least one node URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self._cycle = itertools.cycle(self.urls)
+
+    def next(self) -> str:
+        return next(self._cycle)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request a prefill node gets: compute the prompt, keep its KV for a decode node."""
+    return {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
+
+
+def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The request a decode node gets: the client's body plus where to pull the prompt's KV from.
+    Without params (a prefill node that runs no connector) the decode node computes the prompt."""
+    kv = {**prefill_kv_params, "do_remote_prefill": True} if prefill_kv_params else None
+    return {**body, "kv_transfer_params": kv}
+
+
+def error_response(status: int, message: str, err_type: str) -> web.Response:
+    return web.json_response(error_body(message, err_type, status), status=status)
+
+
+class NodeFailure(Exception):
+    """An upstream node failed; `response` is what the client gets."""
+
+    def __init__(self, response) -> None:
+        super().__init__(response.text)
+        self.response = response
+
+
+class PDProxy:
+    """The proxy's handlers and its one client session (created in `on_startup`)."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0) -> None:
+        self.prefill = RoundRobin(prefill_urls)
+        self.decode = RoundRobin(decode_urls)
+        self.timeout_s = timeout_s
+        self.session = None
+        self.num_requests = 0
+        self.num_node_failures = 0
+
+    async def on_startup(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def _post(self, role: str, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST to a node; returns the open response, or raises NodeFailure with the client's answer."""
+        try:
+            resp = await self.session.post(f"{url}/v1/completions", json=body)
+        except asyncio.TimeoutError:
+            raise self._failure(504, f"{role} node {url} did not answer within {self.timeout_s:.0f}s") from None
+        except aiohttp.ClientError as exc:
+            raise self._failure(502, f"{role} node {url} is unreachable: {exc}") from None
+        if resp.status < 400:
+            return resp
+        try:
+            text = await resp.text()
+        finally:
+            resp.release()
+        if resp.status < 500:  # the client's mistake: pass the node's answer through
+            raise NodeFailure(web.Response(status=resp.status, text=text, content_type="application/json"))
+        raise self._failure(502, f"{role} node {url} failed with HTTP {resp.status}: {_error_message(text)}")
+
+    def _failure(self, status: int, message: str) -> NodeFailure:
+        self.num_node_failures += 1
+        return NodeFailure(error_response(status, message, "upstream_error"))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+        self.num_requests += 1
+        prefill_url, decode_url = self.prefill.next(), self.decode.next()
+        t0 = time.monotonic()
+        try:
+            resp = await self._post("prefill", prefill_url, prefill_body(body))
+            try:
+                prefill = await resp.json()
+            except (*UPSTREAM_ERRORS, ValueError) as exc:
+                raise self._failure(502, f"prefill node {prefill_url} sent a malformed response: {exc}") from None
+            finally:
+                resp.release()
+            t1 = time.monotonic()
+            resp = await self._post("decode", decode_url, decode_body(body, prefill.get("kv_transfer_params")))
+        except NodeFailure as failure:
+            return failure.response
+        try:
+            if body.get("stream"):
+                return await _stream_through(request, resp)
+            result = await resp.json()
+        except (*UPSTREAM_ERRORS, ValueError) as exc:
+            resp.close()
+            return error_response(502, f"decode node {decode_url} failed mid-response: {exc}", "upstream_error")
+        except BaseException:
+            resp.close()  # the client hung up: drop the upstream connection so the decode node aborts
+            raise
+        finally:
+            resp.release()
+        proxy_stats = {"prefill_url": prefill_url, "decode_url": decode_url, "prefill_s": round(t1 - t0, 6)}
+        proxy_stats.update(decode_s=round(time.monotonic() - t1, 6), prefill_kvbridge=prefill.get("kvbridge"))
+        if isinstance(result.get("kvbridge"), dict):
+            result["kvbridge"]["proxy"] = proxy_stats
+        return web.json_response(result)
+
+    async def health(self, request: web.Request) -> web.Response:
+        async def probe(url: str) -> str:
+            try:
+                async with self.session.get(f"{url}/health", timeout=PROBE_TIMEOUT) as resp:
+                    return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+            except Exception as exc:  # noqa: BLE001 - a probe reports, it does not raise
+                return f"unreachable: {type(exc).__name__}"
+
+        prefill = await asyncio.gather(*(probe(u) for u in self.prefill.urls))
+        decode = await asyncio.gather(*(probe(u) for u in self.decode.urls))
+        ok = "ok" in prefill and "ok" in decode
+        status = {
+            "status": "ok" if ok else "degraded",
+            "prefill": dict(zip(self.prefill.urls, prefill)),
+            "decode": dict(zip(self.decode.urls, decode)),
+            "num_requests": self.num_requests,
+            "num_node_failures": self.num_node_failures,
+        }
+        return web.json_response(status, status=200 if ok else 503)
+
+
+def _error_message(text: str) -> str:
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
+
+
+async def _stream_through(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """Copy the decode node's SSE stream to the client as it arrives."""
+    response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    try:
+        async for data in upstream.content.iter_any():
+            await response.write(data)
+    except UPSTREAM_ERRORS as exc:
+        message = json.dumps({"error": {"message": f"decode node failed mid-stream: {exc}", "code": 502}})
+        await response.write(f"data: {message}\n\ndata: [DONE]\n\n".encode())
+    await response.write_eof()
+    return response
+
+
+PROXY_KEY = web.AppKey("proxy", PDProxy)
+
+
+def create_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0) -> web.Application:
+    """The proxy's aiohttp app; `app[PROXY_KEY]` is the PDProxy. Run it with handler_cancellation=True."""
+    proxy = PDProxy(prefill_urls, decode_urls, timeout_s)
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app[PROXY_KEY] = proxy
+    app.on_startup.append(proxy.on_startup)
+    app.on_cleanup.append(proxy.on_cleanup)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_get("/health", proxy.health)
+    return app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL", help="prefill nodes")
+    parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL", help="decode nodes")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a node may stay silent")
+
+
+def run(args: argparse.Namespace) -> int:
+    app = create_proxy_app(args.prefill, args.decode, args.timeout)
+    print(f"kvbridge proxy: ready on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None)
+    except OSError as exc:
+        print(f"kvbridge proxy: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,168 @@
+"""The P/D proxy over in-process nodes with fake engines: routing, params, streaming, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+from aiohttp.test_utils import TestClient, TestServer
+from serve_fakes import FakeEngineCore
+
+import kvbridge.serve.proxy as proxy_mod
+from kvbridge.serve.api import create_app
+from kvbridge.serve.async_engine import AsyncEngine
+from kvbridge.serve.proxy import PROXY_KEY, RoundRobin, create_proxy_app, decode_body, prefill_body
+
+
+def test_round_robin_and_bodies():
+    rr = RoundRobin(["http://a/", "http://b"])
+    assert [rr.next() for _ in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
+    body = {"prompt": "x", "max_tokens": 9, "stream": True, "kv_transfer_params": {"junk": 1}}
+    assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert decode_body(body, {"remote_engine_id": "e"})["kv_transfer_params"] == {
+        "remote_engine_id": "e",
+        "do_remote_prefill": True,
+    }
+    assert decode_body(body, None)["kv_transfer_params"] is None
+    assert body["max_tokens"] == 9  # the client's body is not mutated
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+
+
+@contextlib.asynccontextmanager
+async def _cluster(fakes: list[FakeEngineCore], prefill_idx, decode_idx, extra_prefill=(), extra_decode=(), timeout_s=30.0):
+    """Nodes for `fakes`, and a client of a proxy over them (plus extra, e.g. dead, URLs)."""
+    engines = [AsyncEngine(lambda f=f: f) for f in fakes]
+    servers = []
+    try:
+        for i, engine in enumerate(engines):
+            engine.start()
+            await engine.wait_ready(10)
+            server = TestServer(create_app(engine, "tiny", "both"), handler_cancellation=True)
+            await server.start_server()
+            servers.append(server)
+        urls = [str(s.make_url("")).rstrip("/") for s in servers]
+        app = create_proxy_app(
+            [urls[i] for i in prefill_idx] + list(extra_prefill), [urls[i] for i in decode_idx] + list(extra_decode), timeout_s
+        )
+        async with TestClient(TestServer(app, handler_cancellation=True)) as client:
+            yield client, urls
+    finally:
+        for server in servers:
+            await server.close()
+        for engine in engines:
+            engine.shutdown()
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_proxy_round_robins_and_forwards_kv_params():
+    async def main():
+        fakes = [FakeEngineCore("n0"), FakeEngineCore("n1")]
+        async with _cluster(fakes, [0, 1], [0, 1]) as (client, urls):
+            bodies = []
+            for _ in range(4):
+                resp = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
+                assert resp.status == 200, await resp.text()
+                bodies.append(await resp.json())
+            return bodies, urls, fakes
+
+    bodies, urls, fakes = _run(main())
+    assert [b["kvbridge"]["proxy"]["prefill_url"] for b in bodies] == [urls[0], urls[1], urls[0], urls[1]]
+    assert [b["kvbridge"]["proxy"]["decode_url"] for b in bodies] == [urls[0], urls[1], urls[0], urls[1]]
+    for body in bodies:
+        assert body["choices"][0]["text"] == "cde"  # what one node gives for this prompt
+        assert body["kvbridge"]["num_external_tokens"] == 2  # the decode node got do_remote_prefill
+        assert body["kvbridge"]["proxy"]["prefill_kvbridge"]["num_external_tokens"] == 0
+    assert all(f.num_finished == 4 for f in fakes)  # 2 prefills + 2 decodes each
+
+
+def test_proxy_streams_the_decode_response_through():
+    async def main():
+        async with _cluster([FakeEngineCore("p"), FakeEngineCore("d")], [0], [1]) as (client, urls):
+            resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": True})
+            return resp.status, await resp.text()
+
+    status, raw = _run(main())
+    events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "bcde"
+    assert chunks[-1]["kvbridge"]["num_external_tokens"] == 1
+
+
+def test_dead_node_gives_502_naming_it_and_health_degrades():
+    dead = _dead_url()
+
+    async def main():
+        async with _cluster([FakeEngineCore()], [], [0], extra_prefill=[dead]) as (client, urls):
+            resp = await client.post("/v1/completions", json={"prompt": "a"})
+            health = await client.get("/health")
+            return resp.status, await resp.json(), health.status, await health.json()
+
+    status, body, health_status, health = _run(main())
+    assert status == 502 and dead in body["error"]["message"] and "prefill" in body["error"]["message"]
+    assert health_status == 503 and health["prefill"][dead].startswith("unreachable")
+    assert health["decode"] and all(v == "ok" for v in health["decode"].values())
+
+
+def test_silent_node_gives_504():
+    async def main():
+        slow = FakeEngineCore(step_delay_s=1.0)
+        async with _cluster([slow, FakeEngineCore()], [0], [1], timeout_s=0.3) as (client, urls):
+            resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            return resp.status, await resp.json()
+
+    status, body = _run(main())
+    assert status == 504 and "did not answer" in body["error"]["message"]
+
+
+def test_node_4xx_passes_through_and_5xx_becomes_502():
+    async def main():
+        async with _cluster([FakeEngineCore(), FakeEngineCore()], [0], [1]) as (client, urls):
+            bad = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": "many"})
+            not_json = await client.post("/v1/completions", data=b"nope")
+            health = await client.get("/health")
+            return bad.status, await bad.json(), not_json.status, health.status
+
+    bad_status, bad, not_json, health = _run(main())
+    assert bad_status == 400 and bad["error"]["param"] == "max_tokens"
+    assert not_json == 400 and health == 200
+
+
+def test_decode_failure_becomes_502_with_the_nodes_reason(monkeypatch):
+    # The fake engine ends a request that carries `fake_error` with that error: make the decode leg carry it.
+    monkeypatch.setattr(proxy_mod, "decode_body", lambda body, kv: {**body, "kv_transfer_params": {"fake_error": "pull failed"}})
+
+    async def main():
+        async with _cluster([FakeEngineCore(), FakeEngineCore()], [0], [1]) as (client, urls):
+            resp = await client.post("/v1/completions", json={"prompt": "a"})
+            return resp.status, await resp.json(), client.server.app[PROXY_KEY].num_node_failures
+
+    status, body, failures = _run(main())
+    assert status == 502 and "pull failed" in body["error"]["message"] and "decode node" in body["error"]["message"]
+    assert failures == 1
+
+
+def test_client_hang_up_aborts_on_the_decode_node():
+    async def main():
+        decode = FakeEngineCore("d", step_delay_s=0.002)
+        async with _cluster([FakeEngineCore("p"), decode], [0], [1]) as (client, urls):
+            resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 100_000, "stream": True})
+            await resp.content.readline()
+            resp.close()
+            for _ in range(300):
+                if not decode.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            return decode.num_aborted
+
+    assert _run(main()) == 1
