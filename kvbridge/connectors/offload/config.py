@@ -53,7 +53,7 @@ class OffloadConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> OffloadConfig:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known - {"connectors"})
+        unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"OffloadingConnector: unknown extra option(s) {unknown}; known: {sorted(known)}")
         return cls(**{k: v for k, v in extra.items() if k in known})

@@ -54,7 +54,7 @@ class OffloadScheduler:
             self.disk = DiskTierIndex(config.num_disk_blocks(block_nbytes), scan_block_files(config.disk_dir))
         self._reqs: dict[str, _RequestState] = {}
         self._matches: dict[str, tuple[int, int]] = {}  # req id -> (first block, number of blocks)
-        self._looked_up: set[str] = set()  # requests already counted in the hit-rate stats
+        self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (blocks looked up, blocks hit), latest
         self._failed_blocks: set[int] = set()
         self._stats = dict.fromkeys(
             ("lookup_blocks", "hit_blocks", "disk_hit_blocks", "stores_planned_blocks", "stores_skipped_full_blocks",
@@ -76,10 +76,7 @@ class OffloadScheduler:
             if not self._is_available(block_hash):
                 break
             num_hit += 1
-        if request.request_id not in self._looked_up:
-            self._looked_up.add(request.request_id)
-            self._stats["lookup_blocks"] += max(0, last - first)
-            self._stats["hit_blocks"] += num_hit
+        self._lookups[request.request_id] = (max(0, last - first), num_hit)  # counted at admission
         if num_hit == 0:
             self._matches.pop(request.request_id, None)
             return MatchResult(0, False)
@@ -87,6 +84,7 @@ class OffloadScheduler:
         return MatchResult(num_hit * self.block_size, True)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self._count_lookup(request.request_id)
         match = self._matches.pop(request.request_id, None)
         if match is None or num_external_tokens <= 0:
             return
@@ -106,6 +104,11 @@ class OffloadScheduler:
         state.load, state.is_load_emitted = job, False
         self._stats["loads_planned_blocks"] += job.num_blocks
         self._stats["disk_hit_blocks"] += sum(job.from_disk)
+
+    def _count_lookup(self, req_id: str) -> None:
+        num_lookup, num_hit = self._lookups.pop(req_id, (0, 0))
+        self._stats["lookup_blocks"] += num_lookup
+        self._stats["hit_blocks"] += num_hit
 
     def _pin_for_load(self, block_hash: BlockHash) -> tuple[int | None, bool]:
         if self.host.is_ready(block_hash):
@@ -218,7 +221,7 @@ class OffloadScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
         req_id = request.request_id
         self._matches.pop(req_id, None)
-        self._looked_up.discard(req_id)
+        self._lookups.pop(req_id, None)  # never admitted
         state = self._reqs.get(req_id)
         if state is None:
             return FinishResult(False, None)

@@ -1,0 +1,222 @@
+"""MultiConnector: several connectors behind one, e.g. P/D (NixlConnector) plus offload.
+
+    KVTransferConfig(connector="MultiConnector", extra={"connectors": [
+        {"connector": "NixlConnector", "role": "kv_both"},
+        {"connector": "OffloadingConnector", "extra": {"host_num_blocks": 4096}},
+    ]})
+
+Each entry of `extra["connectors"]` is a `KVTransferConfig` as a dict; missing `role`,
+`engine_id`, `load_failure_policy` and `flush_timeout_s` are inherited from the outer config.
+
+* loads: the first child (in list order) that offers tokens for a request serves it; the others
+  see the admission with zero external tokens;
+* saves: every child sees every step (its own metadata) and saves what it wants;
+* `request_finished` delays freeing if any child delays; the request is reported finished-sending
+  only once every child that delayed it has reported it. Which children delayed travels to the
+  worker side in the metadata (`finish_plans`), since the halves share nothing else;
+* `kv_transfer_params`: the children's dicts merged, earlier children winning on a clash;
+* `flush` gives all children one shared deadline; `shutdown` shuts every child down.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.config import KVTransferConfig
+from kvbridge.connectors.base import (
+    ConnectorContext,
+    FinishedTransfers,
+    FinishResult,
+    FlushResult,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    MatchResult,
+)
+from kvbridge.connectors.factory import create_connector
+from kvbridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
+    from kvbridge.engine.request import Request
+    from kvbridge.layout import KVCacheLayout
+
+_INHERITED = ("role", "engine_id", "load_failure_policy", "flush_timeout_s", "side_channel_host")
+
+
+@dataclass
+class MultiMetadata(KVConnectorMetadata):
+    children: list[KVConnectorMetadata | None]
+    # Requests finished since the last step -> indices of the children that delayed their free.
+    finish_plans: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
+    """The children's configs from `config.extra["connectors"]`."""
+    entries = config.extra.get("connectors")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(
+            "MultiConnector needs extra.connectors: a non-empty list of KVTransferConfig dicts, "
+            'e.g. [{"connector": "OffloadingConnector", "extra": {"host_num_blocks": 1024}}]'
+        )
+    children = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, KVTransferConfig):
+            children.append(entry)
+            continue
+        if not isinstance(entry, dict) or "connector" not in entry:
+            raise ConfigError(f"MultiConnector: extra.connectors[{i}] must be a dict with a 'connector' name")
+        if entry["connector"] == "MultiConnector":
+            raise ConfigError("MultiConnector: a MultiConnector cannot contain another MultiConnector")
+        inherited = {k: getattr(config, k) for k in _INHERITED if k not in entry}
+        try:
+            children.append(KVTransferConfig(**(inherited | entry)))
+        except TypeError as exc:
+            raise ConfigError(f"MultiConnector: extra.connectors[{i}] is not a valid KVTransferConfig: {exc}") from exc
+    return children
+
+
+class MultiConnector(KVConnectorBase):
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
+        super().__init__(config, role, context)
+        self.children: list[KVConnectorBase] = [create_connector(c, role, context) for c in child_configs(config)]
+        self._load_owner: dict[str, int] = {}  # scheduler: req id -> child that serves its load
+        self._finish_plans: dict[str, tuple[int, ...]] = {}  # scheduler: not yet sent to the worker
+        self._waiting_on: dict[str, set[int]] = {}  # worker: req id -> children still to report it sent
+        self._early_reports: dict[str, set[int]] = {}  # worker: reports that came before the plan
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+        self._load_owner.pop(request.request_id, None)
+        for i, child in enumerate(self.children):
+            num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if num_tokens is None:  # this child cannot tell yet: ask everyone again next step
+                return MatchResult(None, False)
+            if num_tokens > 0:
+                self._load_owner[request.request_id] = i
+                return MatchResult(num_tokens, load_async)
+        return MatchResult(0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        owner = self._load_owner.pop(request.request_id, None)
+        for i, child in enumerate(self.children):
+            child.update_state_after_alloc(request, block_ids, num_external_tokens if i == owner else 0)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        metas = [child.build_connector_meta(scheduler_output) for child in self.children]
+        plans, self._finish_plans = self._finish_plans, {}
+        return MultiMetadata(metas, plans)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for child in self.children:
+            child.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+        self._load_owner.pop(request.request_id, None)
+        delayed_by: list[int] = []
+        params: dict[str, Any] | None = None
+        for i, child in enumerate(self.children):
+            delay, child_params = child.request_finished(request, block_ids)
+            if delay:
+                delayed_by.append(i)
+            if child_params:
+                params = child_params | (params or {})  # earlier children win on a clash
+        self._finish_plans[request.request_id] = tuple(delayed_by)
+        return FinishResult(bool(delayed_by), params)
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._finish_plans) or any(c.has_pending_transfers() for c in self.children)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+        for child in self.children:
+            child.register_kv_caches(kv_cache, layout)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        assert isinstance(metadata, MultiMetadata) and len(metadata.children) == len(self.children)
+        for child, meta in zip(self.children, metadata.children):
+            if meta is not None:
+                child.bind_connector_metadata(meta)
+        for req_id, delayed_by in metadata.finish_plans.items():
+            early = self._early_reports.pop(req_id, set())
+            if delayed_by:
+                self._waiting_on[req_id] = set(delayed_by) - early
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for child in self.children:
+            child.clear_connector_metadata()
+
+    def start_load_kv(self) -> None:
+        for child in self.children:
+            child.start_load_kv()
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for child in self.children:
+            child.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int) -> None:
+        for child in self.children:
+            child.save_kv_layer(layer)
+
+    def wait_for_save(self) -> None:
+        for child in self.children:
+            child.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for i, child in enumerate(self.children):
+            child_sending, child_recving = child.get_finished(finished_req_ids)
+            recving |= child_recving
+            for req_id in child_sending:
+                waiting = self._waiting_on.get(req_id)
+                if waiting is None:  # the plan has not arrived yet (or nobody delayed it)
+                    self._early_reports.setdefault(req_id, set()).add(i)
+                    continue
+                waiting.discard(i)
+        for req_id in [r for r, waiting in self._waiting_on.items() if not waiting]:
+            del self._waiting_on[req_id]
+            sending.add(req_id)
+        return FinishedTransfers(sending, recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set().union(*(child.get_block_ids_with_load_errors() for child in self.children))
+
+    def flush(self, timeout_s: float) -> FlushResult:
+        deadline = time.monotonic() + timeout_s
+        results = [child.flush(max(1e-3, deadline - time.monotonic())) for child in self.children]
+        return FlushResult(
+            all(r.is_complete for r in results),
+            frozenset().union(*(r.pending_req_ids for r in results)),
+            sum(r.num_failed for r in results),
+        )
+
+    def shutdown(self) -> None:
+        errors = []
+        for child in self.children:
+            try:
+                child.shutdown()
+            except Exception as exc:  # noqa: BLE001 - shut the others down too, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ either side
+
+    def get_stats(self) -> dict[str, Any]:
+        return {f"{i}:{type(c).__name__}": c.get_stats() for i, c in enumerate(self.children)}
+
+    def check_integrity(self) -> None:
+        for child in self.children:
+            check = getattr(child, "check_integrity", None)
+            if check is not None:
+                check()
+

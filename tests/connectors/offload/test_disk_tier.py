@@ -1,0 +1,94 @@
+"""Disk tier files: round trip, and rejection of stale, foreign and corrupt files."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+
+from kvbridge.connectors.offload.disk_index import DiskTierIndex, block_file_name, scan_block_files
+from kvbridge.connectors.offload.disk_tier import DiskBlockError, DiskTier
+from kvbridge.layout import KVCacheLayout
+
+LAYOUT = KVCacheLayout(num_blocks=4, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+HASH = bytes(range(16))
+
+
+def _tier(directory, model_id="tiny", layout=LAYOUT) -> DiskTier:
+    return DiskTier(str(directory), layout.compat_hash(model_id), layout.block_nbytes)
+
+
+def _block(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.block_shape, generator=gen).to(torch.bfloat16).reshape(-1).view(torch.uint8)
+
+
+def test_round_trip(tmp_path):
+    tier = _tier(tmp_path)
+    block = _block(0)
+    tier.submit_write(HASH, block).result(timeout=10)
+    out = torch.zeros_like(block)
+    tier.submit_read(HASH, out).result(timeout=10)
+    assert torch.equal(out, block)
+    assert tier.get_stats()["disk_bytes_read"] == LAYOUT.block_nbytes
+    assert scan_block_files(str(tmp_path)) == [HASH]
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"model_id": "another-model"},
+        {"layout": KVCacheLayout(4, 2, 4, 2, 8, "float16")},  # same size, other dtype
+    ],
+)
+def test_foreign_files_are_rejected(tmp_path, other):
+    _tier(tmp_path, **other).write(HASH, _block(1))
+    with pytest.raises(DiskBlockError, match="compat hash|payload"):
+        _tier(tmp_path).read_into(HASH, torch.zeros(LAYOUT.block_nbytes, dtype=torch.uint8))
+
+
+def test_corrupt_truncated_and_old_version_files_are_rejected(tmp_path):
+    tier, out = _tier(tmp_path), torch.zeros(LAYOUT.block_nbytes, dtype=torch.uint8)
+    path = tier.path(HASH)
+    tier.write(HASH, _block(2))
+    with open(path, "r+b") as f:  # flip one payload byte
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(DiskBlockError, match="checksum"):
+        tier.read_into(HASH, out)
+    tier.write(HASH, _block(2))
+    os.truncate(path, os.path.getsize(path) - 10)
+    with pytest.raises(DiskBlockError, match="size"):
+        tier.read_into(HASH, out)
+    tier.write(HASH, _block(2))
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 999))
+    with pytest.raises(DiskBlockError, match="version"):
+        tier.read_into(HASH, out)
+    os.replace(path, tier.path(bytes(16)))  # a file under another block's name
+    with pytest.raises(DiskBlockError):
+        tier.read_into(bytes(16), out)
+    with pytest.raises(DiskBlockError, match="cannot read"):
+        tier.read_into(HASH, out)  # missing
+    assert tier.num_read_failures == 5
+
+
+def test_disk_index_capacity_pins_and_warm_scan(tmp_path):
+    for i in range(3):
+        (tmp_path / block_file_name(bytes([i]) * 16)).write_bytes(b"x")
+        os.utime(tmp_path / block_file_name(bytes([i]) * 16), (i, i))
+    (tmp_path / "unrelated.txt").write_text("ignored")
+    index = DiskTierIndex(capacity=2, initial=scan_block_files(str(tmp_path)))
+    assert bytes([0]) * 16 not in index and len(index) == 2  # the oldest went over capacity
+    assert index.take_deletes() == [bytes([0]) * 16]
+    index.pin(bytes([1]) * 16)
+    index.add(bytes([9]) * 16)
+    assert bytes([1]) * 16 in index and bytes([2]) * 16 not in index  # pinned survives
+    index.unpin(bytes([1]) * 16)
+    index.check_integrity()
