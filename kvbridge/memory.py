@@ -59,14 +59,9 @@ def rss_bytes() -> int:
 def count_live_tensors() -> int:
     """torch.Tensor objects (parameters included) the garbage collector can see. Runs gc first."""
     gc.collect()
-    count = 0
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor):
-                count += 1
-        except ReferenceError:  # a dead weakref proxy
-            continue
-    return count
+    # type(), not isinstance(): isinstance reads `obj.__class__`, which some module proxies
+    # (deprecated torch attributes, dead weakref proxies) turn into warnings or errors.
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:

@@ -71,7 +71,8 @@ class ModelRunner:
         wanted = requested or model_limit
         if wanted > capacity:
             # A request longer than the whole cache could never finish; cap instead of failing late.
-            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens", wanted, capacity)
+            log = logger.warning if requested is not None else logger.info
+            log("max_model_len %d capped to the KV cache capacity of %d tokens", wanted, capacity)
         return min(wanted, capacity)
 
     # ------------------------------------------------------------------ connector

@@ -1,0 +1,67 @@
+"""Byte-level tokenizer, tokenizer.json through the `tokenizers` library, special token ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from kvbridge.engine.presets import BYTE_VOCAB_BOS, BYTE_VOCAB_EOS
+from kvbridge.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, special_token_ids
+from kvbridge.errors import ModelLoadError
+
+WORDS = ["[UNK]", "<s>", "</s>", "hello", "world", "kv", "bridge", "!"]
+
+
+def write_tokenizer_json(path) -> None:
+    """A word-level tokenizer that adds <s> in front, as Llama's post-processor does."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_byte_tokenizer_round_trips_utf8():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    assert ids[0] == BYTE_VOCAB_BOS and all(0 <= i < 256 for i in ids[1:])
+    assert tok.decode(ids) == "héllo ✓"
+    assert tok.decode([*ids, BYTE_VOCAB_EOS, 300]) == "héllo ✓"  # specials and reserved ids skipped
+    assert tok.eos_token_id == BYTE_VOCAB_EOS and tok.vocab_size == 384
+
+
+def test_byte_tokenizer_without_bos():
+    tok = ByteTokenizer(bos_token_id=None, eos_token_ids=())
+    assert tok.encode("ab") == [97, 98] and tok.eos_token_id is None
+    with pytest.raises(ModelLoadError, match="at least 256"):
+        ByteTokenizer(vocab_size=100)
+
+
+def test_tokenizer_json_is_used_when_present(tmp_path):
+    write_tokenizer_json(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    tok = load_tokenizer(str(tmp_path), vocab_size=len(WORDS))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.encode("hello kv bridge !") == [1, 3, 5, 6, 7]
+    assert tok.decode([1, 3, 4, 2]) == "hello world"
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+
+
+def test_generation_config_eos_wins_and_may_list_several(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert special_token_ids(str(tmp_path)) == (1, (7, 2))
+    tok = load_tokenizer(str(tmp_path), vocab_size=512)
+    assert isinstance(tok, ByteTokenizer)  # no tokenizer.json: byte-level fallback
+    assert tok.eos_token_id == 7 and tok.eos_token_ids == (7, 2)
+
+
+def test_malformed_files_raise_model_load_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        load_tokenizer(str(tmp_path), vocab_size=512)
+    (tmp_path / "generation_config.json").write_text("[")
+    with pytest.raises(ModelLoadError, match="generation_config.json"):
+        special_token_ids(str(tmp_path))

@@ -1,0 +1,159 @@
+"""Loading local Hugging Face checkpoints written to tmp_path with safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
+from kvbridge.engine.presets import ModelArgs
+from kvbridge.engine.reference import dense_greedy, dense_logits
+from kvbridge.engine.request import Request
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.weights import random_model
+from kvbridge.errors import ConfigError, ModelLoadError
+
+LLAMA = ModelArgs(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=96, max_position=512, rope_theta=5000.0, rms_norm_eps=1e-6)  # fmt: skip
+
+
+def hf_names(num_layers: int, qkv_bias: bool, tied: bool) -> set[str]:
+    """The tensor names of a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM checkpoint."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if tied else {"lm_head.weight"})
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if qkv_bias:
+            names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
+def write_checkpoint(path, args: ModelArgs, arch: str, seed: int = 0, num_shards: int = 1, **config_extra):
+    """A random model saved the way transformers saves it; returns the model (float32, CPU)."""
+    model = random_model(args, seed)
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        del tensors["lm_head.weight"]  # transformers stores a tied head once
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(args.head_dim // 2)  # old exports
+    assert set(tensors) - {"model.layers.0.self_attn.rotary_emb.inv_freq"} == hf_names(
+        args.num_layers, args.qkv_bias, args.tie_word_embeddings
+    )
+    names = sorted(tensors)
+    shards = [names[i::num_shards] for i in range(num_shards)]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" if num_shards > 1 else "model.safetensors"
+        save_file({n: tensors[n] for n in shard}, os.path.join(path, file))
+        weight_map.update({n: file for n in shard})
+    if num_shards > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config = {
+        "architectures": [arch], "vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads, "intermediate_size": args.intermediate_size,
+        "max_position_embeddings": args.max_position, "rope_theta": args.rope_theta,
+        "rms_norm_eps": args.rms_norm_eps, "tie_word_embeddings": args.tie_word_embeddings,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", **config_extra,
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return model
+
+
+def assert_loads_like(path, reference_model, max_model_len=128):
+    runner = ModelRunner(ModelConfig(model=str(path), max_model_len=max_model_len), CacheConfig(num_blocks=16))
+    reference_model.attach_rotary(max_model_len)
+    prompt = [1, 17, 250, 3, 99, 42, 7]
+    torch.testing.assert_close(dense_logits(runner.model, prompt), dense_logits(reference_model, prompt), atol=1e-5, rtol=1e-5)
+    # And through the paged path: one prefill step samples the dense greedy token.
+    req = Request("r", prompt, SamplingParams(temperature=0.0), 16)
+    out = runner.execute(SchedulerOutput([ScheduledRequest(req, 0, len(prompt), [5])]))
+    assert out.sampled_token_ids["r"] == dense_greedy(reference_model, prompt, 1)[0]
+    return runner
+
+
+def test_llama_sharded(tmp_path):
+    ref = write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM", seed=1, num_shards=3)
+    runner = assert_loads_like(tmp_path, ref)
+    assert runner.model_id.startswith(f"{tmp_path.name}:") and len(runner.model_id.split(":")[1]) == 12
+    assert runner.layout.num_kv_heads == 2 and runner.layout.head_dim == 16
+    assert runner.tokenizer.eos_token_id == 2  # byte-level fallback, ids from config.json
+    runner.shutdown()
+
+
+def test_qwen2_biases_tied_embeddings_and_tokenizer_json(tmp_path):
+    args = ModelArgs(**{**LLAMA.__dict__, "qkv_bias": True, "tie_word_embeddings": True})
+    ref = write_checkpoint(tmp_path, args, "Qwen2ForCausalLM", seed=2, sliding_window=64, use_sliding_window=False)
+    words = ["<unk>", "<|endoftext|>", "<|im_end|>", "hello", "world"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    runner = assert_loads_like(tmp_path, ref)
+    assert runner.tokenizer.encode("hello world") == [3, 4]  # Qwen2 adds no BOS
+    assert runner.tokenizer.decode([3, 4]) == "hello world"
+    assert runner.tokenizer.eos_token_ids == (2, 1)
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+    assert runner.max_model_len == 128  # sliding window unused by Qwen2 unless use_sliding_window
+    runner.shutdown()
+
+
+def test_mistral_explicit_head_dim_and_sliding_window_cap(tmp_path):
+    args = ModelArgs(**{**LLAMA.__dict__, "head_dim": 32})  # != hidden_size / num_heads
+    ref = write_checkpoint(tmp_path, args, "MistralForCausalLM", seed=3, head_dim=32, sliding_window=96)
+    runner = assert_loads_like(tmp_path, ref, max_model_len=96)
+    assert runner.layout.head_dim == 32
+    runner.shutdown()
+    with pytest.raises(ConfigError, match="exceeds the model's limit of 96"):
+        ModelRunner(ModelConfig(model=str(tmp_path), max_model_len=128), CacheConfig(num_blocks=16))
+
+
+def test_not_a_preset_nor_a_directory():
+    with pytest.raises(ModelLoadError, match="fetches nothing"):
+        ModelRunner(ModelConfig(model="meta-llama/Llama-3-8B"), CacheConfig(num_blocks=4))
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+def test_unsupported_architecture(tmp_path):
+    write_checkpoint(tmp_path, LLAMA, "GPT2LMHeadModel")
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*not supported"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+def test_missing_shard(tmp_path):
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM", num_shards=2)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(ModelLoadError, match="missing"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+def test_missing_tensor_and_wrong_shape(tmp_path):
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(ModelLoadError, match="has shape"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ModelLoadError, match="lacks .* tensors"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+def test_no_safetensors(tmp_path):
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM")
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
