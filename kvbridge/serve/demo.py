@@ -1,0 +1,184 @@
+"""`kvbridge demo`: P/D disaggregation on one machine, checked against one colocated engine.
+
+Starts a prefill node, a decode node and the proxy as separate processes on loopback, sends
+prompts of mixed lengths through the proxy (greedy), prints each completion with the KV bytes
+the decode node pulled and the times, and checks that each completion equals what one engine
+without a connector gives in this process. Exit code 0: all match; 1: a mismatch or a failed
+request; 2: the cluster did not start. The children are stopped on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+from kvbridge.errors import NodeStartError
+
+_STORY = (
+    "Prefill and decode have different appetites: prefill is a burst of matrix multiplies over the "
+    "whole prompt, decode is a long trickle of one token at a time that mostly reads memory. "
+    "Running them on separate machines lets each be sized and batched for its own work, "
+    "provided the prompt's KV cache moves from one to the other quickly and correctly. "
+)
+
+
+def demo_prompts(num_prompts: int) -> list[str]:
+    """Mixed lengths: short, medium, several blocks long, a long shared prefix (partly cached on the
+    decode node by then) and an exact repeat (fully cached). Cycles with a numbered suffix."""
+    base = [
+        "Hello, kvbridge!",
+        "The quick brown fox jumps over the lazy dog, twice, for good measure.",
+        _STORY,
+        _STORY + "Which of the two phases would you put on the bigger machine, and why?",
+        "The quick brown fox jumps over the lazy dog, twice, for good measure.",
+    ]
+    return [base[i % len(base)] + (f" [{i // len(base)}]" if i >= len(base) else "") for i in range(num_prompts)]
+
+
+def reference_completions(args: argparse.Namespace, prompts: list[str]) -> list[list[int]]:
+    """Greedy token ids from one colocated engine (no connector), one prompt at a time."""
+    from kvbridge import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    with LLM(model=args.model, dtype=args.dtype, seed=args.seed) as llm:
+        return [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+
+
+def _request_row(index: int, prompt: str, status: int, body: Any, expected: list[int]) -> dict[str, Any]:
+    if status != 200 or not isinstance(body, dict):
+        error = body.get("error", {}).get("message") if isinstance(body, dict) else str(body)
+        return {"index": index, "ok": False, "match": False, "error": f"HTTP {status}: {error}"}
+    stats = body.get("kvbridge", {})
+    proxy = stats.get("proxy", {})
+    token_ids = body["choices"][0]["token_ids"]
+    return {
+        "index": index,
+        "ok": True,
+        "match": token_ids == expected,
+        "prompt_tokens": body["usage"]["prompt_tokens"],
+        "completion_tokens": body["usage"]["completion_tokens"],
+        "cached_tokens": stats.get("num_cached_tokens", 0),
+        "external_tokens": stats.get("num_external_tokens", 0),
+        "kv_bytes": stats.get("kv_transfer_bytes", 0),
+        "prefill_s": proxy.get("prefill_s"),
+        "decode_ttft_s": stats.get("ttft_s"),
+        "total_s": proxy.get("prefill_s", 0) + proxy.get("decode_s", 0),
+        "text": body["choices"][0]["text"],
+        "prompt": prompt,
+    }
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    if not row["ok"]:
+        print(f"[{row['index']}] FAILED {row['error']}")
+        return
+    mark = "match" if row["match"] else "MISMATCH"
+    print(
+        f"[{row['index']}] {row['prompt_tokens']:4d} prompt tokens: {row['cached_tokens']:4d} cached on decode, "
+        f"{row['external_tokens']:4d} pulled ({row['kv_bytes'] / 1024:7.1f} KiB); prefill {row['prefill_s'] * 1e3:7.1f} ms, "
+        f"decode TTFT {row['decode_ttft_s'] * 1e3:7.1f} ms, total {row['total_s'] * 1e3:7.1f} ms  [{mark}]"
+    )
+    print(f"     prompt: {row['prompt'][:60]!r}{'...' if len(row['prompt']) > 60 else ''}")
+    print(f"     completion: {row['text']!r}")
+
+
+def _versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    from kvbridge import __version__
+
+    versions: dict[str, str | None] = {"kvbridge": __version__, "python": platform.python_version()}
+    for name in ("torch", "nixl", "aiohttp"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the cluster, compute the reference while it boots, send the prompts. Returns the summary."""
+    from kvbridge.serve.launcher import PDCluster, http_json
+
+    prompts = demo_prompts(args.num_prompts)
+    node_args = ["--dtype", args.dtype, "--seed", str(args.seed), "--num-threads", "1"]
+    node_args += ["--no-connector"] if args.no_connector else ["--kv-connector", args.kv_connector]
+    cluster = PDCluster(args.model, node_args=node_args, startup_timeout_s=args.startup_timeout)
+    t_start = time.monotonic()
+    cluster.start()
+    try:
+        expected = reference_completions(args, prompts)  # while the nodes boot
+        cluster.wait()
+        t_ready = time.monotonic()
+        rows = []
+        for i, prompt in enumerate(prompts):
+            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+            status, response = http_json(f"{cluster.proxy_url}/v1/completions", body, timeout_s=args.request_timeout)
+            rows.append(_request_row(i, prompt, status, response, expected[i]))
+            if not args.json:
+                _print_row(rows[-1])
+        t_done = time.monotonic()
+    finally:
+        cluster.stop()
+    ok_rows = [r for r in rows if r["ok"]]
+    return {
+        "requests": len(rows),
+        "all_match": all(r["match"] for r in rows),
+        "num_failed": len(rows) - len(ok_rows),
+        "bytes_transferred": sum(r["kv_bytes"] for r in ok_rows),
+        "external_tokens": sum(r["external_tokens"] for r in ok_rows),
+        "startup_s": round(t_ready - t_start, 3),
+        "requests_s": round(t_done - t_ready, 3),
+        "mean_prefill_s": _mean(r["prefill_s"] for r in ok_rows),
+        "mean_decode_ttft_s": _mean(r["decode_ttft_s"] for r in ok_rows),
+        "per_request": [{k: v for k, v in r.items() if k not in ("text", "prompt")} for r in rows],
+        "parameters": {k: getattr(args, k) for k in ("model", "dtype", "seed", "num_prompts", "max_tokens")}
+        | {"connector": None if args.no_connector else args.kv_connector},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "versions": _versions(),
+    }
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 6) if values else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON summary instead of the table")
+    parser.add_argument("--num-prompts", type=int, default=5)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--kv-connector", default="NixlConnector")
+    parser.add_argument("--no-connector", action="store_true", help="route only; the decode node recomputes")
+    parser.add_argument("--startup-timeout", type=float, default=180.0, help="seconds for the nodes to be healthy")
+    parser.add_argument("--request-timeout", type=float, default=120.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        print("kvbridge demo: --num-prompts must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        summary = run_demo(args)
+    except NodeStartError as exc:
+        print(f"kvbridge demo: the cluster did not start: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvbridge demo: interrupted; all processes stopped", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        verdict = "all completions match the colocated engine" if summary["all_match"] else "MISMATCH"
+        print(
+            f"{summary['requests']} requests, {summary['bytes_transferred'] / 1024:.1f} KiB of KV pulled by the "
+            f"decode node; {verdict}"
+        )
+    return 0 if summary["all_match"] else 1

@@ -1,0 +1,221 @@
+"""Start node and proxy subprocesses on loopback, wait until they are healthy, always stop them.
+
+Used by `kvbridge demo` and by the multi-process tests:
+
+    with PDCluster(model="tiny", num_prefill=1, num_decode=1) as cluster:   # raises NodeStartError
+        post_json(f"{cluster.proxy_url}/v1/completions", {"prompt": "hi"})
+    # every child is stopped here: SIGTERM, then SIGKILL after a grace period
+
+Children run `python -m kvbridge.cli serve|proxy ...` in their own session with their output in a
+log file (never a pipe that could fill up and block them). On Linux they also get SIGTERM if the
+process that started them dies (PR_SET_PDEATHSIG), so a killed demo leaves no orphans; start
+them from a thread that lives as long as they should (the main thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from kvbridge.errors import NodeStartError
+
+HOST = "127.0.0.1"
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """`count` distinct ports that were free a moment ago (held open together, so never equal)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedProcess:
+    """One child process with its base URL and log file. `stop()` is idempotent."""
+
+    def __init__(self, name: str, url: str, argv: list[str], log_dir: str, env: dict[str, str] | None = None):
+        self.name, self.url, self.argv = name, url, argv
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the children in order
+            preexec_fn=_die_with_parent,
+            env={**os.environ, **(env or {})},
+        )
+
+    def is_running(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - num_chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def signal_stop(self) -> None:
+        if self.is_running():
+            self.popen.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM, wait up to `grace_s`, then SIGKILL. Returns the exit code."""
+        self.signal_stop()
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120.0) -> tuple[int, Any]:
+    """GET (body None) or POST JSON; returns (status, decoded JSON or text). Raises OSError when unreachable."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def wait_healthy(procs: Sequence[ManagedProcess], timeout_s: float) -> None:
+    """Wait until every process answers 200 on /health. Raises NodeStartError with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            if not proc.is_running():
+                raise NodeStartError(
+                    f"{proc.name} exited with code {proc.popen.returncode} before it was healthy; "
+                    f"its log ({proc.log_path}) ends with:\n{proc.log_tail()}"
+                )
+            with contextlib.suppress(OSError):
+                if http_json(f"{proc.url}/health", timeout_s=2.0)[0] == 200:
+                    pending.remove(proc)
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise NodeStartError(
+                f"{names} not healthy after {timeout_s:.0f}s; raise the start-up timeout on a slow machine. "
+                f"Log of {pending[0].name} ({pending[0].log_path}) ends with:\n{pending[0].log_tail()}"
+            )
+        if pending:
+            time.sleep(0.1)
+
+
+def cli_argv(command: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "kvbridge.cli", command, *args]
+
+
+def start_node(
+    name: str, role: str, log_dir: str, model: str = "tiny", extra_args: Sequence[str] = (), env=None
+) -> ManagedProcess:
+    """`kvbridge serve --role ROLE` on free loopback ports (HTTP and side channel)."""
+    port, side_channel_port = free_ports(2)
+    argv = cli_argv(
+        "serve", "--role", role, "--host", HOST, "--port", str(port),
+        "--side-channel-port", str(side_channel_port), "--model", model, *extra_args,
+    )  # fmt: skip
+    return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir, env)
+
+
+def start_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], log_dir: str, timeout_s: float = 120.0):
+    (port,) = free_ports(1)
+    argv = cli_argv(
+        "proxy", "--host", HOST, "--port", str(port), "--timeout", str(timeout_s),
+        "--prefill", *prefill_urls, "--decode", *decode_urls,
+    )  # fmt: skip
+    return ManagedProcess("proxy", f"http://{HOST}:{port}", argv, log_dir)
+
+
+class PDCluster:
+    """`num_prefill` prefill nodes, `num_decode` decode nodes and a proxy over them, as processes.
+
+    `node_args` go to every `kvbridge serve` (e.g. `["--num-blocks", "64"]`, or `["--no-connector"]`).
+    Entering starts them and waits for health (`start()` + `wait()` split the two, so a caller can
+    work while they boot); leaving (or `stop()`) stops them all, whatever happened.
+    """
+
+    def __init__(self, model: str = "tiny", num_prefill: int = 1, num_decode: int = 1, node_args=(), env=None,
+                 startup_timeout_s: float = 120.0, log_dir: str | None = None) -> None:  # fmt: skip
+        self.model, self.num_prefill, self.num_decode = model, num_prefill, num_decode
+        self.node_args, self.env, self.startup_timeout_s = list(node_args), env, startup_timeout_s
+        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="kvbridge-cluster-")
+        self.log_dir = log_dir or self._tmp.name
+        self.prefill: list[ManagedProcess] = []
+        self.decode: list[ManagedProcess] = []
+        self.proxy: ManagedProcess | None = None
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return self.prefill + self.decode + ([self.proxy] if self.proxy else [])
+
+    @property
+    def proxy_url(self) -> str:
+        return self.proxy.url
+
+    def start(self) -> PDCluster:
+        try:
+            for i in range(self.num_prefill):
+                self.prefill.append(start_node(f"prefill{i}", "prefill", self.log_dir, self.model, self.node_args, self.env))
+            for i in range(self.num_decode):
+                self.decode.append(start_node(f"decode{i}", "decode", self.log_dir, self.model, self.node_args, self.env))
+            self.proxy = start_proxy([p.url for p in self.prefill], [d.url for d in self.decode], self.log_dir)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait(self) -> None:
+        try:
+            wait_healthy(self.processes, self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            proc.signal_stop()  # all at once: they shut down in parallel
+        for proc in self.processes:
+            proc.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> PDCluster:
+        self.start()
+        self.wait()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
