@@ -38,7 +38,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     device, dtype = torch.device(model_config.device), getattr(torch, model_config.dtype)
     if is_preset(model_config.model):
         args = get_preset(model_config.model)
-        model = random_model(args, model_config.seed).to(device=device, dtype=dtype)
+        model = byte_level_head(random_model(args, model_config.seed)).to(device=device, dtype=dtype)
         tokenizer = ByteTokenizer(args.vocab_size, args.bos_token_id, (args.eos_token_id,))
         return LoadedModel(model.eval(), tokenizer, f"{model_config.model}:seed={model_config.seed}", args.max_position)
     path = model_config.model
@@ -72,6 +72,24 @@ def random_model(args: ModelArgs, seed: int) -> LlamaForCausalLM:
                 param.normal_(0.0, 1.0, generator=gen)
             else:
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+    return model
+
+
+def byte_level_head(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Shape a random preset's LM head for its byte-level tokenizer (cosmetic, for demos).
+
+    Rows of ids >= 256 (BOS/EOS/PAD and reserved ids) are zeroed: their logit is 0 while the
+    best byte's is well above, so greedy decoding never stops or emits undecodable ids at once
+    (EOS can still be sampled at temperature > 0). Rows of printable ASCII are scaled by 1.5,
+    so greedy output mostly prints.
+    """
+    if model.args.tie_word_embeddings or model.args.vocab_size <= 256:
+        return model  # the head is the embedding table, or there is nothing to shape
+    printable = [*range(32, 127), 10]
+    with torch.no_grad():
+        head = model.lm_head.weight  # [vocab, hidden]
+        head[256:] = 0.0
+        head[printable] *= 1.5
     return model
 
 
