@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import time
 import weakref
 
 from kvbridge import env
@@ -29,6 +30,8 @@ from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 from kvbridge.errors import EngineShutdownError, FlushTimeoutError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+IDLE_SLEEP_S = 0.001  # poll interval while waiting on transfers
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -179,16 +182,34 @@ class EngineCore:
     # ------------------------------------------------------------------ flush, reset, stats
 
     def _flush(self, timeout_s: float) -> frozenset[str]:
-        """Drive the worker connector's transfers to an end (bounded), then let the scheduler learn
-        what finished through a step that computes nothing. Returns the requests still in flight."""
+        """Drive every transfer to an end, waiting at most `timeout_s`. Returns the requests still in
+        flight at the deadline (empty when all ended).
+
+        Steps that compute nothing hand the scheduler side's pending plan (e.g. saves decided in
+        `request_finished`) to the worker and feed what finished back into the scheduler; the
+        worker's `flush` waits in between.
+        """
         if self.worker_connector is None:
             return frozenset()
-        result = self.worker_connector.flush(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._empty_step()
+            if not self.scheduler.has_pending_transfers():
+                return frozenset()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self.scheduler.conn.pending_req_ids()
+            result = self.worker_connector.flush(remaining)
+            if not result.is_complete:
+                self._empty_step()
+                return result.pending_req_ids | self.scheduler.conn.pending_req_ids()
+            time.sleep(IDLE_SLEEP_S)  # complete, but not yet reported: poll again
+
+    def _empty_step(self) -> None:
         empty = self.scheduler.empty_output()
         empty.kv_connector_metadata = self.scheduler.build_connector_meta(empty)
         updates = self.scheduler.update_from_output(empty, self.runner.execute(empty))
         self._pending_outputs.extend(self._to_output(u) for u in updates)
-        return frozenset() if result.is_complete else result.pending_req_ids
 
     def reset_prefix_cache(self, timeout_s: float | None = None) -> bool:
         """Forget every cached prefix, after in-flight transfers finished (waits at most `timeout_s`,

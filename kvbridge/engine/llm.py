@@ -13,14 +13,13 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from kvbridge.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from kvbridge.engine.core import EngineCore
+from kvbridge.engine.core import IDLE_SLEEP_S, EngineCore
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, EngineStalledError, InvalidRequestError
 
 Prompt = Union[str, dict[str, Any]]  # text, or {"prompt_token_ids": [...]}
 
-IDLE_SLEEP_S = 0.001  # a step computed nothing (transfers pending): do not spin the CPU
 STALL_GRACE_S = 30.0  # added to the flush timeout before a request making no progress is an error
 
 

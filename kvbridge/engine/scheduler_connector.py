@@ -53,6 +53,10 @@ class ConnectorState:
         busy = self.connector is not None and self.connector.has_pending_transfers()
         return busy or bool(self._parked or self._send_hold or self._recv_hold)
 
+    def pending_req_ids(self) -> frozenset[str]:
+        """Requests this scheduler waits on a transfer for (parked loads, held blocks)."""
+        return frozenset(self._parked) | self._send_hold | self._recv_hold
+
     def block_owners(self) -> set[str]:
         """Finished requests whose blocks are still held for a transfer."""
         return self._send_hold | self._recv_hold

@@ -1,0 +1,217 @@
+"""The engine drives a connector: async and sync loads, delayed free, load errors, flush on reset and
+shutdown, and the connector registry. Uses `DelayConnector` (transfers finish on threads)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+from delay_connector import STORES, DelayConnector
+
+from kvbridge import LLM, SamplingParams
+from kvbridge.config import KVTransferConfig
+from kvbridge.connectors import factory
+from kvbridge.connectors.base import ConnectorContext, KVConnectorRole
+from kvbridge.engine.request import RequestStatus
+from kvbridge.errors import ConnectorNotFoundError, FlushTimeoutError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [random.Random(7).randrange(256) for _ in range(52)]  # 3 full blocks of 16 + 4 tokens
+_ids = itertools.count()
+
+
+def make_llm(flush_timeout_s: float = 5.0, **extra) -> LLM:
+    extra.setdefault("store", uuid.uuid4().hex)
+    config = KVTransferConfig(connector="delay_connector:DelayConnector", flush_timeout_s=flush_timeout_s, extra=extra)
+    return LLM(num_blocks=32, kv_transfer_config=config)
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    with LLM(num_blocks=32) as llm:
+        return llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+
+
+def run(llm: LLM, prompt=PROMPT, params=GREEDY, max_steps=5000):
+    """Drive the engine by hand; return (final output, statuses seen after each step)."""
+    request_id = f"t{next(_ids)}"
+    llm.engine.add_request(request_id, list(prompt), params)
+    request = llm.engine.scheduler.requests[request_id]
+    seen, final = [], None
+    for _ in range(max_steps):
+        for out in llm.engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+        seen.append(request.status)
+        llm.engine.check_integrity()
+        if final is not None:
+            return final, seen
+        if llm.engine.is_idle:
+            time.sleep(0.001)
+    raise AssertionError("request did not finish")
+
+
+def test_async_load_parks_request_and_output_matches(expected):
+    with make_llm(delay_s=0.05) as llm:
+        first, _ = run(llm)  # computes the prompt; its 3 full blocks are saved to the store
+        assert first.outputs[0].token_ids == expected and first.kv_transfer_params == {"saved_blocks": 3}
+        assert llm.reset_prefix_cache()  # waits for the save; local cache now empty
+        computed_before = llm.get_stats()["num_computed_tokens"]
+        second, seen = run(llm)
+        assert RequestStatus.WAITING_FOR_REMOTE_KVS in seen
+        assert second.num_external_tokens == 48 and second.num_cached_tokens == 0
+        assert second.outputs[0].token_ids == expected
+        assert llm.get_stats()["num_computed_tokens"] - computed_before == 52 - 48 + 7  # 4 prompt + 7 decodes
+        # The loaded blocks were registered: a third run hits them locally.
+        third, _ = run(llm)
+        assert third.num_cached_tokens == 48 and third.outputs[0].token_ids == expected
+
+
+def test_sync_load_counts_as_computed_in_the_same_step(expected):
+    with make_llm(load_async=False, delay_s=0.0) as llm:
+        run(llm)
+        llm.reset_prefix_cache()
+        second, seen = run(llm)
+        assert RequestStatus.WAITING_FOR_REMOTE_KVS not in seen
+        assert second.num_external_tokens == 48 and second.outputs[0].token_ids == expected
+        assert llm.get_stats()["num_external_tokens"] == 48
+
+
+def test_full_prompt_from_outside_recomputes_the_last_token(expected):
+    prompt = PROMPT[:48]  # exactly three blocks
+    with LLM(num_blocks=32) as ref:
+        want = ref.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    with make_llm(full_prompt=True) as llm:
+        run(llm, prompt)
+        llm.reset_prefix_cache()
+        before = llm.get_stats()["num_computed_tokens"]
+        out, _ = run(llm, prompt)
+        assert out.num_external_tokens == 48 and out.outputs[0].token_ids == want
+        assert llm.get_stats()["num_computed_tokens"] - before == 1 + 7
+
+
+def test_delayed_free_holds_blocks_until_finished_sending():
+    with make_llm(delay_s=0.3) as llm:
+        out, _ = run(llm)
+        assert out.kv_transfer_params == {"saved_blocks": 3}
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_used_blocks == 4 and llm.engine.has_pending_transfers()  # held for the save
+        deadline = time.monotonic() + 5
+        while llm.engine.has_pending_transfers() and time.monotonic() < deadline:
+            llm.engine.step()
+            llm.engine.check_integrity()
+            time.sleep(0.01)
+        assert pool.num_used_blocks == 0 and not llm.engine.has_pending_transfers()
+        assert len(STORES[llm.config.kv_transfer.extra["store"]]) == 3
+
+
+def test_load_error_recompute_gives_the_right_output(expected):
+    with make_llm(fail_loads=1) as llm:
+        run(llm)
+        llm.reset_prefix_cache()
+        out, _ = run(llm)  # the first loaded block is NaN garbage: rolled back to token 0, recomputed
+        assert out.outputs[0].token_ids == expected and out.error is None
+        stats = llm.get_stats()
+        assert stats["num_failed_load_blocks"] == 1 and stats["num_load_recomputes"] == 1
+        assert out.num_external_tokens == 0
+
+
+def test_load_error_fail_policy_finishes_with_the_cause():
+    store = uuid.uuid4().hex
+    with make_llm(store=store) as llm:
+        run(llm)
+    config = KVTransferConfig(connector="delay_connector:DelayConnector", load_failure_policy="fail",
+                              extra={"store": store, "fail_loads": 1})
+    with LLM(num_blocks=32, kv_transfer_config=config) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+        assert out.finished and out.outputs[0].finish_reason == "error"
+        assert "failed to load KV" in out.error and "load_failure_policy" in out.error
+        assert llm.get_stats()["num_load_failures"] == 1
+        while llm.engine.has_pending_transfers():
+            llm.engine.step()
+        assert llm.engine.scheduler.kv.pool.num_used_blocks == 0
+        llm.engine.check_integrity()
+
+
+def test_reset_waits_for_in_flight_transfers():
+    with make_llm(delay_s=0.3) as llm:
+        run(llm)
+        assert llm.engine.has_pending_transfers()
+        start = time.monotonic()
+        assert llm.reset_prefix_cache() is True
+        assert time.monotonic() - start > 0.1  # it waited for the save
+        assert not llm.engine.has_pending_transfers()
+        assert llm.engine.scheduler.kv.pool.num_used_blocks == 0
+        assert llm.engine.scheduler.kv.pool.num_cached_blocks == 0
+        llm.engine.check_integrity()
+
+
+def test_reset_times_out_naming_the_requests():
+    with make_llm(never_finish=True, flush_timeout_s=0.3) as llm:
+        out, _ = run(llm)
+        with pytest.raises(FlushTimeoutError, match=out.request_id) as info:
+            llm.engine.reset_prefix_cache(timeout_s=0.2)
+        assert info.value.pending_req_ids == {out.request_id}
+
+
+def test_shutdown_flushes_then_shuts_both_halves_down():
+    llm = make_llm(delay_s=0.2)
+    run(llm)
+    worker, scheduler_side = llm.engine.worker_connector, llm.engine.scheduler_connector
+    store = STORES[llm.config.kv_transfer.extra["store"]]
+    assert len(store) == 0  # the save is still in flight
+    llm.shutdown()
+    assert worker.num_flushes == 1 and len(store) == 3
+    assert worker.num_shutdowns == 1 and scheduler_side.num_shutdowns == 1
+    assert worker._kv is None
+    llm.shutdown()
+    assert worker.num_shutdowns == 1
+
+
+def test_shutdown_with_transfers_that_never_finish_is_bounded():
+    config = KVTransferConfig(connector="delay_connector:DelayConnector", flush_timeout_s=0.2,
+                              extra={"store": uuid.uuid4().hex, "never_finish": True})
+    llm = LLM(num_blocks=32, kv_transfer_config=config)
+    run(llm)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 3
+
+
+def test_abort_while_loading_holds_blocks_until_the_load_ends():
+    with make_llm(delay_s=0.3) as llm:
+        run(llm)
+        llm.reset_prefix_cache()
+        llm.engine.add_request("victim", list(PROMPT), GREEDY)
+        llm.engine.step()
+        assert llm.engine.scheduler.requests["victim"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        llm.engine.abort_request("victim")
+        [out] = llm.engine.step()
+        assert out.finished and out.outputs[0].finish_reason == "abort"
+        assert llm.engine.scheduler.kv.pool.num_used_blocks == 3  # the load still writes into them
+        llm.reset_prefix_cache()  # flush: the load ends
+        assert llm.engine.scheduler.kv.pool.num_used_blocks == 0
+        llm.engine.check_integrity()
+
+
+# ---------------------------------------------------------------------- registry
+
+
+def test_unknown_connector_lists_the_available_ones():
+    with pytest.raises(ConnectorNotFoundError) as info:
+        factory.resolve_connector_class("Nope")
+    assert "NixlConnector" in str(info.value) and "OffloadingConnector" in str(info.value)
+
+
+def test_module_class_path_and_entry_point(monkeypatch):
+    assert factory.resolve_connector_class("delay_connector:DelayConnector") is DelayConnector
+    plugin = SimpleNamespace(name="Delayed", value="delay_connector:DelayConnector")
+    monkeypatch.setattr(factory, "entry_points", lambda group: [plugin] if group == factory.ENTRY_POINT_GROUP else [])
+    assert "Delayed" in factory.available_connectors()
+    context = ConnectorContext(model_id="m", block_size=16, device="cpu")
+    connector = factory.create_connector(KVTransferConfig(connector="Delayed"), KVConnectorRole.WORKER, context)
+    assert isinstance(connector, DelayConnector) and connector.role is KVConnectorRole.WORKER
