@@ -117,7 +117,7 @@ async def serve(app, engine, host: str, port: int, describe: str) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     exit_code = 0

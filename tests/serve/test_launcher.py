@@ -1,0 +1,46 @@
+"""Launcher helpers: ports, health waits with deadlines and log tails, stopping children."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+
+import pytest
+
+from kvbridge.errors import NodeStartError
+from kvbridge.serve.launcher import ManagedProcess, free_ports, wait_healthy
+
+
+def test_free_ports_are_distinct():
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
+
+
+def _proc(code: str, log_dir: str, name: str = "child") -> ManagedProcess:
+    return ManagedProcess(name, f"http://127.0.0.1:{free_ports(1)[0]}", [sys.executable, "-c", code], log_dir)
+
+
+def test_a_child_that_exits_is_reported_with_its_log():
+    with tempfile.TemporaryDirectory() as log_dir:
+        proc = _proc("import sys; print('boom: no such model', flush=True); sys.exit(3)", log_dir)
+        try:
+            with pytest.raises(NodeStartError, match="(?s)exited with code 3.*boom: no such model"):
+                wait_healthy([proc], timeout_s=30)
+        finally:
+            proc.stop()
+
+
+def test_a_child_that_never_gets_healthy_hits_the_deadline_and_stop_kills_it():
+    with tempfile.TemporaryDirectory() as log_dir:
+        # Ignores SIGTERM: stop() must fall back to SIGKILL after the grace period.
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+        proc = _proc(code, log_dir, "stubborn")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(NodeStartError, match="stubborn not healthy after 1s"):
+                wait_healthy([proc], timeout_s=1.0)
+            assert time.monotonic() - t0 < 10
+        finally:
+            code = proc.stop(grace_s=0.5)
+        assert code == -9 and not proc.is_running()
