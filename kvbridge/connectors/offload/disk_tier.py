@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -70,6 +70,7 @@ class DiskTier:
         self.compat_hash = compat_hash
         self.block_nbytes = block_nbytes
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-disk")
+        self._queued: set[Future] = set()  # operations not yet run
         self.bytes_written = self.bytes_read = self.num_write_failures = self.num_read_failures = 0
 
     def path(self, block_hash: BlockHash) -> str:
@@ -120,18 +121,25 @@ class DiskTier:
 
     # ------------------------------------------------------------------ asynchronous
 
+    def _submit(self, fn, *args) -> Future:
+        future = self._io.submit(fn, *args)
+        self._queued.add(future)
+        future.add_done_callback(self._queued.discard)
+        return future
+
     def submit_write(self, block_hash: BlockHash, block: torch.Tensor) -> Future:
-        return self._io.submit(self.write, block_hash, block)
+        return self._submit(self.write, block_hash, block)
 
     def submit_read(self, block_hash: BlockHash, out: torch.Tensor) -> Future:
-        return self._io.submit(self.read_into, block_hash, out)
+        return self._submit(self.read_into, block_hash, out)
 
     def submit_delete(self, block_hash: BlockHash) -> Future:
-        return self._io.submit(self.delete, block_hash)
+        return self._submit(self.delete, block_hash)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued operation ran; True when the queue is empty."""
-        return self._io.submit(lambda: None).result(timeout=timeout_s) is None
+        """Wait until every queued operation ran (at most `timeout_s`); True when none is left."""
+        _, not_done = wait(list(self._queued), timeout=timeout_s)
+        return not not_done
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

@@ -223,9 +223,7 @@ class OffloadWorker:
             self._in_flight[0].handle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             num_failed += self._poll()
         if not self._in_flight and self.disk is not None:  # write-through done too: a restart finds it
-            try:
-                self.disk.drain(max(0.001, deadline - time.monotonic()))
-            except TimeoutError:
+            if not self.disk.drain(max(0.0, deadline - time.monotonic())):
                 return FlushResult(False, frozenset(), num_failed)
             self._slot_barriers.clear()
         if self._in_flight:
