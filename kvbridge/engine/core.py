@@ -216,7 +216,7 @@ class EngineCore:
         default `kv_transfer.flush_timeout_s`). Returns True; raises FlushTimeoutError naming the
         requests still in flight at the deadline (the cache is then left as it was)."""
         self._check_alive()
-        timeout_s = timeout_s if timeout_s is not None else self._flush_timeout_s()
+        timeout_s = timeout_s if timeout_s is not None else self.flush_timeout_s
         pending = self._flush(timeout_s)
         if pending:
             raise FlushTimeoutError(
@@ -227,7 +227,9 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
         return True
 
-    def _flush_timeout_s(self) -> float:
+    @property
+    def flush_timeout_s(self) -> float:
+        """How long reset_prefix_cache/shutdown wait for transfers: kv_transfer.flush_timeout_s or the env default."""
         return self.config.kv_transfer.flush_timeout_s if self.config.kv_transfer else env.flush_timeout_s()
 
     def get_stats(self) -> dict:
@@ -281,7 +283,7 @@ class EngineCore:
         if self.worker_connector is None:
             return
         try:
-            pending = self._flush(self._flush_timeout_s())
+            pending = self._flush(self.flush_timeout_s)
             if pending:
                 logger.warning("shutdown: transfers of %s still in flight after the flush deadline", sorted(pending))
         except Exception:  # noqa: BLE001 - a failed flush must not keep memory alive

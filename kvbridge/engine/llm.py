@@ -62,6 +62,8 @@ class LLM:
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+        # generate() raises EngineStalledError after this long without any step computing anything.
+        self.stall_timeout_s = STALL_GRACE_S + self.engine.flush_timeout_s
 
     @property
     def tokenizer(self):
@@ -101,7 +103,7 @@ class LLM:
 
     def _run_until_done(self, request_ids: set[str]) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        stall_limit_s = STALL_GRACE_S + self.engine._flush_timeout_s()
+        stall_limit_s = self.stall_timeout_s
         last_progress = time.monotonic()
         while len(finished) < len(request_ids):
             outputs = self.engine.step()
@@ -114,7 +116,7 @@ class LLM:
             if time.monotonic() - last_progress > stall_limit_s:
                 pending = sorted(request_ids - set(finished))
                 raise EngineStalledError(
-                    f"requests {pending} made no progress for {stall_limit_s:.0f} s (waiting on KV transfers "
+                    f"requests {pending} made no progress for {stall_limit_s:g} s (waiting on KV transfers "
                     f"or blocks); check the connector's peer, or raise KVTransferConfig.flush_timeout_s"
                 )
             time.sleep(IDLE_SLEEP_S)
