@@ -117,7 +117,8 @@ class PagedAttention:
         # q [Bd, Hq, D]: one new token per request; keys padded to the longest context, masked.
         k, v = _gather_kv(kv_layer, self.decode_table)  # [Bd, Hkv, Lmax, D]
         # Slots past a request's context hold stale bytes (maybe NaN); a masked NaN still poisons SDPA.
-        k, v = k.masked_fill(self.decode_pad, 0.0), v.masked_fill(self.decode_pad, 0.0)
+        k.masked_fill_(self.decode_pad, 0.0)  # in place: k and v are views of the gathered copy
+        v.masked_fill_(self.decode_pad, 0.0)
         qf = _fold_gqa(q.unsqueeze(1), num_kv_heads)  # [Bd, Hkv, group, D]
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=self.decode_mask, scale=self.scale)
         return _unfold_gqa(out, 1).squeeze(1)  # [Bd, Hq, D]
