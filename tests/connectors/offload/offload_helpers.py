@@ -31,3 +31,15 @@ def check_integrity(llm: LLM) -> None:
     llm.engine.check_integrity()
     llm.engine.scheduler_connector.check_integrity()
     llm.engine.worker_connector.check_integrity()
+
+
+_REFERENCE: dict[tuple, list[list[int]]] = {}
+
+
+def reference_outputs(seed: int, num: int, length: int) -> list[list[int]]:
+    """Greedy outputs of an engine without offload and with room for everything (cached per prompt set)."""
+    key = (seed, num, length)
+    if key not in _REFERENCE:
+        with LLM(num_blocks=256) as llm:
+            _REFERENCE[key] = token_ids(llm.generate(make_prompts(seed, num, length), GREEDY))
+    return _REFERENCE[key]

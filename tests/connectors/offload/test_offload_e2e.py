@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from offload_helpers import GREEDY, check_integrity, make_prompts, offload_llm, token_ids
+from offload_helpers import GREEDY, check_integrity, make_prompts, offload_llm, reference_outputs, token_ids
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.errors import ConfigError, FlushTimeoutError
@@ -32,7 +32,7 @@ def _tier_stats(llm) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_evicted_prompts_are_served_from_the_host_tier(reference_outputs, policy):
+def test_evicted_prompts_are_served_from_the_host_tier(policy):
     prompts, want = make_prompts(SEED, NUM, LEN), reference_outputs(SEED, NUM, LEN)
     with offload_llm({"eviction_policy": policy}) as llm:
         first = _engine_counters(llm)
@@ -54,7 +54,7 @@ def test_evicted_prompts_are_served_from_the_host_tier(reference_outputs, policy
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_eviction_respects_host_capacity(reference_outputs, policy):
+def test_eviction_respects_host_capacity(policy):
     prompts, want = make_prompts(SEED, NUM, LEN), reference_outputs(SEED, NUM, LEN)
     with offload_llm({"host_num_blocks": 8, "eviction_policy": policy}) as llm:
         for _ in range(2):
@@ -66,7 +66,7 @@ def test_eviction_respects_host_capacity(reference_outputs, policy):
     assert sched["host_capacity_blocks"] == 8
 
 
-def test_reset_prefix_cache_waits_for_stores_in_flight(reference_outputs):
+def test_reset_prefix_cache_waits_for_stores_in_flight():
     prompts, want = make_prompts(SEED, 1, LEN), reference_outputs(SEED, 1, LEN)
     with offload_llm({"debug_store_delay_s": 0.5}) as llm:
         assert token_ids(llm.generate(prompts, GREEDY)) == want
@@ -95,7 +95,7 @@ def test_reset_prefix_cache_names_requests_still_storing_at_the_deadline():
         check_integrity(llm)
 
 
-def test_warm_restart_hits_the_disk_tier(tmp_path, reference_outputs):
+def test_warm_restart_hits_the_disk_tier(tmp_path):
     prompts, want = make_prompts(SEED, NUM, LEN), reference_outputs(SEED, NUM, LEN)
     extra = {"disk_dir": str(tmp_path)}
     with offload_llm(extra) as llm:
@@ -115,7 +115,7 @@ def test_warm_restart_hits_the_disk_tier(tmp_path, reference_outputs):
     assert warm["num_computed_tokens"] < cold["num_computed_tokens"] // 2
 
 
-def test_disk_tier_under_a_small_host_tier(tmp_path, reference_outputs):
+def test_disk_tier_under_a_small_host_tier(tmp_path):
     prompts, want = make_prompts(SEED, NUM, LEN), reference_outputs(SEED, NUM, LEN)
     with offload_llm({"host_num_blocks": 6, "disk_dir": str(tmp_path), "disk_num_blocks": 100}) as llm:
         llm.generate(prompts, GREEDY)
@@ -126,7 +126,7 @@ def test_disk_tier_under_a_small_host_tier(tmp_path, reference_outputs):
     assert sched["host_used_blocks"] <= 6
 
 
-def test_corrupt_disk_files_are_recomputed_and_dropped(tmp_path, reference_outputs):
+def test_corrupt_disk_files_are_recomputed_and_dropped(tmp_path):
     prompts, want = make_prompts(SEED, 2, LEN), reference_outputs(SEED, 2, LEN)
     extra = {"disk_dir": str(tmp_path)}
     with offload_llm(extra) as llm:
@@ -175,3 +175,16 @@ def test_config_errors_say_what_to_do():
         offload_llm({"host_blocks": 3})
     with pytest.raises(ConfigError, match="eviction_policy"):
         offload_llm({"eviction_policy": "mru"})
+
+
+@pytest.mark.gpu
+def test_cuda_stream_path_end_to_end():
+    prompts = make_prompts(SEED, NUM, LEN)
+    with LLM(num_blocks=256, device="cuda") as reference:
+        want = token_ids(reference.generate(prompts, GREEDY))
+    with offload_llm(device="cuda") as llm:
+        llm.generate(prompts, GREEDY)
+        assert token_ids(llm.generate(prompts, GREEDY)) == want
+        _, worker = _tier_stats(llm)
+        assert worker["host_pool_pinned"] and worker["blocks_loaded"] > 0
+        check_integrity(llm)
