@@ -196,3 +196,28 @@ def test_invalid_schedule_is_named(runner16):
         step(runner16, [(req, 0, 20, [3, NUM_BLOCKS])])
     with pytest.raises(ValueError, match="outside its"):
         step(runner16, [(req, 10, 20, [3, 4])])
+
+
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.25), ("float16", 0.05)])
+def test_half_precision_paged_close_to_dense(dtype, tol):
+    """Low precision: logits within `tol` of the dense forward in the same dtype (teacher forced),
+    greedy tokens equal wherever the dense top two differ by more than `tol`."""
+    seed = 17
+    print("seed", seed)
+    runner = make_runner(16, dtype=dtype)
+    assert runner.kv_cache.dtype == getattr(torch, dtype)
+    pool = BlockPool(NUM_BLOCKS, seed)
+    req = Request("half", prompt(seed, 23), GREEDY, 16)
+    blocks = pool.grow([], req.num_tokens, 16)
+    start = 0
+    for _ in range(8):
+        out = runner.forward(SchedulerOutput([ScheduledRequest(req, start, req.num_tokens - start, list(blocks))]))
+        dense = dense_logits(runner.model, req.all_token_ids)[-1]
+        assert (out.logits[0] - dense).abs().max() < tol
+        top2 = dense.topk(2).values
+        if top2[0] - top2[1] > tol:
+            assert out.logits[0].argmax() == dense.argmax()
+        start = req.num_tokens
+        req.append_output_token(int(dense.argmax()))
+        pool.grow(blocks, req.num_tokens, 16)
+    runner.shutdown()
