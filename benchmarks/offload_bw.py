@@ -1,0 +1,163 @@
+"""Offload copy bandwidth: scattered KV blocks GPU -> host (store), host -> GPU (load), both at once.
+
+    python benchmarks/offload_bw.py --json                     # CUDA if present, else CPU
+    python benchmarks/offload_bw.py --json --device cpu --num-blocks 32
+
+Blocks have the 8B-like geometry (32 layers, 8 KV heads, head dim 128, 16-token blocks, bf16:
+2 MiB per block). The GPU-side block ids are a random sample of the KV cache (scattered, random
+order); the host slots are contiguous, as the offload scheduler allocates them. The copies go
+through the OffloadingConnector's own copy engine (`kvbridge.connectors.offload.copier`).
+
+Baseline, same run, same bytes: one contiguous pinned-memory copy (device -> pinned host) on CUDA;
+one contiguous memcpy between plain buffers on CPU. Each figure: warm-up, then median and min
+time of `--reps` repetitions; GB/s = 1e9 bytes per second. Index preparation is inside the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from kvbridge.connectors.offload.copier import make_copier
+from kvbridge.layout import KVCacheLayout
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_count": torch.get_num_threads(), "platform": platform.platform(), "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    for package in ("nixl", "kvbridge"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def time_reps(fn, device: str, reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+        sync(device)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summarize(times: list[float], nbytes: int) -> dict:
+    median, best = statistics.median(times), min(times)
+    return {"gbps": nbytes / median / 1e9, "best_gbps": nbytes / best / 1e9, "median_s": median, "min_s": best}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-blocks", type=int, default=None, help="blocks per transfer (default 256 GPU, 32 CPU)")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="blocks in the KV cache (default 4x)")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--staging-blocks", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    is_cuda = args.device.startswith("cuda")
+    n = args.num_blocks or (256 if is_cuda else 32)
+    kv_blocks = args.kv_blocks or 4 * n
+    layout = KVCacheLayout(kv_blocks, args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype)
+    dtype = getattr(torch, args.dtype)
+    kv = torch.zeros(layout.shape, dtype=dtype, device=args.device)  # [kv_blocks, L, 2, bs, H, D]
+    host = torch.zeros((2 * n, *layout.block_shape), dtype=dtype, pin_memory=is_cuda)  # [2n, L, 2, bs, H, D]
+    rng = random.Random(args.seed)
+    ids = rng.sample(range(kv_blocks), 2 * n)
+    store_ids, load_ids = ids[:n], ids[n:]
+    copier = make_copier(kv, host, args.staging_blocks)
+    nbytes = n * layout.block_nbytes
+
+    def store() -> None:
+        assert copier.store(store_ids, list(range(n))).wait(600)
+
+    def load() -> None:
+        assert copier.load(list(range(n, 2 * n)), load_ids).wait(600)
+
+    def bidir() -> None:
+        handles = [copier.store(store_ids, list(range(n))), copier.load(list(range(n, 2 * n)), load_ids)]
+        assert all(h.wait(600) for h in handles)
+
+    flat_dev = kv[:n]  # contiguous source of the same bytes
+    flat_host = host[:n]
+
+    def baseline() -> None:
+        flat_host.copy_(flat_dev, non_blocking=is_cuda)
+
+    results = {
+        "store": summarize(time_reps(store, args.device, args.reps, args.warmup), nbytes),
+        "load": summarize(time_reps(load, args.device, args.reps, args.warmup), nbytes),
+        "bidir": summarize(time_reps(bidir, args.device, args.reps, args.warmup), 2 * nbytes),
+        "baseline": summarize(time_reps(baseline, args.device, args.reps, args.warmup), nbytes),
+    }
+    copier.close()
+    base = results["baseline"]["gbps"]
+    report = {
+        "benchmark": "offload_bw",
+        "store_gbps": results["store"]["gbps"],
+        "load_gbps": results["load"]["gbps"],
+        "bidir_gbps": results["bidir"]["gbps"],
+        "baseline_gbps": base,
+        "store_ratio": results["store"]["gbps"] / base,
+        "load_ratio": results["load"]["gbps"] / base,
+        "bidir_ratio": results["bidir"]["gbps"] / base,
+        "details": results,
+        "baseline": "one contiguous device->pinned-host copy" if is_cuda else "one contiguous CPU memcpy",
+        "params": {
+            "num_blocks": n, "kv_blocks": kv_blocks, "block_nbytes": layout.block_nbytes, "bytes_per_transfer": nbytes,
+            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "block_size": args.block_size, "dtype": args.dtype, "staging_blocks": args.staging_blocks,
+            "reps": args.reps, "warmup": args.warmup, "seed": args.seed,
+        },  # fmt: skip
+        "machine": machine_info(args.device),
+        "versions": versions(),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key in ("store", "load", "bidir", "baseline"):
+            print(f"{key:9s} {report[key + '_gbps']:8.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Time to first token on a host-tier hit vs recompute, for long prompts.
+
+    python benchmarks/offload_ttft.py --json                        # CUDA if present, else CPU
+    python benchmarks/offload_ttft.py --json --device cpu --prompt-len 1024
+
+Per repetition: a fresh random prompt is generated with max_tokens=1 (a cold prefill: the
+baseline, recompute, measured in the same run; its blocks are stored to the host tier as a side
+effect), then `reset_prefix_cache()` (waits for those stores) empties the GPU-side cache, and the
+same prompt is generated again: its KV comes back from the host tier, only the last token is
+computed. TTFT is the wall time of `generate(prompt, max_tokens=1)`. Warm-up first; median and
+min of `--reps` repetitions. The first token of the hit must equal the recompute's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offload_bw import machine_info, versions  # noqa: E402
+
+from kvbridge import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default="small", help="a preset or a checkpoint directory")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default: 4096 on CUDA, 1024 on CPU")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    is_cuda = args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
+    prompt_len = args.prompt_len or (4096 if is_cuda else 1024)
+    blocks_per_prompt = -(-(prompt_len + 1) // args.block_size)
+    host_blocks = (args.reps + args.warmup + 1) * blocks_per_prompt
+    llm = LLM(
+        model=args.model, dtype=dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+        num_blocks=2 * blocks_per_prompt + 2, max_num_batched_tokens=max(2048, prompt_len),
+        kv_transfer_config={"connector": "OffloadingConnector", "extra": {"host_num_blocks": host_blocks}},
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = random.Random(args.seed)
+    recompute, hit, hit_tokens = [], [], 0
+
+    def ttft(prompt: dict) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        out = llm.generate(prompt, params)[0]
+        return time.perf_counter() - start, out.outputs[0].token_ids
+
+    for rep in range(args.warmup + args.reps):
+        prompt = {"prompt_token_ids": [rng.randrange(256) for _ in range(prompt_len)]}
+        cold_s, cold_tokens = ttft(prompt)
+        assert llm.reset_prefix_cache()
+        before = llm.get_stats()["num_external_tokens"]
+        hit_s, hit_tokens_out = ttft(prompt)
+        assert hit_tokens_out == cold_tokens, "a host-tier hit produced another token than recompute"
+        assert llm.reset_prefix_cache()
+        if rep >= args.warmup:
+            recompute.append(cold_s)
+            hit.append(hit_s)
+            hit_tokens = llm.get_stats()["num_external_tokens"] - before
+    stats = llm.get_stats()["connector"]
+    llm.shutdown()
+    report = {
+        "benchmark": "offload_ttft",
+        "hit_ttft_s": statistics.median(hit),
+        "recompute_ttft_s": statistics.median(recompute),
+        "speedup": statistics.median(recompute) / statistics.median(hit),
+        "hit_ttft_min_s": min(hit),
+        "recompute_ttft_min_s": min(recompute),
+        "tokens_from_host_per_hit": hit_tokens,
+        "load_latency": stats["worker"]["load_latency"],
+        "store_latency": stats["worker"]["store_latency"],
+        "params": {
+            "model": args.model, "dtype": dtype, "prompt_len": prompt_len, "block_size": args.block_size,
+            "reps": args.reps, "warmup": args.warmup, "seed": args.seed,
+        },  # fmt: skip
+        "machine": machine_info(args.device),
+        "versions": versions(),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"TTFT hit {report['hit_ttft_s'] * 1e3:.1f} ms, recompute {report['recompute_ttft_s'] * 1e3:.1f} ms, "
+              f"speedup {report['speedup']:.1f}x")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
