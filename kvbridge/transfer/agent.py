@@ -148,10 +148,14 @@ class NixlAgent:
             return
         if name in self._peers:
             self.remove_peer(name)
-        loaded = self._agent.add_remote_agent(metadata)
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise TransferError(f"NIXL rejected the metadata of peer {name!r}: {e}") from None
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != name:
-            self._agent.remove_remote_agent(loaded)
+            if loaded not in self._peers:  # never drop a peer we already use
+                self._agent.remove_remote_agent(loaded)
             raise TransferError(f"peer metadata names agent {loaded!r}, the handshake said {name!r}")
         self._peers[name] = metadata
 
@@ -183,7 +187,11 @@ class NixlAgent:
 
     def _prep(self, agent_name: str, peer: str | None, descs: np.ndarray, mem_type: str) -> Any:
         descs = np.ascontiguousarray(descs, dtype=np.uint64).reshape(-1, 3)
-        handle = self._agent.prep_xfer_dlist(agent_name, descs, mem_type)
+        try:
+            handle = self._agent.prep_xfer_dlist(agent_name, descs, mem_type)
+        except Exception as e:
+            where = f"peer {peer!r}" if peer else "local memory"
+            raise TransferError(f"NIXL cannot prepare {len(descs)} descriptors of {where}: {e}") from None
         self._dlists[id(handle)] = (peer, handle)
         return handle
 

@@ -109,6 +109,18 @@ class TransferDone(_Message, tag="done"):
     failed_req_ids: list[str] = []
 
 
+class TransferDoneReply(_Message, tag="done_ok"):
+    """Owner -> reader, answering `TransferDone`: was each read covered by a live lease?
+
+    `released`: the blocks were held until the reader said it was done, so the read was valid.
+    `expired`: the lease had expired first; the blocks may have been reused during the read, which
+    the reader must treat as a load error.
+    """
+
+    released: list[str] = []
+    expired: list[str] = []
+
+
 class Ack(_Message, tag="ack"):
     """Generic positive reply carrying how many items the receiver acted on."""
 
@@ -150,6 +162,7 @@ Message = Union[
     LeaseRenew,
     LeaseRenewReply,
     TransferDone,
+    TransferDoneReply,
     Ack,
     Ping,
     Pong,

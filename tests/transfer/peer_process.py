@@ -1,0 +1,111 @@
+"""A KVEndpoint in its own OS process, driven by JSON lines on stdin/stdout (no pickle).
+
+Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
+
+    python peer_process.py '{"engine_id": "p", "model_id": "m", "num_blocks": 64, ..., "seed": 1}'
+
+prints {"address": ...} once serving, then answers one JSON line per command line:
+    {"cmd": "notifs"}                 -> {"notifs": [[agent_name, type, req_ids], ...]}
+    {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
+    {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
+    {"cmd": "quit"}                   -> exits 0 after closing the endpoint
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+
+
+def fill_kv(kv, seed: int) -> None:
+    """Deterministic bytes for a KV tensor: the test side recomputes them to verify every byte."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    raw = kv.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, (raw.numel(),), generator=gen, dtype=torch.uint8))
+
+
+def make_layout(spec: dict):
+    from kvbridge.layout import KVCacheLayout
+
+    return KVCacheLayout(
+        spec["num_blocks"], spec["num_layers"], spec["block_size"], spec["num_kv_heads"], spec["head_dim"],
+        spec.get("dtype", "bfloat16"),
+    )
+
+
+def blocks_digest(kv, ids) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for i in ids:
+        h.update(kv[i].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> int:
+    # NIXL logs to stdout: keep the real stdout for the protocol and send everything else to stderr
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    import torch
+
+    from kvbridge.transfer import messages as m
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    spec = json.loads(sys.argv[1])
+    layout = make_layout(spec)
+    dtype = getattr(torch, layout.dtype)
+    kv = torch.empty(layout.shape, dtype=dtype, device=spec.get("device", "cpu"))
+    if spec.get("seed") is not None:
+        fill_kv(kv, spec["seed"])
+    else:
+        kv.zero_()
+    received: list[list] = []
+    lock = threading.Lock()
+
+    def on_message(msg):
+        with lock:
+            received.append([type(msg).__name__, list(getattr(msg, "req_ids", []))])
+        return m.Ack(count=len(getattr(msg, "req_ids", [])))
+
+    secret = spec.get("secret")
+    ep = KVEndpoint(
+        spec["engine_id"], spec["model_id"], kv, layout, message_handler=on_message,
+        secret=secret.encode() if secret else None,
+        descriptor_mode=spec.get("descriptor_mode", "blocks"),
+    )
+    reply({"address": ep.address})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        match cmd["cmd"]:
+            case "notifs":
+                out = {"notifs": [[n.agent_name, type(n.message).__name__, list(getattr(n.message, "req_ids", []))]
+                                  for n in ep.get_notifs()]}
+            case "messages":
+                with lock:
+                    out = {"messages": list(received)}
+            case "digest":
+                out = {"digest": blocks_digest(kv, cmd["ids"])}
+            case "quit":
+                ep.close()
+                reply({"bye": True})
+                return 0
+            case other:
+                out = {"error": f"unknown command {other!r}"}
+        reply(out)
+    ep.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""KVEndpoint over real NIXL/UCX between two OS processes on loopback (marker `nixl`).
+
+The peer runs tests/transfer/peer_process.py (JSON lines over stdin/stdout, no pickle); this
+process runs the reading/writing endpoint. Every child is killed in a finally block, every wait
+has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbridge.errors import AuthenticationError, IncompatiblePeerError
+from kvbridge.transfer import messages as m
+from kvbridge.transfer.tracker import TransferState
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.nixl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_process import blocks_digest, fill_kv, make_layout  # noqa: E402
+
+PEER_SCRIPT = Path(__file__).parent / "peer_process.py"
+GEOMETRY = {"num_blocks": 64, "num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
+MODEL = "tiny-test-model"
+
+
+class Peer:
+    """A peer endpoint in a child process."""
+
+    def __init__(self, tmp_path: Path, env: dict | None = None, **spec):
+        self.spec = {**GEOMETRY, "model_id": MODEL, "engine_id": "prefill", "seed": 7, **spec}
+        self.log = tmp_path / f"peer-{self.spec['engine_id']}-{time.monotonic_ns()}.log"
+        self._stderr = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), json.dumps(self.spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.address = self._read(60)["address"]
+
+    def _read(self, timeout_s: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise AssertionError(f"peer gave no answer in {timeout_s}s; its log:\n{self.log.read_text()[-3000:]}")
+        return json.loads(line)
+
+    def ask(self, cmd: str, timeout_s: float = 20, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._stderr.close()
+
+    def quit(self) -> None:
+        """Close the peer's endpoint cleanly (it answers once closed), then end the process."""
+        try:
+            assert self.ask("quit", 20) == {"bye": True}
+        finally:
+            self.kill()  # interpreter teardown with NIXL loaded can take seconds; nothing left to check
+
+
+def _local_endpoint(engine_id="decode", num_blocks=64, secret=None, **kw):
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    layout = make_layout({**GEOMETRY, "num_blocks": num_blocks})
+    kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
+    return KVEndpoint(engine_id, MODEL, kv, layout, secret=secret, **kw), kv
+
+
+def _wait_final(ep, req_id: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for rec in ep.poll():
+            if rec.req_id == req_id:
+                return rec
+        time.sleep(0.002)
+    raise AssertionError(f"transfer {req_id} not final after {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory):
+    p = Peer(tmp_path_factory.mktemp("peer"))
+    try:
+        yield p
+    finally:
+        p.quit()
+
+
+@pytest.mark.parametrize("mode", ["blocks", "ranges"])
+def test_read_scattered_blocks_verifies_every_byte_and_notifies(peer, mode):
+    seed = 1234
+    rng = random.Random(seed)
+    print(f"seed={seed}")
+    remote_ids = rng.sample(range(40), 12) + list(range(40, 52))  # scattered + one contiguous run
+    local_ids = rng.sample(range(22, 64), 12) + list(range(10, 22))  # distinct local ids
+    ep, kv = _local_endpoint(descriptor_mode=mode, max_descriptor_nbytes=3 * 512)
+    try:
+        rec = ep.read_blocks(f"read-{mode}", peer.address, local_ids, remote_ids,
+                             notif=m.TransferDone(engine_id="decode", req_ids=[f"read-{mode}"]))
+        assert rec.state in (TransferState.HANDSHAKING, TransferState.POSTED)
+        rec = _wait_final(ep, f"read-{mode}")
+        assert rec.state is TransferState.DONE, rec.error
+        assert rec.nbytes == 24 * 512 and rec.num_descriptors < 24
+        expected = torch.empty_like(kv)
+        fill_kv(expected, 7)  # the peer's content
+        for lid, rid in zip(local_ids, remote_ids):
+            assert torch.equal(kv[lid].view(torch.uint8), expected[rid].view(torch.uint8)), (lid, rid)
+        untouched = sorted(set(range(64)) - set(local_ids))
+        assert not kv[untouched].view(torch.uint8).any()
+        deadline = time.monotonic() + 10
+        notifs = []
+        while not notifs and time.monotonic() < deadline:
+            notifs = peer.ask("notifs")["notifs"]
+        assert notifs == [["decode", "TransferDone", [f"read-{mode}"]]]
+        assert ep.get_stats()["num_done"] == 1
+    finally:
+        ep.close()
+
+
+def _drain_notifs(peer, want: int, timeout_s: float = 10.0) -> list:
+    notifs, deadline = [], time.monotonic() + timeout_s
+    while len(notifs) < want and time.monotonic() < deadline:
+        notifs += peer.ask("notifs")["notifs"]
+    return notifs
+
+
+def test_write_path_with_notification_and_side_channel_message(peer):
+    ep, kv = _local_endpoint("prefill-writer")
+    try:
+        fill_kv(kv, 99)
+        peer.ask("notifs")  # start from an empty notification queue
+        local_ids, remote_ids = [5, 6, 7, 30, 2], [60, 61, 62, 56, 58]  # the read tests never use 52..63
+        rec = ep.write_blocks("w1", peer.address, local_ids, remote_ids,
+                              notif=m.TransferDone(engine_id="prefill-writer", req_ids=["w1"]))
+        rec = _wait_final(ep, "w1")
+        assert rec.state is TransferState.DONE, rec.error
+        assert peer.ask("digest", ids=remote_ids)["digest"] == blocks_digest(kv, local_ids)
+        original = torch.empty_like(kv)
+        fill_kv(original, 7)
+        assert peer.ask("digest", ids=[57, 59, 63])["digest"] == blocks_digest(original, [57, 59, 63])
+        assert _drain_notifs(peer, 1) == [["prefill-writer", "TransferDone", ["w1"]]]
+        ep.send_notif(peer.address, m.TransferDone(engine_id="prefill-writer", req_ids=["standalone"]))
+        assert _drain_notifs(peer, 1) == [["prefill-writer", "TransferDone", ["standalone"]]]
+        reply = ep.request(peer.address, m.TransferDone(engine_id="prefill-writer", req_ids=["a", "b"]))
+        assert reply == m.Ack(count=2)
+        assert ["TransferDone", ["a", "b"]] in peer.ask("messages")["messages"]
+    finally:
+        ep.close()
+
+
+def test_incompatible_model_or_protocol_raises_named_error(peer, monkeypatch):
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    layout = make_layout(GEOMETRY)
+    other = KVEndpoint("decode-other-model", "another-model", torch.zeros(layout.shape, dtype=torch.bfloat16), layout,
+                       secret=None)
+    try:
+        with pytest.raises(IncompatiblePeerError, match="compat hash"):
+            other.handshake(peer.address)
+        rec = other.read_blocks("r", peer.address, [0], [0])  # the non-blocking path reports it too
+        rec = _wait_final(other, "r")
+        assert rec.state is TransferState.FAILED and "IncompatiblePeerError" in rec.error
+    finally:
+        other.close()
+    ep, _ = _local_endpoint("decode-future")
+    try:
+        monkeypatch.setattr(m, "PROTOCOL_VERSION", 9)
+        monkeypatch.setattr(m, "MIN_PROTOCOL_VERSION", 9)
+        with pytest.raises(IncompatiblePeerError, match="protocol"):
+            ep.handshake(peer.address)
+    finally:
+        ep.close()
+
+
+def test_wrong_or_missing_secret_is_refused():
+    secure, _ = _local_endpoint("secure-prefill", secret=b"right")
+    wrong, _ = _local_endpoint("decode-wrong", secret=b"wrong")
+    missing, _ = _local_endpoint("decode-missing", secret=None)
+    right, _ = _local_endpoint("decode-right", secret=b"right")
+    try:
+        for ep in (wrong, missing):
+            with pytest.raises(AuthenticationError, match="KVBRIDGE_SIDE_CHANNEL_SECRET"):
+                ep.handshake(secure.address)
+        assert right.handshake(secure.address).engine_id == "secure-prefill"
+    finally:
+        for ep in (secure, wrong, missing, right):
+            ep.close()
+
+
+def test_out_of_range_remote_ids_fail_the_record_not_the_caller(peer):
+    ep, _ = _local_endpoint("decode-range")
+    try:
+        ep.read_blocks("bad", peer.address, [0, 1], [3, 64])
+        rec = _wait_final(ep, "bad")
+        assert rec.state is TransferState.FAILED and "IndexError" in rec.error
+        with pytest.raises(IndexError):
+            ep.read_blocks("bad-local", peer.address, [64], [0])
+    finally:
+        ep.close()
+
+
+BIG = {"num_blocks": 128, "num_layers": 32, "block_size": 16, "num_kv_heads": 8, "head_dim": 128}  # 2 MiB blocks
+
+
+def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_works(tmp_path, monkeypatch):
+    # TCP only: a 256 MiB read takes long enough to kill the peer while it is in flight
+    # (with UCX's default same-host transport, cma, a CPU read completes inside the post).
+    env = {"UCX_TLS": "tcp"}
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    t_start = time.monotonic()
+    victim = Peer(tmp_path, env=env, engine_id="victim", seed=None, **BIG)
+    print(f"victim up {time.monotonic() - t_start:.2f}s")
+    layout = make_layout(BIG)
+    kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
+    ep = KVEndpoint("decode-big", MODEL, kv, layout, secret=None, transfer_timeout_s=10.0)
+    restarted = None
+    try:
+        t0 = time.monotonic()
+        ep.handshake(victim.address)
+        print(f"handshake {time.monotonic() - t0:.2f}s")
+        ids = list(range(128))
+        rec = ep.read_blocks("doomed", victim.address, ids, ids)
+        assert rec.state is TransferState.POSTED
+        assert ep.poll() == [], "the read finished before the peer could be killed"
+        victim.kill()
+        start = time.monotonic()
+        rec = _wait_final(ep, "doomed", timeout_s=15)
+        assert rec.state in (TransferState.FAILED, TransferState.EXPIRED)
+        print(f"{rec.state.name} after {time.monotonic() - start:.2f}s: {rec.error}")
+        assert time.monotonic() - start < 11
+        assert victim.address not in ep._peers  # forgotten: the next transfer handshakes again
+        # the same engine (same NIXL agent name) comes back on a new port
+        t0 = time.monotonic()
+        restarted = Peer(tmp_path, env=env, engine_id="victim", seed=5, **{**BIG, "num_blocks": 8})
+        print(f"restarted up {time.monotonic() - t0:.2f}s")
+        t0 = time.monotonic()
+        rec = ep.read_blocks("again", restarted.address, [9, 10], [6, 7])
+        rec = _wait_final(ep, "again")
+        print(f"read from the restarted peer {time.monotonic() - t0:.2f}s")
+        assert rec.state is TransferState.DONE, rec.error
+        expected = torch.empty(make_layout({**BIG, "num_blocks": 8}).shape, dtype=torch.bfloat16)
+        fill_kv(expected, 5)
+        assert torch.equal(kv[9:11].view(torch.uint8), expected[6:8].view(torch.uint8))
+    finally:
+        t0 = time.monotonic()
+        ep.close()
+        victim.kill()
+        if restarted is not None:
+            restarted.quit()
+        print(f"teardown {time.monotonic() - t0:.2f}s, total {time.monotonic() - t_start:.2f}s")
+
+
+def test_close_is_idempotent_and_flush_of_nothing_completes():
+    ep, _ = _local_endpoint("decode-close")
+    assert ep.flush(1.0).is_complete
+    ep.close()
+    ep.close()
