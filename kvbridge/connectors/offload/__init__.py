@@ -1,0 +1,1 @@
+"""OffloadingConnector: host and disk tiers for KV blocks (see connector.py and docs/offload.md)."""

@@ -97,7 +97,8 @@ class OffloadWorker:
             self._seen.add(job.req_id)
             self._pending[job.req_id] += 1
             before = self._before_write(job.slots, self.config.debug_store_delay_s)
-            self._in_flight.append(_InFlight(job, self.copier.store(job.gpu_block_ids, job.slots, before), time.monotonic()))
+            handle = self.copier.store(job.gpu_block_ids, job.slots, before)
+            self._in_flight.append(_InFlight(job, handle, time.monotonic()))
             self._stats["store_jobs"] += 1
 
     def _start_load(self, job: LoadJob) -> None:

@@ -17,7 +17,8 @@ def _request(req_id: str, num_tokens: int = 13, first_token: int = 100) -> Reque
 
 
 def _step(sched: OffloadScheduler, *scheduled: tuple[Request, int, int, list[int]], preempted=()):
-    output = SchedulerOutput([ScheduledRequest(r, s, n, b) for r, s, n, b in scheduled], preempted_req_ids=set(preempted))
+    requests = [ScheduledRequest(r, s, n, b) for r, s, n, b in scheduled]
+    output = SchedulerOutput(requests, preempted_req_ids=set(preempted))
     return sched.build_connector_meta(output)
 
 
