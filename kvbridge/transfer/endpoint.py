@@ -27,6 +27,7 @@ prepares both lists per transfer. docs/transfer.md has the measurements.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -70,7 +71,11 @@ class _Posted(NamedTuple):
 
 
 class KVEndpoint:
-    """One engine's registered KV tensor, its side channel, and its transfers. Owner thread only."""
+    """One engine's registered KV tensor, its side channel, and its transfers.
+
+    Call every method from the owner's thread, except `request` (any thread). `message_handler` runs
+    on the side-channel server thread.
+    """
 
     def __init__(
         self,
@@ -119,7 +124,8 @@ class KVEndpoint:
         self._remote_block_lists: dict[str, object] = {}  # address -> prepared per-block list ("blocks" mode)
         self._local_block_list: object | None = None
         self._handshakes: dict[str, Future] = {}
-        self._clients: dict[str, SideChannelClient] = {}
+        self._clients: dict[str, SideChannelClient] = {}  # by address; guarded by _clients_lock
+        self._clients_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-handshake-{engine_id}")
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
@@ -160,10 +166,17 @@ class KVEndpoint:
             self.agent.remove_peer(info.agent_name)
 
     def request(self, address: str, msg: m.Message) -> m.Message:
-        """Send a side-channel message (LeaseRenew, TransferDone, Ping...) to `address`; blocking."""
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = self._new_client(address)
+        """Send a side-channel message (LeaseRenew, TransferDone, Ping...) to `address` and return the reply.
+
+        Blocking (up to handshake_timeout_s x (handshake_retries + 1)); safe from any thread, e.g. a
+        helper thread so the engine step never waits. Raises the named errors of SideChannelClient.
+        """
+        with self._clients_lock:
+            if self._closed:
+                raise TransferError("KVEndpoint is closed")
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = self._new_client(address)
         return client.request(msg)
 
     def _new_client(self, address: str) -> SideChannelClient:
@@ -345,8 +358,10 @@ class KVEndpoint:
         if self.server is not None:
             self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for client in self._clients.values():
-            client.close()
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()  # waits for a request in flight on another thread
         for rec in self.tracker.live():
             self._release(rec)
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
