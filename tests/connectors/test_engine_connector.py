@@ -16,8 +16,9 @@ from kvbridge import LLM, SamplingParams
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors import factory
 from kvbridge.connectors.base import ConnectorContext, KVConnectorRole
+from kvbridge.engine.block_hash import hash_full_blocks
 from kvbridge.engine.request import RequestStatus
-from kvbridge.errors import ConnectorNotFoundError, FlushTimeoutError
+from kvbridge.errors import ConnectorNotFoundError, EngineStalledError, FlushTimeoutError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(7).randrange(256) for _ in range(52)]  # 3 full blocks of 16 + 4 tokens
@@ -198,6 +199,32 @@ def test_abort_while_loading_holds_blocks_until_the_load_ends():
         llm.engine.check_integrity()
 
 
+def test_generate_sleeps_instead_of_spinning_while_loads_are_in_flight(expected):
+    with make_llm(delay_s=0.3) as llm:
+        llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
+        llm.reset_prefix_cache()
+        steps_before = llm.get_stats()["num_steps"]
+        start = time.monotonic()
+        out = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+        waited = time.monotonic() - start
+        assert out.num_external_tokens == 48 and out.outputs[0].token_ids == expected
+        idle_steps = llm.get_stats()["num_steps"] - steps_before - 8
+        # At ~1 ms per idle step the 0.3 s load takes at most ~300 steps; a spinning loop takes 10x more.
+        assert waited >= 0.3 and idle_steps <= waited * 1000 + 10, (idle_steps, waited)
+
+
+def test_generate_raises_when_nothing_progresses():
+    store = uuid.uuid4().hex
+    for block_hash in hash_full_blocks(PROMPT, 16, namespace="tiny:seed=0"):
+        STORES.setdefault(store, {})[block_hash] = None  # offered, but the load never finishes
+    with make_llm(store=store, never_finish=True, save=False, flush_timeout_s=0.2) as llm:
+        llm.stall_timeout_s = 0.3
+        with pytest.raises(EngineStalledError, match="no progress"):
+            llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
+        assert not llm.engine.scheduler.requests  # aborted
+        llm.engine.check_integrity()
+
+
 # ---------------------------------------------------------------------- registry
 
 
@@ -215,3 +242,29 @@ def test_module_class_path_and_entry_point(monkeypatch):
     context = ConnectorContext(model_id="m", block_size=16, device="cpu")
     connector = factory.create_connector(KVTransferConfig(connector="Delayed"), KVConnectorRole.WORKER, context)
     assert isinstance(connector, DelayConnector) and connector.role is KVConnectorRole.WORKER
+
+
+# ---------------------------------------------------------------------- the documented example
+
+
+def test_minimal_connector_in_the_docs_works(monkeypatch, expected):
+    import pathlib
+    import re
+    import sys
+    import types
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "connector-api.md").read_text()
+    section = doc[doc.index("## A minimal connector"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("doc_example_connector")
+    monkeypatch.setitem(sys.modules, "doc_example_connector", module)
+    exec(compile(code, "docs/connector-api.md", "exec"), module.__dict__)
+    with LLM(num_blocks=32, kv_transfer_config={"connector": "doc_example_connector:HostStoreConnector"}) as llm:
+        first = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+        assert first.kv_transfer_params == {"saved_blocks": 3}
+        assert llm.get_stats()["num_used_blocks"] == 4  # held until the save ran
+        assert llm.reset_prefix_cache() and len(module.STORE) == 3
+        second = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+        assert second.num_external_tokens == 48 and second.outputs[0].token_ids == expected
+        assert llm.reset_prefix_cache() and llm.get_stats()["num_used_blocks"] == 0
+        llm.engine.check_integrity()
