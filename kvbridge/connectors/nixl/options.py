@@ -1,0 +1,39 @@
+"""NixlConnector options, read from `KVTransferConfig.extra` and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvbridge.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    lease_s: float = 30.0  # prefill holds blocks this long without a renewal from the reader
+    handshake_timeout_s: float = 5.0  # per attempt
+    handshake_retries: int = 2
+    transfer_timeout_s: float = 30.0  # handshake + read of one request, end to end
+    backend: str | None = None  # NIXL backend plugin; None: KVBRIDGE_NIXL_BACKEND, else UCX
+    descriptor_mode: str = "blocks"  # see kvbridge/transfer/endpoint.py
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"NixlConnector option {name} must be positive, got {getattr(self, name)}")
+        if self.handshake_retries < 0:
+            raise ConfigError(f"NixlConnector option handshake_retries must be >= 0, got {self.handshake_retries}")
+        if self.descriptor_mode not in ("blocks", "ranges"):
+            raise ConfigError(f"NixlConnector option descriptor_mode={self.descriptor_mode!r}; expected 'blocks' or 'ranges'")
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.lease_s / 3
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> NixlOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown NixlConnector option(s) {unknown} in KVTransferConfig.extra; known: {sorted(known)}")
+        return cls(**extra)

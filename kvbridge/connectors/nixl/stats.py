@@ -1,0 +1,68 @@
+"""Transfer metrics of the NixlConnector: counts, bytes, latency percentiles, and throughput.
+
+Throughput is bytes over *wall time with a transfer in flight* (the union of the transfers'
+[start, end] intervals), not over summed durations: eight concurrent 1-second reads of 1 GB are
+8 GB/s, not 1 GB/s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+_WINDOW = 4096  # most recent transfers kept for percentiles and throughput
+
+
+def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Length of the union of the intervals [starts[i], ends[i]]."""
+    if len(starts) == 0:
+        return 0.0
+    order = np.argsort(starts)
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)  # furthest end seen so far
+    # each interval adds what sticks out beyond everything that started before it
+    prev_reach = np.concatenate(([starts[0]], reach[:-1]))
+    return float(np.sum(np.clip(reach - np.maximum(starts, prev_reach), 0.0, None)))
+
+
+class TransferStats:
+    def __init__(self) -> None:
+        self.num_transfers = 0
+        self.num_failures = 0
+        self.num_load_errors = 0  # blocks reported as failed loads
+        self.num_expired_reads = 0  # reads whose lease had expired: never served
+        self.bytes_transferred = 0
+        self.num_descriptors = 0
+        self._recent: deque[tuple[float, float, int]] = deque(maxlen=_WINDOW)  # (start, end, nbytes)
+        self.last_error: str | None = None
+
+    def record_done(self, start: float, end: float, nbytes: int, num_descriptors: int) -> None:
+        self.num_transfers += 1
+        self.bytes_transferred += nbytes
+        self.num_descriptors += num_descriptors
+        self._recent.append((start, end, nbytes))
+
+    def record_failure(self, error: str) -> None:
+        self.num_failures += 1
+        self.last_error = error
+
+    def as_dict(self) -> dict:
+        recent = np.asarray(self._recent, dtype=np.float64).reshape(-1, 3)
+        lat = recent[:, 1] - recent[:, 0]
+        busy_s = busy_seconds(recent[:, 0], recent[:, 1])
+        p50, p90, p99 = (np.percentile(lat, [50, 90, 99]) * 1e3).tolist() if len(lat) else (0.0, 0.0, 0.0)
+        return {
+            "num_transfers": self.num_transfers,
+            "num_failures": self.num_failures,
+            "num_load_errors": self.num_load_errors,
+            "num_expired_reads": self.num_expired_reads,
+            "bytes_transferred": self.bytes_transferred,
+            "num_descriptors": self.num_descriptors,
+            "last_error": self.last_error or "",
+            "latency_ms_p50": p50,
+            "latency_ms_p90": p90,
+            "latency_ms_p99": p99,
+            # over the most recent transfers: bytes / wall time with at least one in flight
+            "throughput_gbps": float(recent[:, 2].sum()) / busy_s / 1e9 if busy_s > 0 else 0.0,
+        }
