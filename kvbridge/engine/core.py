@@ -89,6 +89,7 @@ class EngineCore:
         _LIVE_ENGINES.add(self)
 
     def _build_connectors(self, config: EngineConfig) -> tuple[KVConnectorBase | None, KVConnectorBase | None]:
+        """Both halves; on failure, whatever was built is shut down and the runner released."""
         if config.kv_transfer is None:
             return None, None
         context = ConnectorContext(
@@ -97,9 +98,16 @@ class EngineCore:
             device=str(self.runner.device),
             hash_namespace=self.hash_namespace,
         )
-        worker = create_connector(config.kv_transfer, KVConnectorRole.WORKER, context)
-        self.runner.attach_connector(worker)
-        return worker, create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, context)
+        worker = None
+        try:
+            worker = create_connector(config.kv_transfer, KVConnectorRole.WORKER, context)
+            self.runner.attach_connector(worker)
+            return worker, create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, context)
+        except BaseException:
+            if worker is not None:
+                worker.shutdown()
+            self.runner.shutdown()
+            raise
 
     # ------------------------------------------------------------------ requests
 
@@ -112,8 +120,11 @@ class EngineCore:
     ) -> None:
         """Queue a request. Raises InvalidRequestError for an empty or too long prompt or a live duplicate id."""
         self._check_alive()
-        if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request a unique id")
+        if request_id in self.scheduler.requests or request_id in self.scheduler.conn.block_owners():
+            raise InvalidRequestError(
+                f"request id {request_id!r} is in use (running, or its KV transfer is still in flight); "
+                "give each request a unique id"
+            )
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")

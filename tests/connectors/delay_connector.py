@@ -11,6 +11,7 @@ block hash) and loads them back for later requests whose prefix is in the store.
     fail_loads: int       the first N loads report their first block as failed (default 0)
     never_finish: bool    transfers never finish until shutdown (flush timeouts)
     full_prompt: bool     offer every prompt block, even when that covers the whole prompt
+    fail_scheduler_init: bool   the scheduler half's constructor raises ConfigError
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from kvbridge.connectors.base import (
     FlushResult,
     KVConnectorBase,
     KVConnectorMetadata,
+    KVConnectorRole,
     MatchResult,
 )
+from kvbridge.errors import ConfigError
 
 STORES: dict[str, dict[bytes, torch.Tensor]] = {}  # store name -> block hash -> one block [L, 2, bs, H, D]
+SHUTDOWNS: list[tuple[str, KVConnectorRole]] = []  # (store name, role) of every shutdown() call
 
 
 @dataclass
@@ -50,7 +54,10 @@ class DelayConnector(KVConnectorBase):
     def __init__(self, config, role, context) -> None:
         super().__init__(config, role, context)
         extra = config.extra
-        self.store = STORES.setdefault(extra.get("store", "default"), {})
+        if extra.get("fail_scheduler_init") and role is KVConnectorRole.SCHEDULER:
+            raise ConfigError("DelayConnector: fail_scheduler_init is set")
+        self.store_name = extra.get("store", "default")
+        self.store = STORES.setdefault(self.store_name, {})
         self.delay_s = float(extra.get("delay_s", 0.05))
         self.load_async = bool(extra.get("load_async", True))
         self.save = bool(extra.get("save", True))
@@ -201,6 +208,7 @@ class DelayConnector(KVConnectorBase):
 
     def shutdown(self):
         self.num_shutdowns += 1
+        SHUTDOWNS.append((self.store_name, self.role))
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=1.0)

@@ -10,7 +10,7 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-from delay_connector import STORES, DelayConnector
+from delay_connector import SHUTDOWNS, STORES, DelayConnector
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.config import KVTransferConfig
@@ -18,7 +18,13 @@ from kvbridge.connectors import factory
 from kvbridge.connectors.base import ConnectorContext, KVConnectorRole
 from kvbridge.engine.block_hash import hash_full_blocks
 from kvbridge.engine.request import RequestStatus
-from kvbridge.errors import ConnectorNotFoundError, EngineStalledError, FlushTimeoutError
+from kvbridge.errors import (
+    ConfigError,
+    ConnectorNotFoundError,
+    EngineStalledError,
+    FlushTimeoutError,
+    InvalidRequestError,
+)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(7).randrange(256) for _ in range(52)]  # 3 full blocks of 16 + 4 tokens
@@ -223,6 +229,22 @@ def test_generate_raises_when_nothing_progresses():
             llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
         assert not llm.engine.scheduler.requests  # aborted
         llm.engine.check_integrity()
+
+
+def test_request_id_stays_busy_while_its_blocks_are_held():
+    with make_llm(delay_s=0.3) as llm:
+        out, _ = run(llm)
+        with pytest.raises(InvalidRequestError, match="in flight"):
+            llm.engine.add_request(out.request_id, [1, 2, 3], GREEDY)
+        llm.reset_prefix_cache()
+        llm.engine.add_request(out.request_id, [1, 2, 3], GREEDY)  # free again
+
+
+def test_a_failing_connector_half_releases_what_was_built():
+    store = uuid.uuid4().hex
+    with pytest.raises(ConfigError, match="fail_scheduler_init"):
+        make_llm(store=store, fail_scheduler_init=True)
+    assert (store, KVConnectorRole.WORKER) in SHUTDOWNS
 
 
 # ---------------------------------------------------------------------- registry

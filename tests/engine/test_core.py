@@ -70,7 +70,7 @@ def test_abort_gives_a_final_output(engine):
 
 def test_duplicate_ids_and_bad_prompts(engine):
     engine.add_request("a", [1, 2], GREEDY)
-    with pytest.raises(InvalidRequestError, match="already in use"):
+    with pytest.raises(InvalidRequestError, match="in use"):
         engine.add_request("a", [1, 2], GREEDY)
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("b", [], GREEDY)
