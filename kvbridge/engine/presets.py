@@ -90,6 +90,21 @@ PRESETS: dict[str, ModelArgs] = {
         bos_token_id=BYTE_VOCAB_BOS,
         eos_token_id=BYTE_VOCAB_EOS,
     ),
+    # Llama-3-8B's KV geometry (32 layers x 8 KV heads x head_dim 128: 128 KiB per token in bf16)
+    # on a narrower trunk (~0.8B parameters): P/D and offload benchmarks move realistic bytes.
+    "kv8b": ModelArgs(
+        vocab_size=384,
+        hidden_size=2048,
+        num_layers=32,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=2048,
+        max_position=8192,
+        rope_theta=500000.0,
+        bos_token_id=BYTE_VOCAB_BOS,
+        eos_token_id=BYTE_VOCAB_EOS,
+    ),
 }
 
 

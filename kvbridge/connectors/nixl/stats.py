@@ -43,6 +43,10 @@ class TransferStats:
         self.num_descriptors += num_descriptors
         self._recent.append((start, end, nbytes))
 
+    def recent(self) -> list[tuple[float, float, int]]:
+        """(start, end, nbytes) of the most recent transfers, oldest first."""
+        return list(self._recent)
+
     def record_failure(self, error: str) -> None:
         self.num_failures += 1
         self.last_error = error

@@ -1,0 +1,196 @@
+"""P/D disaggregation: KV transfer throughput and time to first token, against baselines in the same run.
+
+A prefill engine runs in a child process (on --prefill-device), the decode engine in this one
+(on --decode-device), both with the NixlConnector. For each repetition a fresh random prompt of
+--prompt-len tokens is
+
+  1. computed by the decode engine itself, no connector involved: the colocated TTFT (baseline);
+  2. prefilled remotely, then pulled by the decode engine over NIXL: the P/D TTFT is the prefill's
+     time plus the decode's time from admission to first token (read + the last token's forward).
+
+Transfer throughput is the NixlConnector's own per-read figure (bytes / time from posting the read
+to its completion; the handshake is done during warm-up and is not inside). Its baseline is a raw
+copy of the same bytes: cuda:0 -> cuda:1 peer copy on GPUs, a memcpy on CPU.
+
+    python benchmarks/pd_transfer.py --json                                   # CPU, tiny model
+    python benchmarks/pd_transfer.py --json --model kv8b --dtype bfloat16 \\
+        --prefill-device cuda:0 --decode-device cuda:1 --prompt-len 4096       # 2 GPUs, 512 MiB of KV
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import random
+import statistics
+import time
+
+BLOCK_SIZE = 16
+
+
+def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
+    num_blocks = 2 * (args.prompt_len // BLOCK_SIZE + 2) * (args.reps + 2)
+    return dict(
+        model=args.model, dtype=args.dtype, device=device, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+        max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
+        kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id),
+    )
+
+
+def _prefill_main(conn, kwargs: dict) -> None:
+    from kvbridge import LLM, SamplingParams
+
+    llm = LLM(**kwargs)
+    conn.send("ready")
+    while True:
+        if conn.poll(0.0005):
+            msg = conn.recv()
+            if msg is None:
+                break
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": msg}], SamplingParams(max_tokens=1, temperature=0),
+                               kv_transfer_params=[{"do_remote_decode": True}])[0]
+            conn.send((time.perf_counter() - start, out.kv_transfer_params))
+        elif llm.engine.has_pending_transfers():
+            llm.engine.step()
+    llm.shutdown()
+
+
+def _ttft(llm, prompt: list[int], params: dict | None) -> tuple[float, int]:
+    from kvbridge import SamplingParams
+
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0),
+                       kv_transfer_params=[params])[0]
+    return time.perf_counter() - start, out.num_external_tokens
+
+
+def _copy_baseline_gbps(nbytes: int, src_device: str, dst_device: str, reps: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=src_device)  # touched: no page faults inside the clock
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=dst_device)
+    times = []
+    for _ in range(reps + 2):
+        if dst.is_cuda:
+            torch.cuda.synchronize(src.device)
+            torch.cuda.synchronize(dst.device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if dst.is_cuda:
+            torch.cuda.synchronize(dst.device)
+            torch.cuda.synchronize(src.device)
+        times.append(time.perf_counter() - start)
+    return nbytes / min(times[2:]) / 1e9
+
+
+def _machine(devices: list[str]) -> dict:
+    import torch
+
+    info = {"cpu": platform.processor() or platform.machine(), "num_cpus": mp.cpu_count()}
+    if any(d.startswith("cuda") for d in devices):
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    out = {"torch": torch.__version__}
+    for pkg in ("nixl", "nixl-cu12", "nixl-cu13", "kvbridge"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def run(args) -> dict:
+    from kvbridge import LLM
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_main, args=(child, _engine_kwargs(args, args.prefill_device, "kv_producer", "bench-prefill")), daemon=True)
+    proc.start()
+    rng = random.Random(args.seed)
+    try:
+        if not conn.poll(600):
+            raise TimeoutError("prefill process did not start within 600 s")
+        conn.recv()
+        dec = LLM(**_engine_kwargs(args, args.decode_device, "kv_consumer", "bench-decode"))
+        block_nbytes = dec.engine.layout.block_nbytes
+        transfers = dec.engine.worker_connector.worker.stats
+        rows = []
+        for rep in range(args.warmup + args.reps):
+            prompt = [rng.randrange(3, 250) for _ in range(args.prompt_len)]
+            colocated_s, _ = _ttft(dec, prompt, None)
+            dec.reset_prefix_cache()
+            conn.send(prompt)
+            prefill_s, params = conn.recv()
+            params = dict(params, do_remote_prefill=True)
+            decode_s, num_external = _ttft(dec, prompt, params)
+            start, end, nbytes = transfers.recent()[-1]  # this request's read: posted -> complete
+            dec.reset_prefix_cache()
+            if rep < args.warmup:
+                continue
+            assert nbytes == len(params["remote_block_ids"]) * block_nbytes == num_external // BLOCK_SIZE * block_nbytes
+            rows.append({"colocated_ttft_s": colocated_s, "prefill_s": prefill_s, "decode_ttft_s": decode_s,
+                         "transfer_s": end - start, "nbytes": nbytes})
+        dec.shutdown()
+    finally:
+        conn.send(None)
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+
+    nbytes = rows[0]["nbytes"]
+    baseline = _copy_baseline_gbps(nbytes, args.prefill_device, args.decode_device, args.reps)
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    transfer_gbps = nbytes / med("transfer_s") / 1e9
+    pd_ttft = [r["prefill_s"] + r["decode_ttft_s"] for r in rows]
+    return {
+        "benchmark": "pd_transfer",
+        "kvbridge_transfer_gbps": transfer_gbps,
+        "baseline_gbps": baseline,
+        "baseline": "raw peer copy of the same bytes" if args.decode_device.startswith("cuda") else "memcpy of the same bytes",
+        "ratio": transfer_gbps / baseline,
+        "kvbridge_transfer_gbps_best": nbytes / min(r["transfer_s"] for r in rows) / 1e9,
+        "transfer_ms": {"median": med("transfer_s") * 1e3, "min": min(r["transfer_s"] for r in rows) * 1e3},
+        "bytes_per_request": nbytes,
+        "pd_ttft_s": {"median": statistics.median(pd_ttft), "min": min(pd_ttft)},
+        "prefill_s": {"median": med("prefill_s"), "min": min(r["prefill_s"] for r in rows)},
+        "decode_ttft_s": {"median": med("decode_ttft_s"), "min": min(r["decode_ttft_s"] for r in rows)},
+        "colocated_ttft_s": {"median": med("colocated_ttft_s"), "min": min(r["colocated_ttft_s"] for r in rows)},
+        "decode_ttft_vs_colocated": med("decode_ttft_s") / med("colocated_ttft_s"),
+        "params": {k: v for k, v in vars(args).items() if k != "json"},
+        "machine": _machine([args.prefill_device, args.decode_device]),
+        "versions": _versions(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prefill-device", default="cpu")
+    parser.add_argument("--decode-device", default="cpu")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
