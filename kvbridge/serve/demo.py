@@ -122,6 +122,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             if not args.json:
                 _print_row(rows[-1])
         t_done = time.monotonic()
+        connector_stats = _connector_stats(cluster.decode[0].url)
     finally:
         cluster.stop()
     ok_rows = [r for r in rows if r["ok"]]
@@ -135,12 +136,36 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "requests_s": round(t_done - t_ready, 3),
         "mean_prefill_s": _mean(r["prefill_s"] for r in ok_rows),
         "mean_decode_ttft_s": _mean(r["decode_ttft_s"] for r in ok_rows),
+        "decode_connector": connector_stats,
         "per_request": [{k: v for k, v in r.items() if k not in ("text", "prompt")} for r in rows],
         "parameters": {k: getattr(args, k) for k in ("model", "dtype", "seed", "num_prompts", "max_tokens")}
         | {"connector": None if args.no_connector else args.kv_connector},
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
         "versions": _versions(),
     }
+
+
+# Worker-side connector statistics worth a line in the summary (whichever the connector reports).
+_CONNECTOR_STATS = (
+    "bytes_transferred", "num_transfers", "num_descriptors", "num_failures", "num_load_errors",
+    "latency_ms_p50", "latency_ms_p99", "throughput_gbps",
+)  # fmt: skip
+
+
+def _connector_stats(node_url: str) -> dict[str, Any]:
+    """The decode node's own transfer counters, from its admin endpoint ({} without a connector)."""
+    from kvbridge.serve.launcher import http_json
+
+    try:
+        status, state = http_json(f"{node_url}/v1/kvbridge/state", timeout_s=30)
+    except OSError:
+        return {}
+    worker = state.get("stats", {}).get("connector", {}).get("worker", {}) if status == 200 else {}
+    return {k: worker[k] for k in _CONNECTOR_STATS if k in worker}
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _mean(values) -> float | None:
@@ -181,4 +206,6 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['requests']} requests, {summary['bytes_transferred'] / 1024:.1f} KiB of KV pulled by the "
             f"decode node; {verdict}"
         )
+        if summary["decode_connector"]:
+            print("decode node's connector: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary["decode_connector"].items()))
     return 0 if summary["all_match"] else 1

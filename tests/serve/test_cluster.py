@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import tempfile
 import time
 
@@ -28,10 +29,11 @@ PROMPTS = [
 ]
 
 
-def _reference(prompts: list[str]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    with LLM(max_model_len=512, num_blocks=256) as llm:
-        return [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+def _reference(prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy completions of one colocated engine without a connector."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    with LLM(max_model_len=512) as llm:
+        return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -60,13 +62,13 @@ def _assert_clean(states: list[dict]) -> None:
 
 
 def test_plain_nodes_round_robin_through_the_proxy():
-    expected = _reference(PROMPTS[:4])
     with tempfile.TemporaryDirectory() as log_dir:
         nodes, proxy = [], None
         try:
             nodes = [start_node(f"node{i}", "both", log_dir, extra_args=[*NODE_ARGS, "--no-connector"]) for i in range(2)]
             urls = [n.url for n in nodes]
             proxy = start_proxy(urls, urls, log_dir)
+            expected = _reference(PROMPTS[:4])  # while the processes boot
             wait_healthy([*nodes, proxy], timeout_s=120)
             bodies = [_complete(proxy.url, p) for p in PROMPTS[:4]]
             states = _wait_all_blocks_released(urls)
@@ -112,8 +114,24 @@ def test_pd_completions_equal_colocated(pd_cluster):
 
 @pytest.mark.nixl
 @needs_connector
+def test_pd_streaming_through_the_proxy(pd_cluster):
+    prompt = "Streamed through the proxy: " + "s" * 50
+    expected = _reference([prompt])[0]
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    status, raw = http_json(f"{pd_cluster.proxy_url}/v1/completions", body, timeout_s=60)
+    assert status == 200
+    events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
+    assert chunks[-1]["kvbridge"]["num_external_tokens"] >= 64  # the prompt's full blocks were pulled
+
+
+@pytest.mark.nixl
+@needs_connector
 def test_pd_200_concurrent_requests_leak_no_blocks(pd_cluster):
     num_requests = 200
+    prompts = [f"request {i}: " + "p" * (i % 40) for i in range(num_requests)]
 
     async def main():
         limit = aiohttp.TCPConnector(limit=num_requests)
@@ -121,7 +139,7 @@ def test_pd_200_concurrent_requests_leak_no_blocks(pd_cluster):
         async with aiohttp.ClientSession(connector=limit, timeout=timeout) as session:
 
             async def one(i: int):
-                body = {"prompt": f"request {i}: " + "p" * (i % 40), "max_tokens": 3, "temperature": 0}
+                body = {"prompt": prompts[i], "max_tokens": 3, "temperature": 0}
                 async with session.post(f"{pd_cluster.proxy_url}/v1/completions", json=body) as resp:
                     return resp.status, await resp.json()
 
@@ -130,5 +148,10 @@ def test_pd_200_concurrent_requests_leak_no_blocks(pd_cluster):
     results = asyncio.run(main())
     failed = [body for status, body in results if status != 200]
     assert not failed, failed[:3]
-    assert all(len(body["choices"][0]["token_ids"]) >= 1 for _, body in results)
+    assert [body["choices"][0]["token_ids"] for _, body in results] == _reference(prompts, max_tokens=3)
+    # Prompts of 16+ tokens have a full block: each was pulled from the prefill node or cached.
+    for prompt, (_, body) in zip(prompts, results):
+        stats = body["kvbridge"]
+        assert stats["num_external_tokens"] + stats["num_cached_tokens"] >= 16 * (len(prompt) // 16), stats
+    assert sum(body["kvbridge"]["num_external_tokens"] for _, body in results) > 0
     _assert_clean(_wait_all_blocks_released([p.url for p in pd_cluster.prefill + pd_cluster.decode]))
