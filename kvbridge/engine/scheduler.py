@@ -123,6 +123,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen while the runner samples as agreed)
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim, output)
@@ -190,7 +193,13 @@ class Scheduler:
         return num_new
 
     def _fits_unchunked(self, request: Request, num_tokens_after: int) -> bool:
-        return self.config.enable_chunked_prefill or num_tokens_after >= request.num_tokens
+        """With chunked prefill off, a request is computed whole, unless it could never fit the budget
+        (a preempted request whose outputs made it longer than the budget)."""
+        return (
+            self.config.enable_chunked_prefill
+            or num_tokens_after >= request.num_tokens
+            or request.num_tokens > self.config.max_num_batched_tokens
+        )
 
     def _unblock_waiting(self, output: SchedulerOutput) -> None:
         """Nothing runs and no waiting request got blocks: requests back from async loads hold blocks

@@ -196,13 +196,14 @@ def test_abort_waiting_and_running():
     sched.check_integrity()
 
 
-def test_random_workload_matches_expected_outputs():
-    seed = random.randrange(2**32)
+@pytest.mark.parametrize("chunked", [True, False])
+def test_random_workload_matches_expected_outputs(chunked, seed=None):
+    seed = random.randrange(2**32) if seed is None else seed
     print(f"seed={seed}")
     rng = random.Random(seed)
     num_blocks = rng.randint(12, 40)
     sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=rng.randint(1, 6),
-                           max_num_batched_tokens=rng.randint(4, 40))
+                           max_num_batched_tokens=rng.randint(4, 40), chunked=chunked)
     runner = FakeRunner(num_blocks, 4)
     shared = prompt(rng.randint(0, 12), 3)
     prompts = {f"r{i}": shared + prompt(rng.randint(1, 14), rng.randrange(80)) for i in range(12)}
