@@ -27,9 +27,7 @@ prepares both lists per transfer. docs/transfer.md has the measurements.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
@@ -40,8 +38,9 @@ from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
-from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, make_request, peer_from_response
-from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer
+from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
+from kvbridge.transfer.peers import PeerDirectory
+from kvbridge.transfer.side_channel import SideChannelServer
 from kvbridge.transfer.tracker import FlushOutcome, TransferRecord, TransferState, TransferTracker
 
 if TYPE_CHECKING:
@@ -110,7 +109,6 @@ class KVEndpoint:
         self.max_descriptor_nbytes = max_descriptor_nbytes
         self.transfer_timeout_s = transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
-        self._hs_timeout_s, self._hs_retries = handshake_timeout_s, handshake_retries
         self._message_handler = message_handler
         self._kv = kv_cache
         self.agent = NixlAgent(engine_id, backend)
@@ -120,13 +118,11 @@ class KVEndpoint:
         )
         self._me = LocalIdentity(engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout)
         self.tracker = TransferTracker(clock)
-        self._peers: dict[str, PeerInfo] = {}  # address -> peer
-        self._remote_block_lists: dict[str, object] = {}  # address -> prepared per-block list ("blocks" mode)
+        self.peers = PeerDirectory(
+            self.agent, self._me, secret=self._secret, timeout_s=handshake_timeout_s, retries=handshake_retries,
+            cache_block_lists=descriptor_mode == "blocks",
+        )
         self._local_block_list: object | None = None
-        self._handshakes: dict[str, Future] = {}
-        self._clients: dict[str, SideChannelClient] = {}  # by address; guarded by _clients_lock
-        self._clients_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-handshake-{engine_id}")
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
 
@@ -152,18 +148,11 @@ class KVEndpoint:
 
     def handshake(self, address: str) -> PeerInfo:
         """Blocking handshake with the endpoint at `address` (cached). Raises the named errors."""
-        if address not in self._peers:
-            future = self._handshakes.pop(address, None)
-            info = future.result() if future is not None else self._fetch_peer(address)
-            self._connect(info)
-        return self._peers[address]
+        return self.peers.handshake(address)
 
     def forget_peer(self, address: str) -> None:
         """Drop a peer's metadata and cached lists; the next transfer to it handshakes again."""
-        info = self._peers.pop(address, None)
-        self._remote_block_lists.pop(address, None)  # released by remove_peer below
-        if info is not None:
-            self.agent.remove_peer(info.agent_name)
+        self.peers.forget(address)
 
     def request(self, address: str, msg: m.Message) -> m.Message:
         """Send a side-channel message (LeaseRenew, TransferDone, Ping...) to `address` and return the reply.
@@ -171,32 +160,7 @@ class KVEndpoint:
         Blocking (up to handshake_timeout_s x (handshake_retries + 1)); safe from any thread, e.g. a
         helper thread so the engine step never waits. Raises the named errors of SideChannelClient.
         """
-        with self._clients_lock:
-            if self._closed:
-                raise TransferError("KVEndpoint is closed")
-            client = self._clients.get(address)
-            if client is None:
-                client = self._clients[address] = self._new_client(address)
-        return client.request(msg)
-
-    def _new_client(self, address: str) -> SideChannelClient:
-        return SideChannelClient(address, self._secret, self._hs_timeout_s, self._hs_retries)
-
-    def _fetch_peer(self, address: str) -> PeerInfo:  # may run on a helper thread: no NIXL here
-        client = self._new_client(address)
-        try:
-            resp = client.request(make_request(self._me))
-        finally:
-            client.close()
-        return peer_from_response(resp, address, self.compat_hash, self.layout)
-
-    def _connect(self, info: PeerInfo) -> None:
-        self.agent.add_peer(info.agent_name, info.agent_metadata)
-        self._peers[info.address] = info
-        if self.descriptor_mode == "blocks":
-            r = info.region
-            descs = block_descs(info.layout, r.base_addr, r.device_id)
-            self._remote_block_lists[info.address] = self.agent.prep_remote(info.agent_name, descs, r.mem_type)
+        return self.peers.request(address, msg)
 
     # ------------------------------------------------------------------ transfers
 
@@ -224,15 +188,15 @@ class KVEndpoint:
         payload = notif if isinstance(notif, bytes) else m.encode(notif)
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
         rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload))
-        if address in self._peers:
+        if address in self.peers:
             self._post(rec)
-        elif address not in self._handshakes:
-            self._handshakes[address] = self._pool.submit(self._fetch_peer, address)
+        else:
+            self.peers.start_handshake(address)
         return rec
 
     def _post(self, rec: TransferRecord) -> None:
         op: _Op = rec.payload
-        peer = self._peers[rec.peer]
+        peer = self.peers.get(rec.peer)
         try:
             posted, num_descs = self._post_op(op, peer)
         except (KVBridgeError, IndexError, ValueError) as e:
@@ -256,7 +220,7 @@ class KVEndpoint:
             if self._local_block_list is None:
                 descs = block_descs(self.layout, mine.base_addr, mine.device_id)
                 self._local_block_list = self.agent.prep_local(descs, mine.mem_type)
-            remote_list = self._remote_block_lists[peer.address]
+            remote_list = self.peers.block_list(peer.address)
             xfer = self.agent.post(op.op, self._local_block_list, op.local_ids, remote_list, op.remote_ids, op.notif)
             return _Posted(xfer, ()), len(run_starts(op.local_ids, op.remote_ids))
         ranges = coalesce_blocks(op.local_ids, op.remote_ids, self.layout, peer.layout, self.max_descriptor_nbytes)
@@ -300,18 +264,12 @@ class KVEndpoint:
             self._release(rec)
 
     def _finish_handshakes(self) -> None:
-        for address, future in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[address]
-            try:
-                self._connect(future.result())
-            except Exception as e:
-                for rec in self.tracker.live():
-                    if rec.peer == address and rec.state is TransferState.HANDSHAKING:
-                        self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
+        for address, error in self.peers.finish_handshakes().items():
+            for rec in self.tracker.live():
+                if rec.peer == address and rec.state is TransferState.HANDSHAKING:
+                    self.tracker.mark_failed(rec.req_id, f"{type(error).__name__}: {error}")
         for rec in self.tracker.live():
-            if rec.state is TransferState.HANDSHAKING and rec.peer in self._peers:
+            if rec.state is TransferState.HANDSHAKING and rec.peer in self.peers:
                 self._post(rec)
 
     def _release(self, rec: TransferRecord) -> None:
@@ -325,7 +283,7 @@ class KVEndpoint:
 
     def send_notif(self, address: str, msg: m.Message) -> None:
         """Send `msg` as a NIXL notification to a peer we handshook with."""
-        self.agent.send_notif(self._peers[address].agent_name, m.encode(msg))
+        self.agent.send_notif(self.peers.get(address).agent_name, m.encode(msg))
 
     def get_notifs(self) -> list[Notification]:
         """Decoded NIXL notifications received since the last call; undecodable ones are logged and dropped."""
@@ -345,7 +303,7 @@ class KVEndpoint:
             "num_failed": t.num_failed,
             "bytes_done": t.bytes_done,
             "num_live": t.num_live,
-            "num_peers": len(self._peers),
+            "num_peers": len(self.peers),
         }
 
     # ------------------------------------------------------------------ shutdown
@@ -357,15 +315,9 @@ class KVEndpoint:
         self._closed = True
         if self.server is not None:
             self.server.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._clients_lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()  # waits for a request in flight on another thread
+        self.peers.close()
         for rec in self.tracker.live():
             self._release(rec)
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
-        self._peers.clear()
-        self._remote_block_lists.clear()
         self._local_block_list = None
         self._kv = None

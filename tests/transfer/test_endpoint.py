@@ -246,7 +246,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
         assert rec.state in (TransferState.FAILED, TransferState.EXPIRED)
         print(f"{rec.state.name} after {time.monotonic() - start:.2f}s: {rec.error}")
         assert time.monotonic() - start < 11
-        assert victim.address not in ep._peers  # forgotten: the next transfer handshakes again
+        assert victim.address not in ep.peers  # forgotten: the next transfer handshakes again
         # the same engine (same NIXL agent name) comes back on a new port
         t0 = time.monotonic()
         restarted = Peer(tmp_path, env=env, engine_id="victim", seed=5, **{**BIG, "num_blocks": 8})

@@ -1,0 +1,127 @@
+"""`PeerDirectory`: the remote engines one `KVEndpoint` talks to, by side-channel address.
+
+It runs handshakes (blocking, or on a helper thread that touches only the network), loads a
+peer's NIXL metadata and caches its prepared per-block descriptor list on the owner's thread,
+forgets peers (releasing what was cached), and keeps one side-channel client per address for
+`request`. Only `request` may be called from other threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvbridge.errors import TransferError
+from kvbridge.transfer import messages as m
+from kvbridge.transfer.agent import NixlAgent
+from kvbridge.transfer.descriptors import block_descs
+from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, make_request, peer_from_response
+from kvbridge.transfer.side_channel import SideChannelClient
+
+
+class PeerDirectory:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        me: LocalIdentity,
+        *,
+        secret: bytes | None,
+        timeout_s: float,
+        retries: int,
+        cache_block_lists: bool,
+    ) -> None:
+        self._agent, self._me = agent, me
+        self._secret, self._timeout_s, self._retries = secret, timeout_s, retries
+        self._cache_block_lists = cache_block_lists
+        self._peers: dict[str, PeerInfo] = {}
+        self._block_lists: dict[str, object] = {}  # address -> prepared per-block remote list
+        self._pending: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-handshake-{me.engine_id}")
+        self._clients: dict[str, SideChannelClient] = {}  # guarded by _clients_lock
+        self._clients_lock = threading.Lock()
+        self._closed = False
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._peers
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def get(self, address: str) -> PeerInfo:
+        return self._peers[address]
+
+    def block_list(self, address: str) -> object:
+        """The peer's prepared list with one descriptor per block (only with cache_block_lists)."""
+        return self._block_lists[address]
+
+    def handshake(self, address: str) -> PeerInfo:
+        """Blocking handshake (or wait for the one in flight), then connect. Raises the named errors."""
+        if address not in self._peers:
+            future = self._pending.pop(address, None)
+            self._connect(future.result() if future is not None else self._fetch(address))
+        return self._peers[address]
+
+    def start_handshake(self, address: str) -> None:
+        """Begin a handshake on the helper thread unless the peer is known or one is in flight."""
+        if address not in self._peers and address not in self._pending:
+            self._pending[address] = self._pool.submit(self._fetch, address)
+
+    def finish_handshakes(self) -> dict[str, Exception]:
+        """Connect every peer whose handshake completed; return the failures by address."""
+        failures = {}
+        for address, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[address]
+            try:
+                self._connect(future.result())
+            except Exception as e:
+                failures[address] = e
+        return failures
+
+    def forget(self, address: str) -> None:
+        """Drop the peer's metadata and cached list; the next transfer to it handshakes again."""
+        info = self._peers.pop(address, None)
+        self._block_lists.pop(address, None)  # released by remove_peer below
+        if info is not None:
+            self._agent.remove_peer(info.agent_name)
+
+    def request(self, address: str, msg: m.Message) -> m.Message:
+        """Side-channel request/reply with `address`; any thread. Raises SideChannelClient's errors."""
+        with self._clients_lock:
+            if self._closed:
+                raise TransferError("the endpoint is closed")
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = self._new_client(address)
+        return client.request(msg)
+
+    def close(self) -> None:
+        """Stop handshakes, close clients (waiting for a request in flight), forget every peer."""
+        with self._clients_lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in clients:
+            client.close()
+        for address in list(self._peers):
+            self.forget(address)
+
+    def _new_client(self, address: str) -> SideChannelClient:
+        return SideChannelClient(address, self._secret, self._timeout_s, self._retries)
+
+    def _fetch(self, address: str) -> PeerInfo:  # may run on the helper thread: no NIXL here
+        client = self._new_client(address)
+        try:
+            resp = client.request(make_request(self._me))
+        finally:
+            client.close()
+        return peer_from_response(resp, address, self._me.compat_hash, self._me.layout)
+
+    def _connect(self, info: PeerInfo) -> None:
+        self._agent.add_peer(info.agent_name, info.agent_metadata)
+        self._peers[info.address] = info
+        if self._cache_block_lists:
+            r = info.region
+            descs = block_descs(info.layout, r.base_addr, r.device_id)
+            self._block_lists[info.address] = self._agent.prep_remote(info.agent_name, descs, r.mem_type)
