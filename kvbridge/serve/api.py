@@ -84,7 +84,8 @@ class _Run:
         """The engine's error message if the request ended in error, else None."""
         last = self.last
         if last is not None and (last.error or protocol.finish_reason(last) == "error"):
-            return f"request {self.request_id} failed: {last.error or 'engine error'}"
+            error = last.error or "engine error"
+            return error if self.request_id in error else f"request {self.request_id} failed: {error}"
         return None
 
 
