@@ -43,7 +43,7 @@ def blocks_digest(kv, ids) -> str:
 
     h = hashlib.sha256()
     for i in ids:
-        h.update(kv[i].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(kv[i].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -65,11 +65,10 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = make_layout(spec)
     dtype = getattr(torch, layout.dtype)
-    kv = torch.empty(layout.shape, dtype=dtype, device=spec.get("device", "cpu"))
+    kv = torch.zeros(layout.shape, dtype=dtype)
     if spec.get("seed") is not None:
-        fill_kv(kv, spec["seed"])
-    else:
-        kv.zero_()
+        fill_kv(kv, spec["seed"])  # on CPU, so that a GPU peer holds the same bytes
+    kv = kv.to(spec.get("device", "cpu"))
     received: list[list] = []
     lock = threading.Lock()
 

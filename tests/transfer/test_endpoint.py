@@ -268,6 +268,30 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
         print(f"teardown {time.monotonic() - t0:.2f}s, total {time.monotonic() - t_start:.2f}s")
 
 
+@pytest.mark.gpu
+def test_read_between_gpus_verifies_every_byte(tmp_path):
+    """VRAM -> VRAM: the peer's cache on the last GPU, ours on cuda:0 (UCX picks cuda_ipc / NVLink)."""
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    peer_dev = f"cuda:{torch.cuda.device_count() - 1}"
+    gpu_peer = Peer(tmp_path, engine_id="gpu-prefill", device=peer_dev, seed=11)
+    layout = make_layout(GEOMETRY)
+    kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device="cuda:0")
+    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None)
+    try:
+        local_ids, remote_ids = [3, 4, 5, 40, 9], [10, 11, 12, 0, 63]
+        ep.read_blocks("gpu-read", gpu_peer.address, local_ids, remote_ids)
+        rec = _wait_final(ep, "gpu-read")
+        assert rec.state is TransferState.DONE, rec.error
+        torch.cuda.synchronize()
+        expected = torch.empty(layout.shape, dtype=torch.bfloat16)
+        fill_kv(expected, 11)  # generated on CPU in the peer too, then copied to its GPU
+        assert torch.equal(kv[local_ids].cpu().view(torch.uint8), expected[remote_ids].view(torch.uint8))
+    finally:
+        ep.close()
+        gpu_peer.quit()
+
+
 def test_close_is_idempotent_and_flush_of_nothing_completes():
     ep, _ = _local_endpoint("decode-close")
     assert ep.flush(1.0).is_complete
