@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.connectors.nixl.params import parse_remote_prefill
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, InvalidRequestError
@@ -103,6 +104,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     kv_transfer_params = _get(body, "kv_transfer_params", lambda v: isinstance(v, dict), "a JSON object", None)
+    try:
+        parse_remote_prefill(kv_transfer_params)  # a bad P/D hand-off is the client's error, not a mid-step one
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(str(exc), param="kv_transfer_params") from None
     try:
         params = SamplingParams(
             max_tokens=max_tokens,

@@ -65,6 +65,7 @@ def test_all_fields():
         ({"prompt": "a", "stream": "yes"}, "stream"),
         ({"prompt": "a", "stop_token_ids": [1, "x"]}, "stop_token_ids"),
         ({"prompt": "a", "kv_transfer_params": [1]}, "kv_transfer_params"),
+        ({"prompt": "a", "kv_transfer_params": {"do_remote_prefill": True, "remote_port": 1}}, "kv_transfer_params"),
         ({"prompt": "a", "stop": ["\n"]}, "stop"),
         ({"prompt": "a", "n": 2}, "n"),
         ({"prompt": "a", "logprobs": 3}, "logprobs"),
