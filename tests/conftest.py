@@ -1,8 +1,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+# One torch thread per process: tests start several engine processes on a 2-core machine, and
+# oversubscribed intra-op threads slow small matmuls down by orders of magnitude. Child processes
+# inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _has_cuda() -> bool:
@@ -11,6 +17,14 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -97,6 +97,7 @@ class EngineCore:
             block_size=self.layout.block_size,
             device=str(self.runner.device),
             hash_namespace=self.hash_namespace,
+            layout=self.layout,
         )
         worker = None
         try:
