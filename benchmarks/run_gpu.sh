@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU test and GPU benchmark in one go, for a CUDA machine with 2 GPUs (1 works; the P/D
+# figures then stay on one GPU). Logs and one JSON per benchmark land in ${OUT:-gpu-results}/.
+# With NIXL and friends as wheels in .whl/ (see docs/benchmarks.md), install them first:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+set -u
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+decode_dev=cuda:$((ngpu > 1 ? 1 : 0))
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv" 2>&1
+
+bench() {  # name, then the command; keeps going when one fails
+  local name=$1; shift
+  echo "== $name: $*"
+  timeout 900 "$@" --json > "$out/$name.json" 2> "$out/$name.err"; echo "rc=$?"
+  tail -c 2000 "$out/$name.json"; echo
+}
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout 1500 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="--strict-markers -ra" -s \
+    tests/engine/test_model_runner_gpu.py tests/test_memory_snapshot.py tests/test_shutdown_memory.py \
+    tests/connectors/offload tests/connectors/nixl_connector > "$out/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -3
+fi
+
+bench transfer_bw python3 benchmarks/transfer_bw.py --device cuda
+bench pd_transfer python3 benchmarks/pd_transfer.py --model kv8b --dtype bfloat16 --prompt-len 4096 \
+  --prefill-device cuda:0 --decode-device "$decode_dev"
+bench offload_bw python3 benchmarks/offload_bw.py --device cuda
+bench offload_ttft python3 benchmarks/offload_ttft.py --device cuda
+bench engine_throughput python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset small
