@@ -33,7 +33,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default="small", help="a preset or a checkpoint directory")
+    parser.add_argument("--model", default=None, help="a preset or a checkpoint directory (default: kv8b on CUDA, small on CPU)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 4096 on CUDA, 1024 on CPU")
     parser.add_argument("--block-size", type=int, default=16)
@@ -44,6 +44,7 @@ def main() -> int:
 
     is_cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
+    args.model = args.model or ("kv8b" if is_cuda else "small")
     prompt_len = args.prompt_len or (4096 if is_cuda else 1024)
     blocks_per_prompt = -(-(prompt_len + 1) // args.block_size)
     host_blocks = (args.reps + args.warmup + 1) * blocks_per_prompt

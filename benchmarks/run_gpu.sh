@@ -11,11 +11,12 @@ ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 decode_dev=cuda:$((ngpu > 1 ? 1 : 0))
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv" 2>&1
 
-bench() {  # name, then the command; keeps going when one fails
+bench() {  # name, then the command; keeps going when one fails. One JSON line per benchmark.
   local name=$1; shift
-  echo "== $name: $*"
-  timeout 900 "$@" --json > "$out/$name.json" 2> "$out/$name.err"; echo "rc=$?"
-  tail -c 2000 "$out/$name.json"; echo
+  echo "== $name: $*" | tee -a "$out/bench.log"
+  timeout 900 "$@" --json > "$out/$name.json" 2>> "$out/bench.log"; echo "$name rc=$?" | tee -a "$out/bench.log"
+  python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$out/$name.json" >> "$out/results.jsonl" \
+    && rm "$out/$name.json"
 }
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -45,10 +45,14 @@ def run_cycles(device: str, num_blocks: int):
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     before = take_snapshot(device)
+    # What the permanent generation holds without any engine: 0 on CPU; a few hundred objects that a
+    # plain gc.collect() parks there on some CUDA builds (seen: Python 3.12.3, torch 2.11+cu130).
+    # An engine that left gc frozen would leave every object of the process there (~10^5).
+    frozen_at_rest = gc.get_freeze_count()
     refs = []
     for cycle in range(NUM_CYCLES):
         refs += one_cycle(device, num_blocks, with_connector=cycle % 2 == 1)
-        assert gc.get_freeze_count() == 0, f"cycle {cycle}: gc left frozen"
+        assert gc.get_freeze_count() <= frozen_at_rest, f"cycle {cycle}: gc left frozen"
     gc.collect()
     after = take_snapshot(device)
     print(f"\n{device}: before={before}\n{device}: after={after}\ndiff={after.diff(before)}")

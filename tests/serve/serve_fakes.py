@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+from kvbridge.connectors.nixl.params import RemotePrefillParams
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput
 from kvbridge.errors import InvalidRequestError
 
@@ -94,7 +95,10 @@ class FakeEngineCore:
             del self.requests[rid]
             self.num_finished += 1
             if kv.get("do_remote_decode"):
-                kv_out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_request_id": rid}
+                kv_out = RemotePrefillParams(  # the full shape: the API validates it on the decode leg
+                    remote_engine_id=self.engine_id, remote_host="127.0.0.1", remote_port=5557,
+                    remote_block_ids=[0], remote_request_id=rid,
+                ).to_dict()
         ids = list(req["out"])
         return RequestOutput(
             request_id=rid,

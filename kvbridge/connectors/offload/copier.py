@@ -4,10 +4,10 @@ Two implementations behind one interface:
 
 * `ThreadCopier` (CPU KV cache): one worker thread per direction, so a store and a load overlap.
   Runs of adjacent block ids on both sides coalesce into one memcpy.
-* `CudaCopier` (CUDA KV cache): one dedicated stream per direction, never the compute stream.
+* `CudaCopier` (CUDA KV cache): dedicated streams per direction, never the compute stream.
   Scattered GPU blocks are gathered with `index_select` into a device staging buffer, which then
   goes to a contiguous range of (pinned) host slots in one DMA; loads do the reverse with
-  `index_copy_`. Runs contiguous on both sides skip the staging buffer. A store first waits (on
+  `index_copy_`. Two staging halves let one segment's DMA overlap the next one's kernel. Runs contiguous on both sides skip the staging buffer. A store first waits (on
   the GPU, not the host) for an event recorded on the compute stream, so it reads the blocks the
   forward pass wrote without delaying it. Completion is signalled by CUDA events.
 
@@ -165,40 +165,78 @@ class _CudaHandle(CopyHandle):
 
 
 class CudaCopier(BlockCopier):
+    """Per direction: a DMA stream and a kernel stream, and a staging buffer split in two halves.
+
+    A scattered segment is gathered (store) or scattered (load) by a kernel on the kernel stream
+    while the other half's DMA runs on the DMA stream, so the copy engine never waits for the
+    gather/scatter kernels: the transfer runs at the DMA's speed, not DMA + kernel.
+    """
+
     def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int) -> None:
         super().__init__(kv_cache, host_pool)
         device = kv_cache.device
-        self._streams = {d: torch.cuda.Stream(device=device) for d in ("store", "load")}
-        # One staging buffer per direction: [staging_blocks, L, 2, block_size, H, D] on the device.
-        self._staging = {d: torch.empty((staging_blocks, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
+        self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+                         for d in ("store", "load")}  # fmt: skip  (DMA stream, kernel stream)
+        half = max(1, staging_blocks // 2)
+        # Two halves per direction: [2, half, L, 2, block_size, H, D] on the device.
+        self._staging = {d: torch.empty((2, half, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
                          for d in ("store", "load")}  # fmt: skip
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-cuda")
 
     def _enqueue(self, direction: str, gpu_ids: list[int], slots: list[int], after: torch.cuda.Event,
                  handle: _CudaHandle) -> None:  # fmt: skip
-        stream, staging = self._streams[direction], self._staging[direction]
-        with torch.cuda.device(self.kv_cache.device), torch.cuda.stream(stream):
-            stream.wait_event(after)  # the compute stream's work on these blocks comes first
-            order = sorted(range(len(slots)), key=slots.__getitem__)  # host side contiguous when possible
-            src_ids, dst_slots = [gpu_ids[i] for i in order], [slots[i] for i in order]
-            for ids, slot0 in split_dst_contiguous(src_ids, dst_slots, staging.shape[0]):
+        dma, kernels = self._streams[direction]
+        staging = self._staging[direction]
+        device = self.kv_cache.device
+        order = sorted(range(len(slots)), key=slots.__getitem__)  # host side contiguous when possible
+        src_ids, dst_slots = [gpu_ids[i] for i in order], [slots[i] for i in order]
+        segments = split_dst_contiguous(src_ids, dst_slots, staging.shape[1])
+        with torch.cuda.device(device):
+            dma.wait_event(after)  # the compute stream's work on these blocks comes first
+            kernels.wait_event(after)
+            with torch.cuda.stream(kernels):
+                # every segment's block ids in one pinned host tensor, one upload: no pageable copy
+                # (which would block this thread until the stream drains) inside the loop
+                flat = torch.tensor([b for ids, _ in segments for b in ids], dtype=torch.long).pin_memory()
+                index = flat.to(device, non_blocking=True)
+            half_free: list[torch.cuda.Event | None] = [None, None]  # when each half may be reused
+            offset = 0
+            for k, (ids, slot0) in enumerate(segments):
                 n, host = len(ids), self.host_pool[slot0 : slot0 + len(ids)]
+                seg_index, offset = index[offset : offset + n], offset + n
                 if is_consecutive(ids):
-                    dev = self.kv_cache[ids[0] : ids[0] + n]
-                    if direction == "store":
-                        host.copy_(dev, non_blocking=True)
-                    else:
-                        dev.copy_(host, non_blocking=True)
+                    with torch.cuda.stream(dma):
+                        dev = self.kv_cache[ids[0] : ids[0] + n]
+                        (host.copy_(dev, non_blocking=True) if direction == "store" else dev.copy_(host, non_blocking=True))
                     continue
-                index = torch.tensor(ids, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+                buf = staging[k % 2, :n]
                 if direction == "store":
-                    torch.index_select(self.kv_cache, 0, index, out=staging[:n])  # gather on the device
-                    host.copy_(staging[:n], non_blocking=True)  # one DMA
+                    if half_free[k % 2] is not None:
+                        kernels.wait_event(half_free[k % 2])  # its previous DMA has read it
+                    with torch.cuda.stream(kernels):
+                        torch.index_select(self.kv_cache, 0, seg_index, out=buf)  # gather on the device
+                        gathered = torch.cuda.Event()
+                        gathered.record(kernels)
+                    dma.wait_event(gathered)
+                    with torch.cuda.stream(dma):
+                        host.copy_(buf, non_blocking=True)  # one DMA
+                        half_free[k % 2] = torch.cuda.Event()
+                        half_free[k % 2].record(dma)
                 else:
-                    staging[:n].copy_(host, non_blocking=True)  # one DMA
-                    self.kv_cache.index_copy_(0, index, staging[:n])  # scatter on the device
+                    if half_free[k % 2] is not None:
+                        dma.wait_event(half_free[k % 2])  # its previous scatter has read it
+                    with torch.cuda.stream(dma):
+                        buf.copy_(host, non_blocking=True)  # one DMA
+                        landed = torch.cuda.Event()
+                        landed.record(dma)
+                    kernels.wait_event(landed)
+                    with torch.cuda.stream(kernels):
+                        self.kv_cache.index_copy_(0, seg_index, buf)  # scatter on the device
+                        half_free[k % 2] = torch.cuda.Event()
+                        half_free[k % 2].record(kernels)
+            dma.wait_stream(kernels)
             handle.event = torch.cuda.Event()
-            handle.event.record(stream)
+            handle.event.record(dma)
         handle._ready.set()
 
     def _submit(self, direction, gpu_ids, slots, before) -> CopyHandle:
@@ -224,8 +262,9 @@ class CudaCopier(BlockCopier):
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
-        for stream in self._streams.values():
-            stream.synchronize()
+        for streams in self._streams.values():
+            for stream in streams:
+                stream.synchronize()
         self._staging.clear()
         super().close()
 

@@ -168,9 +168,19 @@ def test_shutdown_drains_and_frees_the_host_pool():
     llm.shutdown()  # idempotent
 
 
+def test_host_capacity_in_bytes_is_sized_from_the_engine_layout():
+    with offload_llm({"host_num_blocks": None, "host_capacity_bytes": 1 << 20}) as llm:
+        block_nbytes = llm.engine.layout.block_nbytes
+        sched, _ = _tier_stats(llm)
+        print(sched)
+        assert sched["host_capacity_blocks"] == (1 << 20) // block_nbytes
+
+
 def test_config_errors_say_what_to_do():
-    with pytest.raises(ConfigError, match="host_num_blocks"):
-        offload_llm({"host_num_blocks": None, "host_capacity_bytes": 1 << 20})
+    with pytest.raises(ConfigError, match="holds no block"):
+        offload_llm({"host_num_blocks": None, "host_capacity_bytes": 1024})
+    with pytest.raises(ConfigError, match="not both"):
+        offload_llm({"host_num_blocks": 4, "host_capacity_bytes": 1 << 20})
     with pytest.raises(ConfigError, match="unknown extra option"):
         offload_llm({"host_blocks": 3})
     with pytest.raises(ConfigError, match="eviction_policy"):
