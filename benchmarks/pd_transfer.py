@@ -35,7 +35,8 @@ def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, device=device, num_blocks=num_blocks, block_size=BLOCK_SIZE,
         max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
-        kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id),
+        kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
+                                extra={"descriptor_mode": args.descriptor_mode}),
     )
 
 
@@ -59,12 +60,19 @@ def _prefill_main(conn, kwargs: dict) -> None:
 
 
 def _ttft(llm, prompt: list[int], params: dict | None) -> tuple[float, int]:
+    """Admission to first token. The engine is stepped back to back (no idle sleep between polls),
+    so a transfer's completion is seen within one step, not one poll interval."""
     from kvbridge import SamplingParams
 
+    engine = llm.engine
+    req_id = f"ttft-{time.perf_counter_ns()}"
     start = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0),
-                       kv_transfer_params=[params])[0]
-    return time.perf_counter() - start, out.num_external_tokens
+    engine.add_request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0), params)
+    while True:
+        for out in engine.step():
+            if out.request_id == req_id and out.finished:
+                assert out.error is None, out.error
+                return time.perf_counter() - start, out.num_external_tokens
 
 
 def _copy_baseline_gbps(nbytes: int, src_device: str, dst_device: str, reps: int) -> float:
@@ -182,6 +190,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--descriptor-mode", choices=["blocks", "ranges"], default="blocks")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     result = run(args)

@@ -206,6 +206,7 @@ def main(argv=None) -> int:
             args.reps, args.warmup, sync,
         )
         kv.zero_()
+        sync()  # the zeroing kernel must land before NIXL writes the blocks
         kvbridge_read()
         got = kv.view(layout.num_blocks, -1).view(torch.uint8)[torch.as_tensor(local_ids, device=local_dev)][:, [0, -1]]
         want = (torch.as_tensor(remote_ids, device=local_dev) % 251).to(torch.uint8)[:, None].expand(-1, 2)
