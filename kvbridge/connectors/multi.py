@@ -20,6 +20,7 @@ Each entry of `extra["connectors"]` is a `KVTransferConfig` as a dict; missing `
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -113,8 +114,9 @@ class MultiConnector(KVConnectorBase):
         return MultiMetadata(metas, plans)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for child in self.children:
-            child.update_connector_output(output)
+        # Each child gets the worker's report with its own worker half's stats (see get_stats).
+        for key, child in zip(self._stats_keys(), self.children):
+            child.update_connector_output(dataclasses.replace(output, stats=output.stats.get(key, {})))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
         self._load_owner.pop(request.request_id, None)
@@ -211,8 +213,11 @@ class MultiConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ either side
 
+    def _stats_keys(self) -> list[str]:
+        return [f"{i}:{type(c).__name__}" for i, c in enumerate(self.children)]
+
     def get_stats(self) -> dict[str, Any]:
-        return {f"{i}:{type(c).__name__}": c.get_stats() for i, c in enumerate(self.children)}
+        return {key: c.get_stats() for key, c in zip(self._stats_keys(), self.children)}
 
     def check_integrity(self) -> None:
         for child in self.children:
