@@ -142,7 +142,10 @@ class NixlWorker:
             self._peers[address] = _PeerControl(executor)
         return self._peers[address]
 
-    def get_finished(self) -> FinishedTransfers:
+    def wait_for_save(self, metadata: NixlConnectorMetadata | None) -> None:
+        pass  # prefill never writes: the decode side reads the blocks while they are leased
+
+    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
         self._progress()
         recving, self._finished_recving = self._finished_recving, set()
         return FinishedTransfers(self._leases.collect(self._clock()), recving)

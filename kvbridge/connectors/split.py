@@ -1,0 +1,134 @@
+"""`SplitConnector`: a connector whose two halves are two plain objects.
+
+Most connectors keep their scheduler half (bookkeeping) and worker half (bytes) in separate
+classes that share nothing. This base builds the one `role` asks for and routes the connector
+API to it, so a connector is its two halves plus two factory methods:
+
+    class MyConnector(SplitConnector):
+        metadata_type = MyMetadata
+        def make_scheduler_half(self): return MyScheduler(self.config, self.context)
+        def make_worker_half(self): return MyWorker(self.config, self.context)
+
+The scheduler half implements `get_num_new_matched_tokens`, `update_state_after_alloc`,
+`build_connector_meta`, `update_connector_output`, `request_finished`, `has_pending_transfers` and
+`get_stats`, with the signatures of `KVConnectorBase`. The worker half implements
+`register_kv_caches(kv_cache, layout)`, `start_load_kv(metadata)`, `wait_for_save(metadata)`,
+`get_finished(finished_req_ids)`, `get_block_ids_with_load_errors()`, `flush(timeout_s)`,
+`shutdown()` and `get_stats()`, where `metadata` is this step's plan (None when the step carried
+none of `metadata_type`). Calling a method of the half this instance is not is a RuntimeError.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvbridge.connectors.base import (
+    ConnectorContext,
+    FinishedTransfers,
+    FinishResult,
+    FlushResult,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    MatchResult,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.config import KVTransferConfig
+    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
+    from kvbridge.engine.request import Request
+    from kvbridge.layout import KVCacheLayout
+
+
+class SplitConnector(KVConnectorBase):
+    metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
+        super().__init__(config, role, context)
+        self._scheduler_half: Any = None
+        self._worker_half: Any = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler_half = self.make_scheduler_half()
+        else:
+            self._worker_half = self.make_worker_half()
+
+    @abstractmethod
+    def make_scheduler_half(self) -> Any:
+        """Build the scheduler half (no torch, no I/O). Called once, for role SCHEDULER."""
+
+    @abstractmethod
+    def make_worker_half(self) -> Any:
+        """Build the worker half. Called once, for role WORKER."""
+
+    @property
+    def scheduler(self) -> Any:
+        if self._scheduler_half is None:
+            raise RuntimeError(f"a scheduler-side method was called on {type(self).__name__}'s worker half")
+        return self._scheduler_half
+
+    @property
+    def worker(self) -> Any:
+        if self._worker_half is None:
+            raise RuntimeError(f"a worker-side method was called on {type(self).__name__}'s scheduler half")
+        return self._worker_half
+
+    @property
+    def half(self) -> Any:
+        """Whichever half this instance is."""
+        return self._scheduler_half if self._scheduler_half is not None else self._worker_half
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_transfers(self) -> bool:
+        return self._scheduler_half is not None and self._scheduler_half.has_pending_transfers()
+
+    # ------------------------------------------------------------------ worker side
+
+    def _step_metadata(self) -> KVConnectorMetadata | None:
+        meta = self.get_connector_metadata()
+        return meta if isinstance(meta, self.metadata_type) else None
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+        self.worker.register_kv_caches(kv_cache, layout)
+
+    def start_load_kv(self) -> None:
+        self.worker.start_load_kv(self._step_metadata())
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._step_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def flush(self, timeout_s: float) -> FlushResult:
+        return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushResult(True)
+
+    def shutdown(self) -> None:
+        if self._worker_half is not None:
+            self._worker_half.shutdown()
+
+    # ------------------------------------------------------------------ either side
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.half.get_stats()
