@@ -45,11 +45,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-descriptor-mib", type=float, default=None, help="split ranges above this size")
     p.add_argument("--streams", type=int, default=1, help="concurrent posts the request is split into")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="NIXL backend parameter for both agents, e.g. num_workers=4 (repeatable)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # child mode: a JSON spec
     return p.parse_args(argv)
+
+
+def backend_params(args) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in args.backend_param)
 
 
 def make_layout(args):
@@ -87,7 +93,7 @@ def serve(spec: dict) -> int:
     kv.view(layout.num_blocks, -1).view(torch.uint8).copy_(
         (torch.arange(layout.num_blocks, device=spec["device"]) % 251).to(torch.uint8)[:, None].expand(
             layout.num_blocks, layout.block_nbytes))
-    ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None)
+    ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None, backend_params=backend_params(args))
     proto.write(json.dumps({"address": ep.address}) + "\n")
     sys.stdin.readline()
     ep.close()
@@ -161,7 +167,7 @@ def main(argv=None) -> int:
     try:
         address = json.loads(child.stdout.readline())["address"]
         kv = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=local_dev)
-        ep = KVEndpoint("bench-reader", "bench-model", kv, layout, secret=None,
+        ep = KVEndpoint("bench-reader", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
                         descriptor_mode=args.descriptor_mode,
                         max_descriptor_nbytes=int(args.max_descriptor_mib * 2**20) if args.max_descriptor_mib else None)
         peer = ep.handshake(address)

@@ -88,6 +88,7 @@ class KVEndpoint:
         serve: bool = True,
         secret: bytes | None = _FROM_ENV,  # default: KVBRIDGE_SIDE_CHANNEL_SECRET
         backend: str | None = None,
+        backend_params: dict[str, str] | None = None,  # NIXL backend plugin parameters, e.g. UCX num_workers
         message_handler: Callable[[m.Message], m.Message | None] | None = None,
         descriptor_mode: str = "blocks",
         max_descriptor_nbytes: int | None = None,
@@ -111,7 +112,7 @@ class KVEndpoint:
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         self._message_handler = message_handler
         self._kv = kv_cache
-        self.agent = NixlAgent(engine_id, backend)
+        self.agent = NixlAgent(engine_id, backend, backend_params=backend_params)
         reg = self.agent.register_tensor(kv_cache)
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvbridge.errors import ConfigError
@@ -15,6 +15,7 @@ class NixlOptions:
     handshake_retries: int = 2
     transfer_timeout_s: float = 30.0  # handshake + read of one request, end to end
     backend: str | None = None  # NIXL backend plugin; None: KVBRIDGE_NIXL_BACKEND, else UCX
+    backend_params: dict[str, str] = field(default_factory=dict)  # the plugin's parameters (UCX: num_workers)
     descriptor_mode: str = "blocks"  # see kvbridge/transfer/endpoint.py
 
     def __post_init__(self) -> None:
@@ -23,6 +24,8 @@ class NixlOptions:
                 raise ConfigError(f"NixlConnector option {name} must be positive, got {getattr(self, name)}")
         if self.handshake_retries < 0:
             raise ConfigError(f"NixlConnector option handshake_retries must be >= 0, got {self.handshake_retries}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.backend_params.items()):
+            raise ConfigError("NixlConnector option backend_params must map strings to strings, e.g. {'num_workers': '4'}")
         if self.descriptor_mode not in ("blocks", "ranges"):
             raise ConfigError(f"NixlConnector option descriptor_mode={self.descriptor_mode!r}; expected 'blocks' or 'ranges'")
 

@@ -89,6 +89,7 @@ class NixlWorker:
             port=self.config.side_channel_port,
             serve=self.config.is_producer,
             backend=opts.backend,
+            backend_params=opts.backend_params,
             message_handler=self._on_message if self.config.is_producer else None,
             descriptor_mode=opts.descriptor_mode,
             handshake_timeout_s=opts.handshake_timeout_s,
