@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import random
 import statistics
@@ -196,12 +197,14 @@ def main() -> None:
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # NIXL logs to stdout: keep stdout for the result
+    os.dup2(2, 1)
     result = run(args)
     if args.json:
-        print(json.dumps(result))
+        out.write(json.dumps(result) + "\n")
     else:
         for key, value in result.items():
-            print(f"{key}: {value}")
+            out.write(f"{key}: {value}\n")
 
 
 if __name__ == "__main__":
