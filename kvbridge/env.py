@@ -50,3 +50,10 @@ def nixl_backend() -> str:
 def disable_gc_freeze() -> bool:
     """KVBRIDGE_DISABLE_GC_FREEZE: do not gc.freeze() after engine start-up."""
     return _get_bool("KVBRIDGE_DISABLE_GC_FREEZE", False)
+
+
+def torch_uses_expandable_segments() -> bool:
+    """PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF (torch's, read here only to warn): expandable
+    segments give CUDA VMM memory, which UCX's cuda_ipc transport cannot export."""
+    conf = f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')},{os.environ.get('PYTORCH_ALLOC_CONF', '')}"
+    return "expandable_segments:true" in conf.replace(" ", "").lower()

@@ -127,6 +127,13 @@ class NixlAgent:
     def register_tensor(self, tensor: torch.Tensor) -> Registration:
         """Register a contiguous CPU or CUDA tensor; returns its region. Deregister before freeing it."""
         reg = tensor_registration(tensor)
+        if reg.mem_type == "VRAM" and env.torch_uses_expandable_segments():
+            # Such memory cannot be exported with cuIpcGetMemHandle: UCX then silently drops from
+            # cuda_ipc to an emulated path that is orders of magnitude slower (still correct).
+            logger.warning(
+                "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: GPU-to-GPU transfers of this KV "
+                "cache cannot use cuda_ipc and will be very slow; unset it for the engine process"
+            )
         return self.register_region(reg)
 
     def register_region(self, reg: Registration, meta: str = "") -> Registration:
