@@ -29,6 +29,9 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: list[int]  # the prompt's full blocks, in token order
     remote_request_id: str
     remote_num_tokens: int = 0  # prompt tokens the blocks cover (len(remote_block_ids) * block_size)
+    # Chained hash (hex) of the last remote block: it identifies every token the blocks hold, so the
+    # decode side can tell that these blocks belong to the prompt it was sent. "" skips the check.
+    remote_block_hash: str = ""
     lease_s: float = 0.0  # how long the prefill holds the blocks without a renewal
 
     def to_dict(self) -> dict[str, Any]:

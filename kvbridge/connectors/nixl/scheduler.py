@@ -42,6 +42,7 @@ class NixlScheduler:
         self._new_recvs: dict[str, RecvJob] = {}
         self._new_leases: dict[str, tuple[int, ...]] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
+        self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
 
     # ------------------------------------------------------------------ decode
 
@@ -59,10 +60,24 @@ class NixlScheduler:
         params = self._remote_params(request)
         if params is None:
             return MatchResult(0, False)
-        num_remote = min(len(params.remote_block_ids) * self.block_size, request.num_prompt_tokens)
-        num_remote -= num_remote % self.block_size
+        num_remote = self._num_usable_blocks(request, params) * self.block_size
         self._local_hits[request.request_id] = num_computed_tokens
         return MatchResult(max(0, num_remote - num_computed_tokens), True)
+
+    def _num_usable_blocks(self, request: Request, params: RemotePrefillParams) -> int:
+        """The remote blocks that hold this prompt's tokens: all of them, or none when they do not match."""
+        num_blocks = min(len(params.remote_block_ids), request.num_prompt_tokens // self.block_size)
+        if params.remote_block_hash and num_blocks:
+            if len(params.remote_block_ids) > num_blocks or request.block_hashes[num_blocks - 1].hex() != params.remote_block_hash:
+                logger.error(
+                    "request %s: the remote prefill's blocks hold other tokens than this prompt (block hash "
+                    "mismatch); computing the prompt locally. Send each decode request the prompt its "
+                    "prefill request had.",
+                    request.request_id,
+                )
+                self.num_mismatched_params += 1
+                return 0
+        return num_blocks
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params = self._remote_params(request)
@@ -113,6 +128,7 @@ class NixlScheduler:
             remote_block_ids=list(held),
             remote_request_id=request.request_id,
             remote_num_tokens=num_full * self.block_size,
+            remote_block_hash=request.block_hashes[num_full - 1].hex() if num_full else "",
             lease_s=self.lease_s,
         ).to_dict()
         if not held:
@@ -122,4 +138,4 @@ class NixlScheduler:
         return FinishResult(True, params)
 
     def get_stats(self) -> dict[str, Any]:
-        return {"num_leased_requests": len(self._leased)}
+        return {"num_leased_requests": len(self._leased), "num_mismatched_params": self.num_mismatched_params}

@@ -72,6 +72,26 @@ def test_decode_asks_only_for_blocks_missing_locally_and_plans_one_read():
     assert sched.build_connector_meta(SchedulerOutput()).recvs == {}
 
 
+def test_remote_blocks_of_another_prompt_are_never_read():
+    producer = scheduler("kv_producer")
+    prefilled = request(3 * BS + 2, {"do_remote_decode": True})
+    prefilled.num_computed_tokens, prefilled.status = prefilled.num_prompt_tokens, RequestStatus.FINISHED_LENGTH
+    _, params = producer.request_finished(prefilled, [7, 8, 9, 10])
+    params = {**params, "do_remote_prefill": True, "remote_port": 5555}
+    assert params["remote_block_hash"] == prefilled.block_hashes[2].hex()
+
+    consumer = scheduler("kv_consumer")
+    same = request(3 * BS + 2, params, req_id="same")
+    assert consumer.get_num_new_matched_tokens(same, 0) == (3 * BS, True)
+
+    other = Request("other", list(range(100, 100 + 3 * BS + 2)), SamplingParams(), BS, params)
+    assert consumer.get_num_new_matched_tokens(other, 0) == (0, True)
+    consumer.update_state_after_alloc(other, [0, 1, 2, 3], 0)
+    job = consumer.build_connector_meta(SchedulerOutput()).recvs["other"]
+    assert job.local_block_ids == () and job.remote_request_id == prefilled.request_id  # only the release
+    assert consumer.get_stats()["num_mismatched_params"] == 1
+
+
 def test_decode_with_everything_cached_still_releases_the_prefill_blocks():
     sched = scheduler("kv_consumer")
     req = request(2 * BS, remote_params([7, 8]))

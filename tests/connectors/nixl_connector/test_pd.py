@@ -93,6 +93,18 @@ def test_decode_reads_only_blocks_missing_from_its_prefix_cache(node: PrefillNod
     assert_all_free_or_cached(node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10))
 
 
+def test_params_of_another_prompt_are_refused_and_released(node: PrefillNode, reference: LLM):
+    prompt_a, prompt_b = make_prompts(seed=8)[3:5]
+    want_b = colocated(reference, [prompt_b])
+    params_a = node.prefill([prompt_a])
+    with decode_engine("decode-mismatch") as dec:
+        out = dec.generate([prompt_b], GREEDY, kv_transfer_params=params_a)[0]
+        assert out.outputs[0].token_ids == want_b[0] and out.num_external_tokens == 0
+        assert dec.get_stats()["connector"]["scheduler"]["num_mismatched_params"] == 1
+    # the decode node told the prefill node it will not read: the blocks go back before the lease ends
+    assert_all_free_or_cached(node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10))
+
+
 def test_unread_blocks_are_freed_when_the_lease_expires_and_late_reads_are_refused(reference: LLM):
     prompts = make_prompts(seed=2)[2:4]
     want = colocated(reference, prompts)
