@@ -32,6 +32,7 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     # Chained hash (hex) of the last remote block: it identifies every token the blocks hold, so the
     # decode side can tell that these blocks belong to the prompt it was sent. "" skips the check.
     remote_block_hash: str = ""
+    remote_block_size: int = 0  # tokens per block on the prefill engine (0: unknown)
     lease_s: float = 0.0  # how long the prefill holds the blocks without a renewal
 
     def to_dict(self) -> dict[str, Any]:

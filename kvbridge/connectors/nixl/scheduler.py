@@ -67,7 +67,9 @@ class NixlScheduler:
     def _num_usable_blocks(self, request: Request, params: RemotePrefillParams) -> int:
         """The remote blocks that hold this prompt's tokens: all of them, or none when they do not match."""
         num_blocks = min(len(params.remote_block_ids), request.num_prompt_tokens // self.block_size)
-        if params.remote_block_hash and num_blocks:
+        # Hashes of blocks of another size never match; the handshake then names the real cause.
+        comparable = params.remote_block_size in (0, self.block_size)
+        if params.remote_block_hash and num_blocks and comparable:
             if len(params.remote_block_ids) > num_blocks or request.block_hashes[num_blocks - 1].hex() != params.remote_block_hash:
                 logger.error(
                     "request %s: the remote prefill's blocks hold other tokens than this prompt (block hash "
@@ -129,6 +131,7 @@ class NixlScheduler:
             remote_request_id=request.request_id,
             remote_num_tokens=num_full * self.block_size,
             remote_block_hash=request.block_hashes[num_full - 1].hex() if num_full else "",
+            remote_block_size=self.block_size,
             lease_s=self.lease_s,
         ).to_dict()
         if not held:
