@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import time
 
 import torch
+
+from common import machine_info, versions
 
 from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvbridge.engine.core import EngineCore
@@ -110,21 +110,6 @@ def summarize(times: list[float], num_tokens: int) -> dict:
             "median_s": median, "min_s": best, "num_tokens": num_tokens, "reps": len(times)}
 
 
-def machine_info(device: str) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["gpu_count"] = torch.cuda.device_count()
-    return info
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -182,6 +167,7 @@ def main() -> None:
                    "block_size": args.block_size, "reps": args.reps, "warmup_reps": 1,
                    "kv_bytes": engine.layout.total_nbytes},
         "machine": machine_info(args.device),
+        "versions": versions(),
     }
     if args.json:
         print(json.dumps(report, indent=2))

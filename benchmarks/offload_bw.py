@@ -17,40 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from common import machine_info, versions
+
 from kvbridge.connectors.offload.copier import make_copier
 from kvbridge.layout import KVCacheLayout
-
-
-def machine_info(device: str) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cpu_count": torch.get_num_threads(), "platform": platform.platform(), "device": device}
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["gpu_count"] = torch.cuda.device_count()
-    return info
-
-
-def versions() -> dict:
-    out = {"torch": torch.__version__, "python": platform.python_version()}
-    for package in ("nixl", "kvbridge"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = None
-    return out
 
 
 def sync(device: str) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offload_bw import machine_info, versions  # noqa: E402
+from common import machine_info, versions  # noqa: E402
 
 from kvbridge import LLM, SamplingParams  # noqa: E402
 

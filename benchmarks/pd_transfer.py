@@ -23,10 +23,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
 import time
+
+from common import machine_info, versions
 
 BLOCK_SIZE = 16
 
@@ -96,29 +97,6 @@ def _copy_baseline_gbps(nbytes: int, src_device: str, dst_device: str, reps: int
     return nbytes / min(times[2:]) / 1e9
 
 
-def _machine(devices: list[str]) -> dict:
-    import torch
-
-    info = {"cpu": platform.processor() or platform.machine(), "num_cpus": mp.cpu_count()}
-    if any(d.startswith("cuda") for d in devices):
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    import torch
-
-    out = {"torch": torch.__version__}
-    for pkg in ("nixl", "nixl-cu12", "nixl-cu13", "kvbridge"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 def run(args) -> dict:
     from kvbridge import LLM
 
@@ -177,8 +155,8 @@ def run(args) -> dict:
         "colocated_ttft_s": {"median": med("colocated_ttft_s"), "min": min(r["colocated_ttft_s"] for r in rows)},
         "decode_ttft_vs_colocated": med("decode_ttft_s") / med("colocated_ttft_s"),
         "params": {k: v for k, v in vars(args).items() if k != "json"},
-        "machine": _machine([args.prefill_device, args.decode_device]),
-        "versions": _versions(),
+        "machine": machine_info(args.prefill_device, args.decode_device),
+        "versions": versions(),
     }
 
 

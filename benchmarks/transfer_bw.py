@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from common import machine_info, versions
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -121,27 +121,6 @@ def summary(times: list[float], nbytes: int) -> dict:
     med = statistics.median(times)
     return {"gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9,
             "median_s": med, "min_s": min(times), "reps": len(times)}
-
-
-def machine_info(device: str) -> dict:
-    import torch
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "num_cpus": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(), "ucx_tls": os.environ.get("UCX_TLS", "(default)")}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        from importlib.metadata import version
-
-        info["nixl"] = version("nixl")
-    except Exception:
-        info["nixl"] = "unknown"
-    if device == "cuda":
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
 
 
 def main(argv=None) -> int:
@@ -240,6 +219,7 @@ def main(argv=None) -> int:
         "the three figures are timed interleaved, rep by rep",
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "serve")},
         "machine": machine_info(args.device),
+        "versions": versions(),
         "date": time.strftime("%Y-%m-%d"),
     }
     out.write(json.dumps(result, indent=None if args.json else 2) + "\n")

@@ -23,7 +23,7 @@ from kvbridge.config import EngineConfig
 from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import CompletionOutput, RequestOutput, SchedulerOutput
+from kvbridge.engine.outputs import CompletionOutput, RequestOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import RequestUpdate, Scheduler
