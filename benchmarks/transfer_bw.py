@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-descriptor-mib", type=float, default=None, help="split ranges above this size")
     p.add_argument("--streams", type=int, default=1, help="concurrent posts the request is split into")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--no-cuda-ipc", action="store_true",
+                   help="GPU: read through NIXL even though both caches are on one host")
     p.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                    help="NIXL backend parameter for both agents, e.g. num_workers=4 (repeatable)")
     p.add_argument("--reps", type=int, default=5)
@@ -93,7 +95,8 @@ def serve(spec: dict) -> int:
     kv.view(layout.num_blocks, -1).view(torch.uint8).copy_(
         (torch.arange(layout.num_blocks, device=spec["device"]) % 251).to(torch.uint8)[:, None].expand(
             layout.num_blocks, layout.block_nbytes))
-    ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None, backend_params=backend_params(args))
+    ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
+                    cuda_ipc=not args.no_cuda_ipc)
     proto.write(json.dumps({"address": ep.address}) + "\n")
     sys.stdin.readline()
     ep.close()
@@ -147,6 +150,7 @@ def main(argv=None) -> int:
         address = json.loads(child.stdout.readline())["address"]
         kv = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=local_dev)
         ep = KVEndpoint("bench-reader", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
+                        cuda_ipc=not args.no_cuda_ipc,
                         descriptor_mode=args.descriptor_mode,
                         max_descriptor_nbytes=int(args.max_descriptor_mib * 2**20) if args.max_descriptor_mib else None)
         peer = ep.handshake(address)
@@ -196,6 +200,7 @@ def main(argv=None) -> int:
         got = kv.view(layout.num_blocks, -1).view(torch.uint8)[torch.as_tensor(local_ids, device=local_dev)][:, [0, -1]]
         want = (torch.as_tensor(remote_ids, device=local_dev) % 251).to(torch.uint8)[:, None].expand(-1, 2)
         assert torch.equal(got, want), "kvbridge read returned wrong bytes"
+        last["path"] = "cuda_ipc mapping" if ep.get_stats()["num_ipc_reads"] else "nixl"
         agent.release_dlist(one_local)
         agent.release_dlist(one_remote)
     finally:
@@ -214,7 +219,8 @@ def main(argv=None) -> int:
         "baseline": "memcpy (torch copy_, one process)" if args.device == "cpu" else "raw peer copy cuda:1 -> cuda:0",
         "detail": {"kvbridge": kb, "raw_nixl": raw, "baseline": base},
         "bytes": nbytes, "num_blocks_read": n, "block_nbytes": layout.block_nbytes,
-        "num_descriptors": last.get("num_descriptors"),
+        "num_descriptors": last.get("num_descriptors"),  # copy kernels on the cuda_ipc path
+        "kvbridge_path": last.get("path"),
         "timing": "kvbridge: read_blocks() -> poll() DONE incl. descriptor building; handshake excluded; "
         "the three figures are timed interleaved, rep by rep",
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "serve")},

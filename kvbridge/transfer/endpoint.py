@@ -37,6 +37,9 @@ from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, T
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
+from kvbridge.transfer.cuda_ipc import IpcRead, encode_export
+from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
+from kvbridge.transfer.cuda_ipc import start_read as ipc_start_read
 from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.peers import PeerDirectory
@@ -95,6 +98,7 @@ class KVEndpoint:
         handshake_timeout_s: float = 5.0,
         handshake_retries: int = 2,
         transfer_timeout_s: float = 30.0,
+        cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
@@ -117,12 +121,19 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
-        self._me = LocalIdentity(engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout)
+        export = cuda_ipc_export(kv_cache) if cuda_ipc and kv_cache.is_cuda else None
+        self._me = LocalIdentity(
+            engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
+            cuda_ipc=encode_export(export) if export is not None else b"",
+        )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
             self.agent, self._me, secret=self._secret, timeout_s=handshake_timeout_s, retries=handshake_retries,
             cache_block_lists=descriptor_mode == "blocks",
+            ipc_target=(kv_cache.dtype, kv_cache.device) if cuda_ipc and kv_cache.is_cuda else None,
         )
+        self._ipc_stream = None  # torch.cuda.Stream of reads through CUDA IPC mappings, made on first use
+        self.num_ipc_reads = 0
         self._local_block_list: object | None = None
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
@@ -153,6 +164,7 @@ class KVEndpoint:
 
     def forget_peer(self, address: str) -> None:
         """Drop a peer's metadata and cached lists; the next transfer to it handshakes again."""
+        self._sync_ipc_reads()  # nothing may read through its mapping once it is closed
         self.peers.forget(address)
 
     def request(self, address: str, msg: m.Message) -> m.Message:
@@ -216,6 +228,11 @@ class KVEndpoint:
             if op.notif:
                 self.agent.send_notif(peer.agent_name, op.notif)
             return None, 0
+        mapping = self.peers.mapping(peer.address) if op.op == "READ" else None
+        if mapping is not None:
+            read, num_kernels = ipc_start_read(self._kv, mapping.kv, op.local_ids, op.remote_ids, self._ipc_copy_stream())
+            self.num_ipc_reads += 1
+            return _Posted(read, ()), num_kernels
         r, mine = peer.region, self._region
         if self.descriptor_mode == "blocks":
             if self._local_block_list is None:
@@ -252,7 +269,7 @@ class KVEndpoint:
         self._finish_handshakes()
         for rec in self.tracker.live():
             if rec.state is TransferState.POSTED:
-                state = self.agent.poll(rec.handle.xfer)
+                state = self._poll(rec.handle.xfer)
                 if state is XferState.IN_PROGRESS:
                     continue
                 self._release(rec)
@@ -273,9 +290,29 @@ class KVEndpoint:
             if rec.state is TransferState.HANDSHAKING and rec.peer in self.peers:
                 self._post(rec)
 
+    def _poll(self, xfer) -> XferState:
+        if isinstance(xfer, IpcRead):
+            return XferState.DONE if xfer.is_done() else XferState.IN_PROGRESS
+        return self.agent.poll(xfer)
+
+    def _ipc_copy_stream(self):
+        import torch
+
+        if self._ipc_stream is None:
+            self._ipc_stream = torch.cuda.Stream(device=self._kv.device)
+        return self._ipc_stream
+
+    def _sync_ipc_reads(self) -> None:
+        if self._ipc_stream is not None:
+            self._ipc_stream.synchronize()
+
     def _release(self, rec: TransferRecord) -> None:
         posted, rec.handle = rec.handle, None
-        if posted is not None:
+        if isinstance(posted.xfer if posted is not None else None, IpcRead):
+            # A copy kernel cannot be cancelled: an expired read still writes its blocks, so wait
+            # for it (milliseconds) before anyone may reuse them.
+            posted.xfer.event.synchronize()
+        elif posted is not None:
             self.agent.release(posted.xfer)
             for dlist in posted.dlists:
                 self.agent.release_dlist(dlist)
@@ -305,6 +342,7 @@ class KVEndpoint:
             "bytes_done": t.bytes_done,
             "num_live": t.num_live,
             "num_peers": len(self.peers),
+            "num_ipc_reads": self.num_ipc_reads,
         }
 
     # ------------------------------------------------------------------ shutdown
@@ -316,9 +354,10 @@ class KVEndpoint:
         self._closed = True
         if self.server is not None:
             self.server.close()
-        self.peers.close()
         for rec in self.tracker.live():
             self._release(rec)
+        self._sync_ipc_reads()
+        self.peers.close()  # closes CUDA IPC mappings too
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
         self._local_block_list = None
         self._kv = None

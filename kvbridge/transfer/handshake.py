@@ -27,6 +27,7 @@ class LocalIdentity:
     agent_metadata: bytes
     region: m.KVRegion
     layout: KVCacheLayout
+    cuda_ipc: bytes = b""  # encoded cuda_ipc.IpcExport of a GPU KV tensor
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class PeerInfo:
     protocol_version: int
     region: m.KVRegion
     layout: KVCacheLayout  # the local geometry with the peer's block count
+    cuda_ipc: bytes = b""  # the peer's CUDA IPC export, if it offered one
 
 
 def make_request(me: LocalIdentity) -> m.HandshakeRequest:
@@ -70,6 +72,7 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
         regions=[me.region],
         num_blocks=me.layout.num_blocks,
         block_nbytes=me.layout.block_nbytes,
+        cuda_ipc=me.cuda_ipc,
     )
 
 
@@ -106,4 +109,5 @@ def peer_from_response(
         protocol_version=version,
         region=region,
         layout=local_layout.with_num_blocks(resp.num_blocks),
+        cuda_ipc=resp.cuda_ipc,
     )

@@ -81,6 +81,9 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     regions: list[KVRegion]
     num_blocks: int
     block_nbytes: int
+    # msgpack `cuda_ipc.IpcExport` of the KV tensor when it is on a GPU ("" otherwise): readers on
+    # the same host map it instead of going through NIXL. Added with a default: old peers ignore it.
+    cuda_ipc: bytes = b""
 
 
 class LeaseRenew(_Message, tag="lease"):

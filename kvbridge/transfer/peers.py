@@ -2,21 +2,30 @@
 
 It runs handshakes (blocking, or on a helper thread that touches only the network), loads a
 peer's NIXL metadata and caches its prepared per-block descriptor list on the owner's thread,
+maps a same-host GPU peer's KV tensor through CUDA IPC when it offers one (see cuda_ipc.py),
 forgets peers (releasing what was cached), and keeps one side-channel client per address for
 `request`. Only `request` may be called from other threads.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from kvbridge.errors import TransferError
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
+from kvbridge.transfer.cuda_ipc import IpcMapping, can_map, decode_export
 from kvbridge.transfer.descriptors import block_descs
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, make_request, peer_from_response
 from kvbridge.transfer.side_channel import SideChannelClient
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
 
 
 class PeerDirectory:
@@ -29,10 +38,13 @@ class PeerDirectory:
         timeout_s: float,
         retries: int,
         cache_block_lists: bool,
+        ipc_target: tuple[torch.dtype, torch.device] | None = None,
     ) -> None:
         self._agent, self._me = agent, me
         self._secret, self._timeout_s, self._retries = secret, timeout_s, retries
         self._cache_block_lists = cache_block_lists
+        self._ipc_target = ipc_target  # (dtype, device) of a local GPU KV cache that may map peers
+        self._mappings: dict[str, IpcMapping] = {}  # address -> the peer's KV mapped through CUDA IPC
         self._peers: dict[str, PeerInfo] = {}
         self._block_lists: dict[str, object] = {}  # address -> prepared per-block remote list
         self._pending: dict[str, Future] = {}
@@ -49,6 +61,10 @@ class PeerDirectory:
 
     def get(self, address: str) -> PeerInfo:
         return self._peers[address]
+
+    def mapping(self, address: str) -> IpcMapping | None:
+        """The peer's KV tensor mapped through CUDA IPC (same host, GPU to GPU), or None: use NIXL."""
+        return self._mappings.get(address)
 
     def block_list(self, address: str) -> object:
         """The peer's prepared list with one descriptor per block (only with cache_block_lists)."""
@@ -83,6 +99,9 @@ class PeerDirectory:
         """Drop the peer's metadata and cached list; the next transfer to it handshakes again."""
         info = self._peers.pop(address, None)
         self._block_lists.pop(address, None)  # released by remove_peer below
+        mapping = self._mappings.pop(address, None)
+        if mapping is not None:  # the endpoint synchronized its reads through it
+            mapping.close()
         if info is not None:
             self._agent.remove_peer(info.agent_name)
 
@@ -125,3 +144,16 @@ class PeerDirectory:
             r = info.region
             descs = block_descs(info.layout, r.base_addr, r.device_id)
             self._block_lists[info.address] = self._agent.prep_remote(info.agent_name, descs, r.mem_type)
+        if self._ipc_target is not None and info.cuda_ipc:
+            self._map(info)
+
+    def _map(self, info: PeerInfo) -> None:
+        try:
+            export = decode_export(info.cuda_ipc)
+            if not can_map(export):
+                return
+            dtype, device = self._ipc_target
+            self._mappings[info.address] = IpcMapping(export, dtype, info.layout.shape, device)
+            logger.info("reading peer %s through a CUDA IPC mapping", info.address)
+        except (TransferError, OSError) as e:  # no driver, refused handle, other host: NIXL does it
+            logger.warning("CUDA IPC mapping of peer %s failed (%s); reading through NIXL", info.address, e)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvbridge.errors import AuthenticationError, IncompatiblePeerError
@@ -269,20 +270,29 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
 
 
 @pytest.mark.gpu
-def test_read_between_gpus_verifies_every_byte(tmp_path):
-    """VRAM -> VRAM: the peer's cache on the last GPU, ours on cuda:0 (UCX picks cuda_ipc / NVLink)."""
+@pytest.mark.parametrize("cuda_ipc", [True, False], ids=["cuda-ipc-mapping", "nixl"])
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
+def test_read_between_gpus_verifies_every_byte(tmp_path, cuda_ipc, scattered):
+    """VRAM -> VRAM: the peer's cache on the last GPU, ours on cuda:0; through the peer's CUDA IPC
+    mapping (same host), or through NIXL (UCX picks cuda_ipc / NVLink). Few runs, or many."""
     from kvbridge.transfer.endpoint import KVEndpoint
 
     peer_dev = f"cuda:{torch.cuda.device_count() - 1}"
     gpu_peer = Peer(tmp_path, engine_id="gpu-prefill", device=peer_dev, seed=11)
     layout = make_layout(GEOMETRY)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device="cuda:0")
-    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None)
+    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc)
     try:
-        local_ids, remote_ids = [3, 4, 5, 40, 9], [10, 11, 12, 0, 63]
+        if scattered:  # more runs than the mapping copies one by one: the gather/scatter path
+            rng = np.random.default_rng(5)
+            local_ids = rng.permutation(layout.num_blocks)[:40].tolist()
+            remote_ids = rng.permutation(64)[:40].tolist()
+        else:
+            local_ids, remote_ids = [3, 4, 5, 40, 9], [10, 11, 12, 0, 63]
         ep.read_blocks("gpu-read", gpu_peer.address, local_ids, remote_ids)
         rec = _wait_final(ep, "gpu-read")
         assert rec.state is TransferState.DONE, rec.error
+        assert ep.get_stats()["num_ipc_reads"] == (1 if cuda_ipc else 0)
         torch.cuda.synchronize()
         expected = torch.empty(layout.shape, dtype=torch.bfloat16)
         fill_kv(expected, 11)  # generated on CPU in the peer too, then copied to its GPU

@@ -95,6 +95,7 @@ class NixlWorker:
             handshake_timeout_s=opts.handshake_timeout_s,
             handshake_retries=opts.handshake_retries,
             transfer_timeout_s=opts.transfer_timeout_s,
+            cuda_ipc=opts.cuda_ipc,
         )
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s serving KV on %s", self.config.engine_id, self._endpoint.address)
