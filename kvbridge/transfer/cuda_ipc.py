@@ -4,8 +4,8 @@ NIXL/UCX (cuda_ipc) pays ~15 µs per descriptor and a fixed cost per transfer; o
 of 202 scattered 2 MiB blocks ran at ~0.25 of a raw peer copy and one 512 MiB descriptor at
 ~0.6–0.8 (docs/benchmarks.md). When both engines' KV caches are on GPUs of one host, the owner
 exports its KV tensor's CUDA IPC handle in the handshake and the reader maps it once; a read is
-then a few copy kernels (one per run of adjacent blocks, or a chunked gather/scatter when the
-blocks are scattered) over NVLink, on a dedicated stream, completed by a CUDA event.
+then one peer copy per run of adjacent blocks (cudaMemcpyPeerAsync over NVLink, what a raw peer
+copy is), completed by a CUDA event on a dedicated stream.
 
 Everything else stays as with NIXL: the same handshake (compatibility hash, version), leases and
 the release that validates them, deadlines and failure reporting. The fast path is used only when
@@ -40,6 +40,7 @@ class IpcExport(msgspec.Struct, frozen=True):
     handle: bytes  # CUipcMemHandle of the allocation holding the KV tensor (64 bytes)
     offset: int  # KV tensor start inside that allocation
     nbytes: int
+    device_uuid: str = ""  # the GPU holding it (ordinals differ between processes; UUIDs do not)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -69,6 +70,18 @@ def host_id() -> str:
 
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    # Byte access goes through memory: c_char arrays read and assign as NUL-terminated strings.
+    def to_bytes(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), ctypes.sizeof(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> _IpcHandle:
+        if len(data) != ctypes.sizeof(cls):
+            raise TransferError(f"a CUDA IPC handle has {ctypes.sizeof(cls)} bytes, got {len(data)}")
+        handle = cls()
+        ctypes.memmove(ctypes.addressof(handle), data, len(data))
+        return handle
 
 
 @functools.cache
@@ -107,11 +120,28 @@ def export_tensor(tensor: torch.Tensor) -> IpcExport | None:
         logger.info("no CUDA IPC export for the KV cache (%s); peers read it through NIXL", e)
         return None
     nbytes = tensor.numel() * tensor.element_size()
-    return IpcExport(host_id(), os.getpid(), bytes(handle.reserved), tensor.data_ptr() - base.value, nbytes)
+    uuid = device_uuid(tensor.device.index or 0)
+    return IpcExport(host_id(), os.getpid(), handle.to_bytes(), tensor.data_ptr() - base.value, nbytes, uuid)
+
+
+def device_uuid(ordinal: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(ordinal).uuid)
+
+
+def local_ordinal(uuid: str) -> int | None:
+    """This process's ordinal of the GPU with `uuid`, or None when it does not see that GPU."""
+    import torch
+
+    return next((i for i in range(torch.cuda.device_count()) if device_uuid(i) == uuid), None)
 
 
 def can_map(export: IpcExport) -> bool:
-    return export.host_id == host_id() and export.pid != os.getpid()
+    """Same host, another process, and a GPU this process sees."""
+    if export.host_id != host_id() or export.pid == os.getpid() or not export.device_uuid:
+        return False
+    return local_ordinal(export.device_uuid) is not None
 
 
 class _DeviceBuffer:
@@ -122,20 +152,29 @@ class _DeviceBuffer:
 
 
 class IpcMapping:
-    """The peer's KV tensor mapped into this process on `device`. `close()` before the context goes."""
+    """The peer's KV tensor mapped into this process, on the GPU that holds it. `close()` unmaps."""
 
-    def __init__(self, export: IpcExport, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    def __init__(self, export: IpcExport, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         import torch
 
-        self.device = device
-        with torch.cuda.device(device):
-            torch.cuda.synchronize(device)  # the primary context is current on this thread
+        ordinal = local_ordinal(export.device_uuid)
+        if ordinal is None:
+            raise TransferError(f"this process does not see GPU {export.device_uuid}")
+        self.device = torch.device("cuda", ordinal)
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)  # the primary context is current on this thread
             ptr = ctypes.c_uint64()
-            handle = _IpcHandle()
-            handle.reserved = export.handle
+            handle = _IpcHandle.from_bytes(export.handle)
             _check(_libcuda().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
             self._base = ptr.value
-            raw = torch.as_tensor(_DeviceBuffer(self._base + export.offset, export.nbytes), device=device)
+        try:
+            address = self._base + export.offset
+            raw = torch.as_tensor(_DeviceBuffer(address, export.nbytes))  # torch finds the device itself
+            if raw.device != self.device or raw.data_ptr() != address:  # a copy would be a stale snapshot
+                raise TransferError(f"torch viewed the mapping as {raw.device} at {raw.data_ptr():#x}, not in place")
+        except Exception:
+            _libcuda().cuIpcCloseMemHandle(self._base)
+            raise
         self.kv: torch.Tensor | None = raw.view(dtype).view(shape)  # the peer's block-major KV
 
     def close(self) -> None:
@@ -146,14 +185,8 @@ class IpcMapping:
         _check(_libcuda().cuIpcCloseMemHandle(self._base), "cuIpcCloseMemHandle")
 
 
-# Runs of adjacent blocks become one copy kernel each, up to this many runs; more scattered reads
-# gather into a device temporary, `_CHUNK_BLOCKS` blocks at a time, and scatter from it.
-_MAX_RUN_COPIES = 16
-_CHUNK_BLOCKS = 32
-
-
 class IpcRead:
-    """A read through a mapping, in flight on the copy stream until `event` completes."""
+    """A read through a mapping, in flight until `event` completes."""
 
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
@@ -164,12 +197,13 @@ class IpcRead:
 
 def start_read(
     local_kv: torch.Tensor,  # [NB, L, 2, bs, H, D], this engine's KV cache
-    peer_kv: torch.Tensor,  # [NB', L, 2, bs, H, D], the mapped peer KV cache
+    peer_kv: torch.Tensor,  # [NB', L, 2, bs, H, D], the mapped peer KV cache (on the peer's GPU)
     local_ids,  # [n] int64 numpy
     remote_ids,  # [n] int64 numpy
-    stream: torch.cuda.Stream,
+    stream: torch.cuda.Stream,  # on local_kv's device
 ) -> tuple[IpcRead, int]:
-    """Enqueue peer_kv[remote_ids] -> local_kv[local_ids] on `stream`. Returns the read and its kernel count."""
+    """Enqueue peer_kv[remote_ids] -> local_kv[local_ids]: one peer copy per run of blocks adjacent on
+    both sides (what a raw peer copy is). Returns the read and its copy count."""
     import numpy as np
     import torch
 
@@ -179,17 +213,10 @@ def start_read(
     lengths = np.diff(np.append(starts, len(local_ids)))
     with torch.cuda.stream(stream):
         stream.wait_stream(torch.cuda.current_stream(local_kv.device))  # earlier work on these blocks first
-        if len(starts) <= _MAX_RUN_COPIES:
-            for start, n in zip(starts.tolist(), lengths.tolist()):
-                lo, ro = int(local_ids[start]), int(remote_ids[start])
-                local_kv[lo : lo + n].copy_(peer_kv[ro : ro + n], non_blocking=True)
-            num_kernels = len(starts)
-        else:
-            ids = torch.from_numpy(np.stack([local_ids, remote_ids])).pin_memory().to(local_kv.device, non_blocking=True)
-            for lo in range(0, len(local_ids), _CHUNK_BLOCKS):
-                chunk = ids[:, lo : lo + _CHUNK_BLOCKS]
-                local_kv.index_copy_(0, chunk[0], peer_kv.index_select(0, chunk[1]))  # NVLink read, local write
-            num_kernels = 2 * -(-len(local_ids) // _CHUNK_BLOCKS)
+        for start, n in zip(starts.tolist(), lengths.tolist()):
+            lo, ro = int(local_ids[start]), int(remote_ids[start])
+            # Between GPUs torch runs this on the source GPU's stream and makes `stream` wait for it.
+            local_kv[lo : lo + n].copy_(peer_kv[ro : ro + n], non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
-    return IpcRead(event), num_kernels
+    return IpcRead(event), len(starts)

@@ -152,8 +152,8 @@ class PeerDirectory:
             export = decode_export(info.cuda_ipc)
             if not can_map(export):
                 return
-            dtype, device = self._ipc_target
-            self._mappings[info.address] = IpcMapping(export, dtype, info.layout.shape, device)
+            dtype, _ = self._ipc_target
+            self._mappings[info.address] = IpcMapping(export, dtype, info.layout.shape)
             logger.info("reading peer %s through a CUDA IPC mapping", info.address)
         except (TransferError, OSError) as e:  # no driver, refused handle, other host: NIXL does it
             logger.warning("CUDA IPC mapping of peer %s failed (%s); reading through NIXL", info.address, e)
