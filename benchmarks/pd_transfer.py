@@ -38,7 +38,7 @@ def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
         model=args.model, dtype=args.dtype, device=device, num_blocks=num_blocks, block_size=BLOCK_SIZE,
         max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
         kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
-                                extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": not args.no_cuda_ipc,
+                                extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": args.cuda_ipc,
                                        "backend_params": dict(kv.split("=", 1) for kv in args.backend_param)}),
     )
 
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--descriptor-mode", choices=["blocks", "ranges"], default="blocks")
-    parser.add_argument("--no-cuda-ipc", action="store_true", help="GPU: read through NIXL, not CUDA IPC mappings")
+    parser.add_argument("--cuda-ipc", action="store_true", help="GPU: read through CUDA IPC mappings, not NIXL")
     parser.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

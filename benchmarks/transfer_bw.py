@@ -45,8 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-descriptor-mib", type=float, default=None, help="split ranges above this size")
     p.add_argument("--streams", type=int, default=1, help="concurrent posts the request is split into")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--no-cuda-ipc", action="store_true",
-                   help="GPU: read through NIXL even though both caches are on one host")
+    p.add_argument("--cuda-ipc", action="store_true",
+                   help="GPU: read through a CUDA IPC mapping of the peer's cache instead of NIXL")
     p.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                    help="NIXL backend parameter for both agents, e.g. num_workers=4 (repeatable)")
     p.add_argument("--reps", type=int, default=5)
@@ -96,7 +96,7 @@ def serve(spec: dict) -> int:
         (torch.arange(layout.num_blocks, device=spec["device"]) % 251).to(torch.uint8)[:, None].expand(
             layout.num_blocks, layout.block_nbytes))
     ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
-                    cuda_ipc=not args.no_cuda_ipc)
+                    cuda_ipc=args.cuda_ipc)
     proto.write(json.dumps({"address": ep.address}) + "\n")
     sys.stdin.readline()
     ep.close()
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         address = json.loads(child.stdout.readline())["address"]
         kv = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=local_dev)
         ep = KVEndpoint("bench-reader", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
-                        cuda_ipc=not args.no_cuda_ipc,
+                        cuda_ipc=args.cuda_ipc,
                         descriptor_mode=args.descriptor_mode,
                         max_descriptor_nbytes=int(args.max_descriptor_mib * 2**20) if args.max_descriptor_mib else None)
         peer = ep.handshake(address)

@@ -98,7 +98,7 @@ class KVEndpoint:
         handshake_timeout_s: float = 5.0,
         handshake_retries: int = 2,
         transfer_timeout_s: float = 30.0,
-        cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers
+        cuda_ipc: bool = False,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
