@@ -232,6 +232,17 @@ class KVConnectorBase(ABC):
         Called by the engine after `flush`, on either side. Idempotent.
         """
 
+    def get_step_stats(self) -> dict[str, Any]:
+        """What the worker side tells its scheduler side this step; it arrives as `KVConnectorOutput.stats`.
+
+        Called by the model runner once per step, on the hot path: return only what the scheduler
+        side needs (e.g. an address the worker bound), never summaries computed over history.
+        """
+        return {}
+
     def get_stats(self) -> dict[str, Any]:
-        """Counters and latency summaries (bytes moved, transfers, failures, ...). Either side."""
+        """Counters and latency summaries (bytes moved, transfers, failures, ...). Either side.
+
+        Called on demand (`EngineCore.get_stats()`, the server's /metrics), not every step.
+        """
         return {}

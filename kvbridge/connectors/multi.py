@@ -114,7 +114,7 @@ class MultiConnector(KVConnectorBase):
         return MultiMetadata(metas, plans)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        # Each child gets the worker's report with its own worker half's stats (see get_stats).
+        # Each child gets the worker's report with its own worker half's step stats (see get_step_stats).
         for key, child in zip(self._stats_keys(), self.children):
             child.update_connector_output(dataclasses.replace(output, stats=output.stats.get(key, {})))
 
@@ -215,6 +215,9 @@ class MultiConnector(KVConnectorBase):
 
     def _stats_keys(self) -> list[str]:
         return [f"{i}:{type(c).__name__}" for i, c in enumerate(self.children)]
+
+    def get_step_stats(self) -> dict[str, Any]:
+        return {key: c.get_step_stats() for key, c in zip(self._stats_keys(), self.children)}
 
     def get_stats(self) -> dict[str, Any]:
         return {key: c.get_stats() for key, c in zip(self._stats_keys(), self.children)}

@@ -14,7 +14,7 @@ The scheduler half implements `get_num_new_matched_tokens`, `update_state_after_
 `get_stats`, with the signatures of `KVConnectorBase`. The worker half implements
 `register_kv_caches(kv_cache, layout)`, `start_load_kv(metadata)`, `wait_for_save(metadata)`,
 `get_finished(finished_req_ids)`, `get_block_ids_with_load_errors()`, `flush(timeout_s)`,
-`shutdown()` and `get_stats()`, where `metadata` is this step's plan (None when the step carried
+`shutdown()`, `get_stats()` and optionally `get_step_stats()`, where `metadata` is this step's plan (None when the step carried
 none of `metadata_type`). Calling a method of the half this instance is not is a RuntimeError.
 """
 
@@ -120,6 +120,10 @@ class SplitConnector(KVConnectorBase):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_step_stats(self) -> dict[str, Any]:
+        step_stats = getattr(self.worker, "get_step_stats", None)  # optional for worker halves
+        return step_stats() if step_stats is not None else {}
 
     def flush(self, timeout_s: float) -> FlushResult:
         return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushResult(True)

@@ -114,7 +114,7 @@ class ModelRunner:
                     finished_sending=set(sending),
                     finished_recving=set(recving),
                     invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
-                    stats=dict(connector.get_stats()),
+                    stats=dict(connector.get_step_stats()),
                 )
         finally:
             if connector is not None:

@@ -78,8 +78,11 @@ class RecordingConnector(KVConnectorBase):
         self.events.append(("load_errors",))
         return {3}
 
-    def get_stats(self):
+    def get_step_stats(self):
         return {"bytes": 7}
+
+    def get_stats(self):  # on demand only: the runner must not compute it every step
+        raise AssertionError("get_stats() called on the step path")
 
 
 def make_runner() -> ModelRunner:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Key of KVConnectorOutput.stats under which the worker reports its side-channel port.
+# Key of KVConnectorOutput.stats (the worker's get_step_stats) under which it reports its side-channel port.
 SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
 
 

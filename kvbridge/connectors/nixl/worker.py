@@ -259,6 +259,10 @@ class NixlWorker:
         self._endpoint = None
         self._recvs.clear()
 
+    def get_step_stats(self) -> dict[str, Any]:
+        """The side-channel port, so the scheduler half can put it in the kv_transfer_params it returns."""
+        return {SIDE_CHANNEL_PORT_STAT: self.side_channel_port} if self.side_channel_port else {}
+
     def get_stats(self) -> dict[str, Any]:
         stats = self.stats.as_dict()
         stats["num_leases"] = len(self._leases)
