@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.connectors.options import options_from_extra
 from kvbridge.errors import ConfigError
 
 
@@ -36,8 +37,4 @@ class NixlOptions:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> NixlOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"unknown NixlConnector option(s) {unknown} in KVTransferConfig.extra; known: {sorted(known)}")
-        return cls(**extra)
+        return options_from_extra(cls, extra, "NixlConnector")

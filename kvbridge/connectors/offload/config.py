@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.connectors.options import options_from_extra
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVCacheLayout
 
@@ -52,11 +53,7 @@ class OffloadConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> OffloadConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"OffloadingConnector: unknown extra option(s) {unknown}; known: {sorted(known)}")
-        return cls(**{k: v for k, v in extra.items() if k in known})
+        return options_from_extra(cls, extra, "OffloadingConnector")
 
     @property
     def has_disk(self) -> bool:
