@@ -28,40 +28,13 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from kvbridge.errors import TransferError
+from kvbridge.transfer.messages import IpcExport
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-class IpcExport(msgspec.Struct, frozen=True):
-    """What the owner publishes in its handshake response (msgpack bytes, no pickle)."""
-
-    host_id: str  # boot id: the same host
-    pid: int  # the mapping must come from another process
-    handle: bytes  # CUipcMemHandle of the allocation holding the KV tensor (64 bytes)
-    offset: int  # KV tensor start inside that allocation
-    nbytes: int
-    device_uuid: str = ""  # the GPU holding it (ordinals differ between processes; UUIDs do not)
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(IpcExport)
-
-
-def encode_export(export: IpcExport) -> bytes:
-    return _encoder.encode(export)
-
-
-def decode_export(data: bytes) -> IpcExport:
-    try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise TransferError(f"malformed CUDA IPC export in a handshake: {e}") from None
 
 
 @functools.cache
@@ -127,7 +100,10 @@ def export_tensor(tensor: torch.Tensor) -> IpcExport | None:
         return None
     nbytes = tensor.numel() * tensor.element_size()
     uuid = device_uuid(tensor.device.index or 0)
-    return IpcExport(host_id(), os.getpid(), handle.to_bytes(), tensor.data_ptr() - base.value, nbytes, uuid)
+    return IpcExport(
+        host_id=host_id(), pid=os.getpid(), handle=handle.to_bytes(),
+        offset=tensor.data_ptr() - base.value, nbytes=nbytes, device_uuid=uuid,
+    )
 
 
 def device_uuid(ordinal: int) -> str:

@@ -37,7 +37,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, T
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
-from kvbridge.transfer.cuda_ipc import IpcRead, encode_export
+from kvbridge.transfer.cuda_ipc import IpcRead
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.cuda_ipc import start_read as ipc_start_read
 from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
@@ -121,10 +121,9 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
-        export = cuda_ipc_export(kv_cache) if cuda_ipc and kv_cache.is_cuda else None
         self._me = LocalIdentity(
             engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
-            cuda_ipc=encode_export(export) if export is not None else b"",
+            cuda_ipc=cuda_ipc_export(kv_cache) if cuda_ipc and kv_cache.is_cuda else None,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(

@@ -27,7 +27,7 @@ class LocalIdentity:
     agent_metadata: bytes
     region: m.KVRegion
     layout: KVCacheLayout
-    cuda_ipc: bytes = b""  # encoded cuda_ipc.IpcExport of a GPU KV tensor
+    cuda_ipc: m.IpcExport | None = None  # the KV tensor's CUDA IPC export, when offered
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PeerInfo:
     protocol_version: int
     region: m.KVRegion
     layout: KVCacheLayout  # the local geometry with the peer's block count
-    cuda_ipc: bytes = b""  # the peer's CUDA IPC export, if it offered one
+    cuda_ipc: m.IpcExport | None = None  # the peer's CUDA IPC export, if it offered one
 
 
 def make_request(me: LocalIdentity) -> m.HandshakeRequest:

@@ -51,6 +51,17 @@ class KVRegion(msgspec.Struct, frozen=True, kw_only=True):
     mem_type: str = "DRAM"
 
 
+class IpcExport(msgspec.Struct, frozen=True, kw_only=True):
+    """A GPU KV tensor exported through CUDA IPC, for readers on the same host (transfer/cuda_ipc.py)."""
+
+    host_id: str  # the kernel's boot id: the same host
+    pid: int  # readers in this process use the tensor directly, not a mapping
+    handle: bytes  # CUipcMemHandle of the allocation holding the KV tensor (64 bytes)
+    offset: int  # KV tensor start inside that allocation
+    nbytes: int
+    device_uuid: str = ""  # the GPU holding it (ordinals differ between processes; UUIDs do not)
+
+
 class HandshakeRequest(_Message, tag="hs_req"):
     """Reader -> owner of KV: "tell me how to read your blocks". Sent once per remote engine.
 
@@ -81,9 +92,9 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     regions: list[KVRegion]
     num_blocks: int
     block_nbytes: int
-    # msgpack `cuda_ipc.IpcExport` of the KV tensor when it is on a GPU ("" otherwise): readers on
-    # the same host map it instead of going through NIXL. Added with a default: old peers ignore it.
-    cuda_ipc: bytes = b""
+    # The KV tensor's CUDA IPC export when it is on a GPU and the owner offers it: readers on the
+    # same host may map it instead of going through NIXL. Added with a default: old peers ignore it.
+    cuda_ipc: IpcExport | None = None
 
 
 class LeaseRenew(_Message, tag="lease"):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvbridge.errors import TransferError
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
-from kvbridge.transfer.cuda_ipc import IpcMapping, can_map, decode_export
+from kvbridge.transfer.cuda_ipc import IpcMapping, can_map
 from kvbridge.transfer.descriptors import block_descs
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, make_request, peer_from_response
 from kvbridge.transfer.side_channel import SideChannelClient
@@ -148,12 +148,11 @@ class PeerDirectory:
             self._map(info)
 
     def _map(self, info: PeerInfo) -> None:
+        if not can_map(info.cuda_ipc):
+            return
         try:
-            export = decode_export(info.cuda_ipc)
-            if not can_map(export):
-                return
             dtype, _ = self._ipc_target
-            self._mappings[info.address] = IpcMapping(export, dtype, info.layout.shape)
+            self._mappings[info.address] = IpcMapping(info.cuda_ipc, dtype, info.layout.shape)
             logger.info("reading peer %s through a CUDA IPC mapping", info.address)
         except (TransferError, OSError) as e:  # no driver, refused handle, other host: NIXL does it
             logger.warning("CUDA IPC mapping of peer %s failed (%s); reading through NIXL", info.address, e)
