@@ -170,7 +170,7 @@ class NixlWorker:
                 peer.done_failed.append(rec.req_id)
         now = self._clock()
         for address, peer in self._peers.items():
-            self._collect_release(peer)
+            self._collect_release(address, peer)
             self._send_release(address, peer)
             self._renew(address, peer, now)
 
@@ -197,7 +197,7 @@ class NixlWorker:
         for req_id in failed:  # already reported as load errors; the release is a courtesy
             self._finish_recv(req_id)
 
-    def _collect_release(self, peer: _PeerControl) -> None:
+    def _collect_release(self, address: str, peer: _PeerControl) -> None:
         if peer.in_flight is None or not peer.in_flight[0].done():
             return
         future, ok = peer.in_flight
@@ -206,7 +206,7 @@ class NixlWorker:
             reply = future.result()
             expired = set(reply.expired) if isinstance(reply, m.TransferDoneReply) else None
         except Exception as e:  # the prefill engine is gone or refuses: the reads cannot be vouched for
-            logger.warning("TransferDone to %s failed: %s", ok and self._recvs[ok[0]].remote.address, e)
+            logger.warning("TransferDone to %s failed: %s", address, e)
             expired = None
         for req_id in ok:
             job = self._recvs[req_id]
