@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--descriptor-mode", choices=["blocks", "ranges"], default="blocks")
-    parser.add_argument("--cuda-ipc", action="store_true", help="GPU: read through CUDA IPC mappings, not NIXL")
+    parser.add_argument("--cuda-ipc", action=argparse.BooleanOptionalAction, default=True,
+                        help="GPU: read through CUDA IPC mappings (default), or through NIXL with --no-cuda-ipc")
     parser.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

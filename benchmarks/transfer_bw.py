@@ -45,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-descriptor-mib", type=float, default=None, help="split ranges above this size")
     p.add_argument("--streams", type=int, default=1, help="concurrent posts the request is split into")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--cuda-ipc", action="store_true",
-                   help="GPU: read through a CUDA IPC mapping of the peer's cache instead of NIXL")
+    p.add_argument("--cuda-ipc", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU: kvbridge reads through a CUDA IPC mapping of the peer's cache (default), "
+                   "or through NIXL with --no-cuda-ipc")
     p.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                    help="NIXL backend parameter for both agents, e.g. num_workers=4 (repeatable)")
     p.add_argument("--reps", type=int, default=5)
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
         got = kv.view(layout.num_blocks, -1).view(torch.uint8)[torch.as_tensor(local_ids, device=local_dev)][:, [0, -1]]
         want = (torch.as_tensor(remote_ids, device=local_dev) % 251).to(torch.uint8)[:, None].expand(-1, 2)
         assert torch.equal(got, want), "kvbridge read returned wrong bytes"
-        last["path"] = "cuda_ipc mapping" if ep.get_stats()["num_ipc_reads"] else "nixl"
+        last["path"] = "cuda_ipc mapping" if ep.get_stats()["num_ipc_copies"] else "nixl"
         agent.release_dlist(one_local)
         agent.release_dlist(one_remote)
     finally:
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
         "baseline": "memcpy (torch copy_, one process)" if args.device == "cpu" else "raw peer copy cuda:1 -> cuda:0",
         "detail": {"kvbridge": kb, "raw_nixl": raw, "baseline": base},
         "bytes": nbytes, "num_blocks_read": n, "block_nbytes": layout.block_nbytes,
-        "num_descriptors": last.get("num_descriptors"),  # copy kernels on the cuda_ipc path
+        "num_descriptors": last.get("num_descriptors"),  # copies (runs) on the cuda_ipc path
         "kvbridge_path": last.get("path"),
         "timing": "kvbridge: read_blocks() -> poll() DONE incl. descriptor building; handshake excluded; "
         "the three figures are timed interleaved, rep by rep",

@@ -265,7 +265,11 @@ class NixlAgent:
     # ------------------------------------------------------------------ notifications
 
     def send_notif(self, peer: str, payload: bytes) -> None:
-        self._agent.send_notif(peer, payload)
+        """Send `payload` to a peer agent that was added. Raises TransferError if NIXL refuses."""
+        try:
+            self._agent.send_notif(peer, payload)
+        except Exception as e:
+            raise TransferError(f"NIXL could not send a notification to {peer!r}: {e}") from None
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call: peer agent name -> payloads."""

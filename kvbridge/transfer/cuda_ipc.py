@@ -1,22 +1,22 @@
-"""Same-host GPU fast path: read a peer engine's KV blocks through a CUDA IPC mapping.
+"""Same-host GPU path: copy KV blocks to and from a peer engine's cache through a CUDA IPC mapping.
 
-NIXL/UCX (cuda_ipc) pays ~15 µs per descriptor and a fixed cost per transfer; on 2 × H200 a read
-of 202 scattered 2 MiB blocks ran at ~0.25 of a raw peer copy and one 512 MiB descriptor at
-~0.6–0.8 (docs/benchmarks.md). When both engines' KV caches are on GPUs of one host, the owner
-exports its KV tensor's CUDA IPC handle in the handshake and the reader maps it once; a read is
-then one peer copy per run of adjacent blocks (cudaMemcpyPeerAsync over NVLink, what a raw peer
-copy is), completed by a CUDA event on a dedicated stream.
+NIXL/UCX (cuda_ipc) pays ~15 µs per descriptor: on 2 × H200 a read of 202 scattered 2 MiB blocks
+ran at ~0.25 of a raw peer copy (docs/benchmarks.md). When both engines' KV caches are on GPUs of
+one host, the owner exports its KV tensor's CUDA IPC handle in the handshake and the reader maps
+it once, in the context of its own GPU (the owner's GPU need not be visible to it, e.g. under
+per-process CUDA_VISIBLE_DEVICES). A transfer is then ONE driver call, `cuMemcpyBatchAsync`
+(CUDA ≥ 12.8 drivers), with a copy per run of blocks adjacent on both sides, on a dedicated stream;
+copy engines move the bytes, so no SM is taken from the model. Older drivers get one
+`cuMemcpyAsync` per run. A CUDA event completes the transfer.
 
-Opt-in (`KVEndpoint(cuda_ipc=True)`, NixlConnector option `cuda_ipc`). Measured on 2 × H200
-(docs/benchmarks.md): one 512 MiB run at 336 GB/s against 242 GB/s through NIXL and a 383 GB/s raw
-peer copy; 202 scattered runs no faster than NIXL (one torch peer copy per run costs about what a
-NIXL descriptor does); the P/D benchmark's reads 0.70 of a peer copy against NIXL's 0.75-0.80.
-Batching the copies (one driver call for many runs) is the next step before it can be the default.
+Measured on 2 × H200 (exp figures in docs/benchmarks.md), 512 MiB in 2 MiB blocks, against a raw
+peer copy of 381 GB/s: 202 runs 338 GB/s batched (0.89) vs 251 GB/s one call per run and 99 GB/s
+with a torch copy per run; 16 runs 377 GB/s; one run 389 GB/s.
 
 Everything else stays as with NIXL: the same handshake (compatibility hash, version), leases and
-the release that validates them, deadlines and failure reporting. The fast path is used only when
-the owner runs on the same host (same boot id) in another process; any failure to map falls
-back to NIXL. Talks to the CUDA driver (libcuda) through ctypes: no extra dependency.
+the release that validates them, deadlines, notifications and failure reporting. The path is used
+only when the owner runs on the same host (same boot id) in another process; any failure to map
+falls back to NIXL. Talks to the CUDA driver (libcuda) through ctypes: no extra dependency.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvbridge.errors import TransferError
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.descriptors import run_starts
 from kvbridge.transfer.messages import IpcExport
 
 if TYPE_CHECKING:
@@ -63,22 +67,72 @@ class _IpcHandle(ctypes.Structure):
         return handle
 
 
+class _MemLocation(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (CUDA 12.8)
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", _MemLocation),
+                ("dst_loc_hint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+_LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+_SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order
+_LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
+_u64, _size, _ptr = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+
+
+class _Driver:
+    """The libcuda entry points this module uses. `memcpy_batch` is None on drivers before 12.8."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(_size), _u64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), _u64]
+        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(_u64), _IpcHandle, ctypes.c_uint]
+        lib.cuIpcCloseMemHandle.argtypes = [_u64]
+        lib.cuMemcpyAsync.argtypes = [_u64, _u64, _size, _ptr]
+        lib.cuGetProcAddress_v2.argtypes = [ctypes.c_char_p, ctypes.POINTER(_ptr), ctypes.c_int, _u64,
+                                            ctypes.POINTER(ctypes.c_int)]
+        self.lib = lib
+        self.memcpy_batch, self._batch_has_fail_index = self._resolve_batch()
+
+    def _resolve_batch(self):
+        # cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs[, failIdx], stream):
+        # CUDA 12.8 has the failIdx out-parameter, 13.0 dropped it; ask for the newest first.
+        for version, has_fail_index in ((13000, False), (12080, True)):
+            fn, status = _ptr(), ctypes.c_int()
+            found = self.lib.cuGetProcAddress_v2(b"cuMemcpyBatchAsync", ctypes.byref(fn), version, 0, ctypes.byref(status))
+            if found == 0 and fn.value:
+                args = [_ptr, _ptr, _ptr, _size, _ptr, _ptr, _size] + [_ptr] * has_fail_index + [_ptr]
+                return ctypes.CFUNCTYPE(ctypes.c_int, *args)(fn.value), has_fail_index
+        return None, False
+
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, device: int) -> None:
+        """Enqueue copies srcs[i] -> dsts[i] of sizes[i] bytes on `stream` (uint64 arrays): one
+        batched driver call when the driver has it, else one call per copy."""
+        if self.memcpy_batch is None:
+            for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+                _check(self.lib.cuMemcpyAsync(dst, src, size, stream), "cuMemcpyAsync")
+            return
+        here = _MemLocation(_LOCATION_DEVICE, device)  # hints; ignored for plain device memory
+        attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, here, here, 0)
+        first = _size(0)  # attrs[0] applies from copy 0 on
+        args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+                ctypes.addressof(attrs), ctypes.addressof(first), 1]
+        if self._batch_has_fail_index:
+            args.append(ctypes.addressof(_size()))
+        _check(self.memcpy_batch(*args, stream), "cuMemcpyBatchAsync")
+
+
 @functools.cache
-def _libcuda() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
-    lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
-    lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
-    return lib
+def _driver() -> _Driver:
+    return _Driver()
 
 
 def _check(result: int, what: str) -> None:
     if result != 0:
         raise TransferError(f"CUDA driver call {what} failed with CUresult {result}")
-
-
-_LAZY_ENABLE_PEER_ACCESS = 0x1
 
 
 def export_tensor(tensor: torch.Tensor) -> IpcExport | None:
@@ -90,85 +144,56 @@ def export_tensor(tensor: torch.Tensor) -> IpcExport | None:
         return None
     try:
         with torch.cuda.device(tensor.device):
-            lib = _libcuda()
-            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            lib = _driver().lib
+            base, size = _u64(), _size()
             _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), tensor.data_ptr()), "cuMemGetAddressRange")
             handle = _IpcHandle()
             _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
     except (OSError, TransferError) as e:
         logger.info("no CUDA IPC export for the KV cache (%s); peers read it through NIXL", e)
         return None
-    nbytes = tensor.numel() * tensor.element_size()
-    uuid = device_uuid(tensor.device.index or 0)
     return IpcExport(
-        host_id=host_id(), pid=os.getpid(), handle=handle.to_bytes(),
-        offset=tensor.data_ptr() - base.value, nbytes=nbytes, device_uuid=uuid,
+        host_id=host_id(), pid=os.getpid(), handle=handle.to_bytes(), offset=tensor.data_ptr() - base.value,
+        nbytes=tensor.numel() * tensor.element_size(), device_uuid=str(torch.cuda.get_device_properties(tensor.device).uuid),
     )
 
 
-def device_uuid(ordinal: int) -> str:
-    import torch
-
-    return str(torch.cuda.get_device_properties(ordinal).uuid)
-
-
-def local_ordinal(uuid: str) -> int | None:
-    """This process's ordinal of the GPU with `uuid`, or None when it does not see that GPU."""
-    import torch
-
-    return next((i for i in range(torch.cuda.device_count()) if device_uuid(i) == uuid), None)
-
-
-def can_map(export: IpcExport) -> bool:
-    """Same host, another process, and a GPU this process sees."""
-    if export.host_id != host_id() or export.pid == os.getpid() or not export.device_uuid:
-        return False
-    return local_ordinal(export.device_uuid) is not None
-
-
-class _DeviceBuffer:
-    """A raw device pointer as `__cuda_array_interface__`, so torch can view it without a copy."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+def can_map(export: IpcExport | None) -> bool:
+    """An export from another process on this host (this process uses its own tensors directly)."""
+    return export is not None and export.host_id == host_id() and export.pid != os.getpid()
 
 
 class IpcMapping:
-    """The peer's KV tensor mapped into this process, on the GPU that holds it. `close()` unmaps."""
+    """A peer's KV tensor mapped into this process, in the context of the local GPU `device`.
 
-    def __init__(self, export: IpcExport, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    The driver enables peer access from `device` to the GPU holding the memory, which need not be
+    visible to this process. `close()` unmaps.
+    """
+
+    def __init__(self, export: IpcExport, device: torch.device) -> None:
         import torch
 
-        ordinal = local_ordinal(export.device_uuid)
-        if ordinal is None:
-            raise TransferError(f"this process does not see GPU {export.device_uuid}")
-        self.device = torch.device("cuda", ordinal)
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize(self.device)  # the primary context is current on this thread
-            ptr = ctypes.c_uint64()
-            handle = _IpcHandle.from_bytes(export.handle)
-            _check(_libcuda().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
-            self._base = ptr.value
-        try:
-            address = self._base + export.offset
-            raw = torch.as_tensor(_DeviceBuffer(address, export.nbytes))  # torch finds the device itself
-            if raw.device != self.device or raw.data_ptr() != address:  # a copy would be a stale snapshot
-                raise TransferError(f"torch viewed the mapping as {raw.device} at {raw.data_ptr():#x}, not in place")
-        except Exception:
-            _libcuda().cuIpcCloseMemHandle(self._base)
-            raise
-        self.kv: torch.Tensor | None = raw.view(dtype).view(shape)  # the peer's block-major KV
+        handle = _IpcHandle.from_bytes(export.handle)
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)  # the primary context exists and is current on this thread
+            ptr = _u64()
+            _check(_driver().lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
+                   "cuIpcOpenMemHandle")
+        self.device = device
+        self._base: int | None = ptr.value
+        self.addr = ptr.value + export.offset  # the peer's KV tensor, as a device pointer here
+        self.nbytes = export.nbytes
 
     def close(self) -> None:
-        """Unmap. The caller has synchronized every stream that read through the mapping."""
-        if self.kv is None:
+        """Unmap. The caller has synchronized every stream that used the mapping. Idempotent."""
+        if self._base is None:
             return
-        self.kv = None
-        _check(_libcuda().cuIpcCloseMemHandle(self._base), "cuIpcCloseMemHandle")
+        base, self._base = self._base, None
+        _check(_driver().lib.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
 
 
-class IpcRead:
-    """A read through a mapping, in flight until `event` completes."""
+class IpcCopy:
+    """A transfer through a mapping, in flight until `event` completes."""
 
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
@@ -177,28 +202,65 @@ class IpcRead:
         return self.event.query()
 
 
-def start_read(
-    local_kv: torch.Tensor,  # [NB, L, 2, bs, H, D], this engine's KV cache
-    peer_kv: torch.Tensor,  # [NB', L, 2, bs, H, D], the mapped peer KV cache (on the peer's GPU)
-    local_ids,  # [n] int64 numpy
-    remote_ids,  # [n] int64 numpy
-    stream: torch.cuda.Stream,  # on local_kv's device
-) -> tuple[IpcRead, int]:
-    """Enqueue peer_kv[remote_ids] -> local_kv[local_ids]: one peer copy per run of blocks adjacent on
-    both sides (what a raw peer copy is). Returns the read and its copy count."""
-    import numpy as np
-    import torch
-
-    from kvbridge.transfer.descriptors import run_starts
-
+def copy_plan(
+    op: str,
+    local_addr: int,
+    local_layout: KVCacheLayout,
+    local_ids: np.ndarray,  # [n] int64
+    remote_addr: int,
+    remote_layout: KVCacheLayout,
+    remote_ids: np.ndarray,  # [n] int64
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dsts, srcs, sizes) [R] uint64: one copy per run of blocks adjacent on both sides, READ
+    (remote -> local) or WRITE (local -> remote). Raises IndexError for an id outside a layout."""
+    if op not in ("READ", "WRITE"):
+        raise ValueError(f"op must be 'READ' or 'WRITE', got {op!r}")
     starts = run_starts(local_ids, remote_ids)
-    lengths = np.diff(np.append(starts, len(local_ids)))
-    with torch.cuda.stream(stream):
-        stream.wait_stream(torch.cuda.current_stream(local_kv.device))  # earlier work on these blocks first
-        for start, n in zip(starts.tolist(), lengths.tolist()):
-            lo, ro = int(local_ids[start]), int(remote_ids[start])
-            # Between GPUs torch runs this on the source GPU's stream and makes `stream` wait for it.
-            local_kv[lo : lo + n].copy_(peer_kv[ro : ro + n], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return IpcRead(event), len(starts)
+    sizes = np.diff(np.append(starts, len(local_ids))) * local_layout.block_nbytes
+    local = local_addr + local_layout.block_offsets(local_ids)[starts]
+    remote = remote_addr + remote_layout.block_offsets(remote_ids)[starts]
+    dsts, srcs = (local, remote) if op == "READ" else (remote, local)
+    return dsts.astype(np.uint64), srcs.astype(np.uint64), sizes.astype(np.uint64)
+
+
+class IpcCopier:
+    """Copies blocks between the local GPU KV cache and mapped peer caches, on one dedicated stream."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+        self.device = kv_cache.device
+        self._addr = kv_cache.data_ptr()
+        self._layout = layout
+        self._stream: torch.cuda.Stream | None = None  # made on first use
+        self.num_copies = 0
+
+    def start(
+        self, op: str, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
+    ) -> tuple[IpcCopy, int]:
+        """Enqueue READ (peer -> local) or WRITE (local -> peer) of the paired blocks, after all work
+        already queued on this device's current stream. Returns the copy and its number of runs."""
+        import torch
+
+        dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
+        stream = self._copy_stream()
+        with torch.cuda.device(self.device):
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # e.g. the last reads of reused blocks
+            try:
+                _driver().copy(dsts, srcs, sizes, stream.cuda_stream, self.device.index)
+            except TransferError:
+                stream.synchronize()  # copies enqueued before the failure land before anyone reuses blocks
+                raise
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.num_copies += 1
+        return IpcCopy(event), len(sizes)
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream

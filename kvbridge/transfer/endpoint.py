@@ -37,9 +37,8 @@ from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, T
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
-from kvbridge.transfer.cuda_ipc import IpcRead
+from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
-from kvbridge.transfer.cuda_ipc import start_read as ipc_start_read
 from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.peers import PeerDirectory
@@ -98,7 +97,7 @@ class KVEndpoint:
         handshake_timeout_s: float = 5.0,
         handshake_retries: int = 2,
         transfer_timeout_s: float = 30.0,
-        cuda_ipc: bool = False,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
+        cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
@@ -121,18 +120,18 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
+        use_ipc = cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
-            cuda_ipc=cuda_ipc_export(kv_cache) if cuda_ipc and kv_cache.is_cuda else None,
+            cuda_ipc=cuda_ipc_export(kv_cache) if use_ipc else None,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
             self.agent, self._me, secret=self._secret, timeout_s=handshake_timeout_s, retries=handshake_retries,
             cache_block_lists=descriptor_mode == "blocks",
-            ipc_target=(kv_cache.dtype, kv_cache.device) if cuda_ipc and kv_cache.is_cuda else None,
+            ipc_device=kv_cache.device if use_ipc else None,
         )
-        self._ipc_stream = None  # torch.cuda.Stream of reads through CUDA IPC mappings, made on first use
-        self.num_ipc_reads = 0
+        self._ipc = IpcCopier(kv_cache, layout) if use_ipc else None  # transfers through CUDA IPC mappings
         self._local_block_list: object | None = None
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
@@ -163,7 +162,7 @@ class KVEndpoint:
 
     def forget_peer(self, address: str) -> None:
         """Drop a peer's metadata and cached lists; the next transfer to it handshakes again."""
-        self._sync_ipc_reads()  # nothing may read through its mapping once it is closed
+        self._sync_ipc_copies()  # nothing may use its mapping once it is closed
         self.peers.forget(address)
 
     def request(self, address: str, msg: m.Message) -> m.Message:
@@ -227,11 +226,10 @@ class KVEndpoint:
             if op.notif:
                 self.agent.send_notif(peer.agent_name, op.notif)
             return None, 0
-        mapping = self.peers.mapping(peer.address) if op.op == "READ" else None
-        if mapping is not None:
-            read, num_kernels = ipc_start_read(self._kv, mapping.kv, op.local_ids, op.remote_ids, self._ipc_copy_stream())
-            self.num_ipc_reads += 1
-            return _Posted(read, ()), num_kernels
+        mapping = self.peers.mapping(peer.address)
+        if mapping is not None and self._ipc is not None:
+            copy, num_runs = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids)
+            return _Posted(copy, ()), num_runs
         r, mine = peer.region, self._region
         if self.descriptor_mode == "blocks":
             if self._local_block_list is None:
@@ -268,14 +266,18 @@ class KVEndpoint:
         self._finish_handshakes()
         for rec in self.tracker.live():
             if rec.state is TransferState.POSTED:
-                state = self._poll(rec.handle.xfer)
+                xfer = rec.handle.xfer
+                state = self._poll(xfer)
                 if state is XferState.IN_PROGRESS:
                     continue
                 self._release(rec)
-                if state is XferState.DONE:
+                error = None if state is XferState.DONE else f"NIXL reported a failed {rec.op} from {rec.peer}"
+                if error is None and isinstance(xfer, IpcCopy) and rec.payload.notif:
+                    error = self._notify(rec)  # NIXL sends it with the transfer; here it follows the copy
+                if error is None:
                     self.tracker.mark_done(rec.req_id)
                 else:
-                    self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed {rec.op} from {rec.peer}")
+                    self.tracker.mark_failed(rec.req_id, error)
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
             self._release(rec)
@@ -290,25 +292,26 @@ class KVEndpoint:
                 self._post(rec)
 
     def _poll(self, xfer) -> XferState:
-        if isinstance(xfer, IpcRead):
+        if isinstance(xfer, IpcCopy):
             return XferState.DONE if xfer.is_done() else XferState.IN_PROGRESS
         return self.agent.poll(xfer)
 
-    def _ipc_copy_stream(self):
-        import torch
+    def _notify(self, rec: TransferRecord) -> str | None:
+        """Send a finished CUDA IPC copy's notification; the error, if that failed."""
+        try:
+            self.agent.send_notif(self.peers.get(rec.peer).agent_name, rec.payload.notif)
+        except (TransferError, KeyError) as e:
+            return f"the {rec.op} finished but its notification to {rec.peer} failed: {e}"
+        return None
 
-        if self._ipc_stream is None:
-            self._ipc_stream = torch.cuda.Stream(device=self._kv.device)
-        return self._ipc_stream
-
-    def _sync_ipc_reads(self) -> None:
-        if self._ipc_stream is not None:
-            self._ipc_stream.synchronize()
+    def _sync_ipc_copies(self) -> None:
+        if self._ipc is not None:
+            self._ipc.synchronize()
 
     def _release(self, rec: TransferRecord) -> None:
         posted, rec.handle = rec.handle, None
-        if isinstance(posted.xfer if posted is not None else None, IpcRead):
-            # A copy kernel cannot be cancelled: an expired read still writes its blocks, so wait
+        if isinstance(posted.xfer if posted is not None else None, IpcCopy):
+            # An enqueued copy cannot be cancelled: an expired one still writes its blocks, so wait
             # for it (milliseconds) before anyone may reuse them.
             posted.xfer.event.synchronize()
         elif posted is not None:
@@ -341,7 +344,7 @@ class KVEndpoint:
             "bytes_done": t.bytes_done,
             "num_live": t.num_live,
             "num_peers": len(self.peers),
-            "num_ipc_reads": self.num_ipc_reads,
+            "num_ipc_copies": self._ipc.num_copies if self._ipc is not None else 0,
         }
 
     # ------------------------------------------------------------------ shutdown
@@ -355,7 +358,7 @@ class KVEndpoint:
             self.server.close()
         for rec in self.tracker.live():
             self._release(rec)
-        self._sync_ipc_reads()
+        self._sync_ipc_copies()
         self.peers.close()  # closes CUDA IPC mappings too
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
         self._local_block_list = None

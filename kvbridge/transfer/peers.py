@@ -38,12 +38,12 @@ class PeerDirectory:
         timeout_s: float,
         retries: int,
         cache_block_lists: bool,
-        ipc_target: tuple[torch.dtype, torch.device] | None = None,
+        ipc_device: torch.device | None = None,
     ) -> None:
         self._agent, self._me = agent, me
         self._secret, self._timeout_s, self._retries = secret, timeout_s, retries
         self._cache_block_lists = cache_block_lists
-        self._ipc_target = ipc_target  # (dtype, device) of a local GPU KV cache that may map peers
+        self._ipc_device = ipc_device  # the GPU of a local KV cache that maps same-host peers' caches
         self._mappings: dict[str, IpcMapping] = {}  # address -> the peer's KV mapped through CUDA IPC
         self._peers: dict[str, PeerInfo] = {}
         self._block_lists: dict[str, object] = {}  # address -> prepared per-block remote list
@@ -144,15 +144,12 @@ class PeerDirectory:
             r = info.region
             descs = block_descs(info.layout, r.base_addr, r.device_id)
             self._block_lists[info.address] = self._agent.prep_remote(info.agent_name, descs, r.mem_type)
-        if self._ipc_target is not None and info.cuda_ipc:
+        if self._ipc_device is not None and can_map(info.cuda_ipc):
             self._map(info)
 
     def _map(self, info: PeerInfo) -> None:
-        if not can_map(info.cuda_ipc):
-            return
         try:
-            dtype, _ = self._ipc_target
-            self._mappings[info.address] = IpcMapping(info.cuda_ipc, dtype, info.layout.shape)
-            logger.info("reading peer %s through a CUDA IPC mapping", info.address)
+            self._mappings[info.address] = IpcMapping(info.cuda_ipc, self._ipc_device)
+            logger.info("transfers with peer %s go through a CUDA IPC mapping", info.address)
         except (TransferError, OSError) as e:  # no driver, refused handle, other host: NIXL does it
             logger.warning("CUDA IPC mapping of peer %s failed (%s); reading through NIXL", info.address, e)

@@ -81,7 +81,7 @@ def main() -> int:
     ep = KVEndpoint(
         spec["engine_id"], spec["model_id"], kv, layout, message_handler=on_message,
         secret=secret.encode() if secret else None,
-        descriptor_mode=spec.get("descriptor_mode", "blocks"),
+        descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True),
     )
     reply({"address": ep.address})
     for line in sys.stdin:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
 from kvbridge.errors import MalformedMessageError, TransferError
+from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import cuda_ipc
 from kvbridge.transfer import messages as m
 
@@ -35,9 +37,27 @@ def test_the_export_travels_in_the_handshake_and_old_peers_need_not_send_it():
 
 
 def test_exports_are_mapped_only_from_another_process_on_this_host():
-    # (the GPU itself must also be visible here, which a CPU-only test cannot show)
-    for other in (export(pid=os.getpid()), export(host_id="another-boot-id"), export(device_uuid="")):
+    # the owner's GPU need not be visible here: the mapping is opened in the local GPU's context
+    assert cuda_ipc.can_map(export()) and cuda_ipc.can_map(export(device_uuid=""))
+    for other in (export(pid=os.getpid()), export(host_id="another-boot-id"), None):
         assert not cuda_ipc.can_map(other)
+
+
+def test_copy_plan_is_one_copy_per_run_adjacent_on_both_sides():
+    local_layout, remote_layout = KVCacheLayout(16, 2, 4, 2, 8, "float16"), KVCacheLayout(32, 2, 4, 2, 8, "float16")
+    b = local_layout.block_nbytes
+    local_ids, remote_ids = np.array([3, 4, 5, 9, 10, 0]), np.array([7, 8, 20, 21, 22, 31])
+    dsts, srcs, sizes = cuda_ipc.copy_plan("READ", 1 << 20, local_layout, local_ids, 1 << 30, remote_layout, remote_ids)
+    # runs: (3,4)<-(7,8), 5<-20, (9,10)<-(21,22), 0<-31
+    assert dsts.tolist() == [(1 << 20) + i * b for i in (3, 5, 9, 0)]
+    assert srcs.tolist() == [(1 << 30) + i * b for i in (7, 20, 21, 31)]
+    assert sizes.tolist() == [2 * b, b, 2 * b, b] and dsts.dtype == np.uint64
+    wd, ws, wsizes = cuda_ipc.copy_plan("WRITE", 1 << 20, local_layout, local_ids, 1 << 30, remote_layout, remote_ids)
+    assert (wd == srcs).all() and (ws == dsts).all() and (wsizes == sizes).all()
+    with pytest.raises(IndexError):
+        cuda_ipc.copy_plan("READ", 0, local_layout, np.array([16]), 0, remote_layout, np.array([0]))
+    with pytest.raises(ValueError):
+        cuda_ipc.copy_plan("MOVE", 0, local_layout, local_ids, 0, remote_layout, remote_ids)
 
 
 def test_handles_keep_every_byte():

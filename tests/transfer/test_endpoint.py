@@ -278,12 +278,12 @@ def test_read_between_gpus_verifies_every_byte(tmp_path, cuda_ipc, scattered):
     from kvbridge.transfer.endpoint import KVEndpoint
 
     peer_dev = f"cuda:{torch.cuda.device_count() - 1}"
-    gpu_peer = Peer(tmp_path, engine_id="gpu-prefill", device=peer_dev, seed=11)
+    gpu_peer = Peer(tmp_path, engine_id="gpu-prefill", device=peer_dev, seed=11, cuda_ipc=cuda_ipc)
     layout = make_layout(GEOMETRY)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device="cuda:0")
     ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc)
     try:
-        if scattered:  # more runs than the mapping copies one by one: the gather/scatter path
+        if scattered:  # many runs: one batched driver call on the mapping path
             rng = np.random.default_rng(5)
             local_ids = rng.permutation(layout.num_blocks)[:40].tolist()
             remote_ids = rng.permutation(64)[:40].tolist()
@@ -292,11 +292,43 @@ def test_read_between_gpus_verifies_every_byte(tmp_path, cuda_ipc, scattered):
         ep.read_blocks("gpu-read", gpu_peer.address, local_ids, remote_ids)
         rec = _wait_final(ep, "gpu-read")
         assert rec.state is TransferState.DONE, rec.error
-        assert ep.get_stats()["num_ipc_reads"] == (1 if cuda_ipc else 0)
+        assert ep.get_stats()["num_ipc_copies"] == (1 if cuda_ipc else 0)
         torch.cuda.synchronize()
         expected = torch.empty(layout.shape, dtype=torch.bfloat16)
         fill_kv(expected, 11)  # generated on CPU in the peer too, then copied to its GPU
         assert torch.equal(kv[local_ids].cpu().view(torch.uint8), expected[remote_ids].view(torch.uint8))
+    finally:
+        ep.close()
+        gpu_peer.quit()
+
+
+@pytest.mark.gpu
+def test_write_through_the_mapping_to_a_peer_that_sees_only_its_own_gpu(tmp_path):
+    """Per-process CUDA_VISIBLE_DEVICES: the peer's GPU is its cuda:0. The mapping is opened in our
+    GPU's context, so WRITE and READ still go through it, and the notification follows the copy."""
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    last = torch.cuda.device_count() - 1
+    gpu_peer = Peer(tmp_path, env={"CUDA_VISIBLE_DEVICES": str(last)}, engine_id="gpu-isolated",
+                    device="cuda:0", seed=11)
+    layout = make_layout(GEOMETRY)
+    kv = torch.empty(layout.shape, dtype=torch.bfloat16)
+    fill_kv(kv, 23)
+    kv = kv.to("cuda:0")
+    ep = KVEndpoint("gpu-writer", MODEL, kv, layout, secret=None)
+    try:
+        local_ids, remote_ids = [1, 2, 3, 17, 30], [40, 41, 50, 51, 7]
+        ep.write_blocks("gpu-write", gpu_peer.address, local_ids, remote_ids,
+                        notif=m.TransferDone(engine_id="gpu-writer", req_ids=["gpu-write"]))
+        rec = _wait_final(ep, "gpu-write")
+        assert rec.state is TransferState.DONE, rec.error
+        assert ep.get_stats()["num_ipc_copies"] == 1
+        assert gpu_peer.ask("digest", ids=remote_ids)["digest"] == blocks_digest(kv, local_ids)
+        assert _drain_notifs(gpu_peer, 1) == [["gpu-writer", "TransferDone", ["gpu-write"]]]
+        ep.read_blocks("gpu-read-back", gpu_peer.address, [60, 61, 62], [40, 41, 50])
+        assert _wait_final(ep, "gpu-read-back").state is TransferState.DONE
+        assert ep.get_stats()["num_ipc_copies"] == 2
+        assert blocks_digest(kv, [60, 61, 62]) == blocks_digest(kv, [1, 2, 3])
     finally:
         ep.close()
         gpu_peer.quit()

@@ -18,7 +18,7 @@ class NixlOptions:
     backend: str | None = None  # NIXL backend plugin; None: KVBRIDGE_NIXL_BACKEND, else UCX
     backend_params: dict[str, str] = field(default_factory=dict)  # the plugin's parameters (UCX: num_workers)
     descriptor_mode: str = "blocks"  # see kvbridge/transfer/endpoint.py
-    cuda_ipc: bool = False  # GPU peers on one host read each other's KV through CUDA IPC mappings (opt-in)
+    cuda_ipc: bool = True  # GPU peers on one host copy each other's KV through CUDA IPC mappings, not NIXL
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
