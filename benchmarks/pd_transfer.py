@@ -39,6 +39,7 @@ def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
         max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
         kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
                                 extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": args.cuda_ipc,
+                                       "ipc_min_runs": args.ipc_min_runs,
                                        "backend_params": dict(kv.split("=", 1) for kv in args.backend_param)}),
     )
 
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--descriptor-mode", choices=["blocks", "ranges"], default="blocks")
     parser.add_argument("--cuda-ipc", action=argparse.BooleanOptionalAction, default=True,
                         help="GPU: read through CUDA IPC mappings (default), or through NIXL with --no-cuda-ipc")
+    parser.add_argument("--ipc-min-runs", type=int, default=16,
+                        help="with --cuda-ipc: transfers of fewer runs of blocks go through NIXL")
     parser.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

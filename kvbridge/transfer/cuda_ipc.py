@@ -94,6 +94,10 @@ class _Driver:
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(_u64), _IpcHandle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [_u64]
         lib.cuMemcpyAsync.argtypes = [_u64, _u64, _size, _ptr]
+        lib.cuStreamGetCtx.argtypes = [_ptr, ctypes.POINTER(_ptr)]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(_ptr)]
+        lib.cuCtxPushCurrent_v2.argtypes = [_ptr]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(_ptr)]
         lib.cuGetProcAddress_v2.argtypes = [ctypes.c_char_p, ctypes.POINTER(_ptr), ctypes.c_int, _u64,
                                             ctypes.POINTER(ctypes.c_int)]
         self.lib = lib
@@ -117,23 +121,41 @@ class _Driver:
         Batched when the driver can: `first_batch` copies in one call, then batches twice as large
         as the one before, so the copy engines start after the first call instead of after all of
         them (each call costs ~45 µs + ~1 µs per copy, which the copies already queued then cover).
-        None: everything in one call. Without the batch API, one driver call per copy.
+        None: everything in one call. Without the batch API, one driver call per copy. The calls
+        run in `stream`'s context, whichever context is current on this thread.
         """
-        if self.memcpy_batch is None:
-            for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
-                _check(self.lib.cuMemcpyAsync(dst, src, size, stream), "cuMemcpyAsync")
+        with self._context_of(stream):
+            if self.memcpy_batch is None:
+                for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+                    _check(self.lib.cuMemcpyAsync(dst, src, size, stream), "cuMemcpyAsync")
+                return
+            here = _MemLocation(_LOCATION_DEVICE, device)  # hints; ignored for plain device memory
+            attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, here, here, 0)
+            first = _size(0)  # attrs[0] applies from a call's first copy on
+            fail_index = [ctypes.addressof(_size())] if self._batch_has_fail_index else []
+            start, count = 0, first_batch or len(sizes)
+            while start < len(sizes):
+                end = min(start + count, len(sizes))
+                args = [dsts[start:].ctypes.data, srcs[start:].ctypes.data, sizes[start:].ctypes.data, end - start,
+                        ctypes.addressof(attrs), ctypes.addressof(first), 1, *fail_index]
+                _check(self.memcpy_batch(*args, stream), "cuMemcpyBatchAsync")
+                start, count = end, 2 * count
+
+    @contextlib.contextmanager
+    def _context_of(self, stream: int):
+        """Make `stream`'s context current for the block (a push/pop of ~1 µs, where
+        torch.cuda.device costs tens of µs), unless it already is."""
+        ctx, current = _ptr(), _ptr()
+        _check(self.lib.cuStreamGetCtx(stream, ctypes.byref(ctx)), "cuStreamGetCtx")
+        _check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if ctx.value == current.value:
+            yield
             return
-        here = _MemLocation(_LOCATION_DEVICE, device)  # hints; ignored for plain device memory
-        attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, here, here, 0)
-        first = _size(0)  # attrs[0] applies from a call's first copy on
-        fail_index = [ctypes.addressof(_size())] if self._batch_has_fail_index else []
-        start, count = 0, first_batch or len(sizes)
-        while start < len(sizes):
-            end = min(start + count, len(sizes))
-            args = [dsts[start:].ctypes.data, srcs[start:].ctypes.data, sizes[start:].ctypes.data, end - start,
-                    ctypes.addressof(attrs), ctypes.addressof(first), 1, *fail_index]
-            _check(self.memcpy_batch(*args, stream), "cuMemcpyBatchAsync")
-            start, count = end, 2 * count
+        _check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(_ptr()))
 
 
 @functools.cache
@@ -256,19 +278,15 @@ class IpcCopier:
 
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
         stream, ready = self._copy_stream()
-        # Driver calls act on the calling thread's current context; switch only when needed
-        # (torch.cuda.device costs tens of µs, and every µs here delays the first copy).
-        switch = torch.cuda.current_device() != self.device.index
-        with torch.cuda.device(self.device) if switch else contextlib.nullcontext():
-            ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last
-            stream.wait_event(ready)  # reads of blocks about to be overwritten, comes first
-            try:
-                _driver().copy(dsts, srcs, sizes, stream.cuda_stream, self.device.index)
-            except TransferError:
-                stream.synchronize()  # copies enqueued before the failure land before anyone reuses blocks
-                raise
-            done = torch.cuda.Event()
-            done.record(stream)
+        ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
+        stream.wait_event(ready)  # of blocks about to be overwritten, comes first
+        try:
+            _driver().copy(dsts, srcs, sizes, stream.cuda_stream, self.device.index)
+        except TransferError:
+            stream.synchronize()  # copies enqueued before the failure land before anyone reuses blocks
+            raise
+        done = torch.cuda.Event()
+        done.record(stream)
         self.num_copies += 1
         return IpcCopy(done), len(sizes)
 

@@ -98,6 +98,7 @@ class KVEndpoint:
         handshake_retries: int = 2,
         transfer_timeout_s: float = 30.0,
         cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
+        ipc_min_runs: int = 16,  # a transfer with fewer runs of blocks goes through NIXL even when mapped
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
@@ -132,6 +133,7 @@ class KVEndpoint:
             ipc_device=kv_cache.device if use_ipc else None,
         )
         self._ipc = IpcCopier(kv_cache, layout) if use_ipc else None  # transfers through CUDA IPC mappings
+        self.ipc_min_runs = ipc_min_runs
         self._local_block_list: object | None = None
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
@@ -226,8 +228,8 @@ class KVEndpoint:
             if op.notif:
                 self.agent.send_notif(peer.agent_name, op.notif)
             return None, 0
-        mapping = self.peers.mapping(peer.address)
-        if mapping is not None and self._ipc is not None:
+        mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
+        if mapping is not None and len(run_starts(op.local_ids, op.remote_ids)) >= self.ipc_min_runs:
             copy, num_runs = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids)
             return _Posted(copy, ()), num_runs
         r, mine = peer.region, self._region

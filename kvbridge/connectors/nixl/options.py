@@ -19,6 +19,7 @@ class NixlOptions:
     backend_params: dict[str, str] = field(default_factory=dict)  # the plugin's parameters (UCX: num_workers)
     descriptor_mode: str = "blocks"  # see kvbridge/transfer/endpoint.py
     cuda_ipc: bool = True  # GPU peers on one host copy each other's KV through CUDA IPC mappings, not NIXL
+    ipc_min_runs: int = 16  # ...for transfers of at least this many runs of blocks (fewer: NIXL is as fast)
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
@@ -28,6 +29,8 @@ class NixlOptions:
             raise ConfigError(f"NixlConnector option handshake_retries must be >= 0, got {self.handshake_retries}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.backend_params.items()):
             raise ConfigError("NixlConnector option backend_params must map strings to strings, e.g. {'num_workers': '4'}")
+        if self.ipc_min_runs < 1:
+            raise ConfigError(f"NixlConnector option ipc_min_runs must be >= 1, got {self.ipc_min_runs}")
         if self.descriptor_mode not in ("blocks", "ranges"):
             raise ConfigError(f"NixlConnector option descriptor_mode={self.descriptor_mode!r}; expected 'blocks' or 'ranges'")
 

@@ -96,6 +96,7 @@ class NixlWorker:
             handshake_retries=opts.handshake_retries,
             transfer_timeout_s=opts.transfer_timeout_s,
             cuda_ipc=opts.cuda_ipc,
+            ipc_min_runs=opts.ipc_min_runs,
         )
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s serving KV on %s", self.config.engine_id, self._endpoint.address)
