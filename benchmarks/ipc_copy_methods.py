@@ -19,19 +19,22 @@ both GPUs are synchronized; `issue_us` is the CPU time to enqueue. Mappings and 
 --isolated gives owner and reader one GPU each (CUDA_VISIBLE_DEVICES): the mapping still works;
 peer_copy and torch_copy_peer_ctx need both GPUs in one process and are skipped.
 
-Measured on 2 x H200, torch 2.11+cu130, driver CUDA 13, 512 MiB = 256 blocks of 2 MiB, medians of 15
-reps, GB/s; peer_copy 381 GB/s. By exp/ipc_copy.py, the experiment this script was made from
-(`python exp/ipc_copy.py`; `ISOLATED=1` for the isolated mode, which gave the same within 2%):
+Measured on 2 x H200 (NVLink, NV18), torch 2.11+cu130, CUDA 13 driver, 512 MiB = 256 blocks of
+2 MiB, medians of 15 reps, GB/s (ratio to peer_copy in the same run), 2026-11-29:
 
-  GB/s                  scattered pd8runs one_run
-  runs                        202      16       1
-  torch_copy_peer_ctx        99.4   305.4   363.1  torch copy_ per run, mapping in the peer GPU's context (old path)
-  cu_memcpy_1_stream        251.5   371.3   389.1  one cuMemcpyAsync per run, one stream
-  cu_memcpy_4_streams       252.9   372.6   389.6  one cuMemcpyAsync per run, round-robin over four streams
-  cu_memcpy_batch           338.2   376.9   381.0  ONE cuMemcpyBatchAsync for all runs: kvbridge's path (IpcCopier)
-  triton_gather             346.0   350.9   351.5  a triton kernel copying whole blocks (when triton imports)
-  torch_index               146.4   147.1   147.1  torch advanced indexing on a torch view of the mapping
-  one_range (baseline)      388.9                  one cuMemcpyAsync of one contiguous range through the mapping
+  GB/s                      scattered        pd8runs          one_run
+  runs                      202              16               1
+  torch_copy_peer_ctx        96.3 (0.26)     298.6 (0.79)     356.8 (0.95)  torch copy_ per run, mapping in the peer GPU's context (the first IPC path)
+  cu_memcpy_1_stream        252.8 (0.67)     370.4 (0.98)     387.9 (1.03)  one cuMemcpyAsync per run
+  cu_memcpy_4_streams       254.2 (0.68)     372.3 (0.99)     389.4 (1.03)  the same, round-robin over four streams
+  cu_memcpy_batch_one_call  321.7 (0.86)     365.3 (0.97)     370.6 (0.98)  ONE cuMemcpyBatchAsync for all runs
+  cu_memcpy_batch           372.9 (0.99)     376.8 (1.00)     381.2 (1.01)  batches of 16, 32, 64... copies: kvbridge's path (IpcCopier)
+  triton_gather             332.3 (0.89)     336.9 (0.90)     338.5 (0.90)  a triton kernel copying whole blocks (uses SMs)
+  torch_index               145.0 (0.39)     145.5 (0.39)     145.7 (0.39)  torch advanced indexing on a view of the mapping
+  one_range (baseline)      384.8            385.7            385.8         one cuMemcpyAsync of one contiguous range
+  peer_copy (baseline)      374.8            376.2            377.1
+
+An earlier run with --isolated gave the batched and per-run figures within 2% of the shared mode.
 """
 
 from __future__ import annotations
@@ -178,6 +181,8 @@ def copy_methods(local, remote_addr, remote, peer_ctx_remote, lid, rid, streams,
     return methods | {
         "cu_memcpy_1_stream": memcpy_per_run(1),
         "cu_memcpy_4_streams": memcpy_per_run(4),
+        "cu_memcpy_batch_one_call": lambda: drv.copy(dsts, srcs, sizes, handles[0], local.device.index,
+                                                     first_batch=None),
         "cu_memcpy_batch": lambda: drv.copy(dsts, srcs, sizes, handles[0], local.device.index),
         "triton_gather": lambda: gather(remote.view(torch.int64), local.view(torch.int64), ridt, lidt),
         "torch_index": torch_index,
