@@ -56,6 +56,11 @@ def test_options_reject_unknown_and_bad_values():
         NixlOptions.from_extra({"lease_sec": 3})
     with pytest.raises(ConfigError, match="transfer_timeout_s"):
         NixlOptions.from_extra({"transfer_timeout_s": 0})
+    defaults = NixlOptions.from_extra({})
+    assert defaults.cuda_ipc and defaults.ipc_min_runs == 16  # same-host GPU peers: CUDA IPC for scattered reads
+    assert NixlOptions.from_extra({"ipc_min_runs": 1}).ipc_min_runs == 1
+    with pytest.raises(ConfigError, match="ipc_min_runs"):
+        NixlOptions.from_extra({"ipc_min_runs": 0})
 
 
 def test_decode_asks_only_for_blocks_missing_locally_and_plans_one_read():
