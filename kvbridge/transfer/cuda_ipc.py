@@ -1,17 +1,18 @@
 """Same-host GPU path: copy KV blocks to and from a peer engine's cache through a CUDA IPC mapping.
 
 NIXL/UCX (cuda_ipc) pays ~15 µs per descriptor: on 2 × H200 a read of 202 scattered 2 MiB blocks
-ran at ~0.25 of a raw peer copy (docs/benchmarks.md). When both engines' KV caches are on GPUs of
-one host, the owner exports its KV tensor's CUDA IPC handle in the handshake and the reader maps
-it once, in the context of its own GPU (the owner's GPU need not be visible to it, e.g. under
-per-process CUDA_VISIBLE_DEVICES). A transfer is then ONE driver call, `cuMemcpyBatchAsync`
-(CUDA ≥ 12.8 drivers), with a copy per run of blocks adjacent on both sides, on a dedicated stream;
-copy engines move the bytes, so no SM is taken from the model. Older drivers get one
-`cuMemcpyAsync` per run. A CUDA event completes the transfer.
+ran at ~0.25-0.38 of a raw peer copy (docs/benchmarks.md). When both engines' KV caches are on
+GPUs of one host, the owner exports its KV tensor's CUDA IPC handle in the handshake and the
+reader maps it once, in the context of its own GPU (the owner's GPU need not be visible to it,
+e.g. under per-process CUDA_VISIBLE_DEVICES). A transfer of at least `min_runs` runs of blocks is
+then a copy per run, enqueued with `cuMemcpyBatchAsync` (CUDA ≥ 12.8 drivers; one `cuMemcpyAsync`
+per run before) in batches of 16, 32, 64... on a dedicated stream, and completed by a CUDA event.
+Copy engines move the bytes: no SM is taken from the model.
 
-Measured on 2 × H200 (exp figures in docs/benchmarks.md), 512 MiB in 2 MiB blocks, against a raw
-peer copy of 381 GB/s: 202 runs 338 GB/s batched (0.89) vs 251 GB/s one call per run and 99 GB/s
-with a torch copy per run; 16 runs 377 GB/s; one run 389 GB/s.
+Measured on 2 × H200, 202 runs of 2 MiB (benchmarks/ipc_copy_methods.py, transfer_bw.py): the
+copies alone 0.99 of a raw peer copy (one batch: 0.86; one call per run: 0.67; a torch copy per
+run: 0.26), a read through `KVEndpoint` 0.86-0.89. Few-run transfers measured faster through NIXL
+inside the P/D engine, hence `min_runs` (KVEndpoint's `ipc_min_runs`).
 
 Everything else stays as with NIXL: the same handshake (compatibility hash, version), leases and
 the release that validates them, deadlines, notifications and failure reporting. The path is used
@@ -212,7 +213,6 @@ class IpcMapping:
             ptr = _u64()
             _check(_driver().lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")
-        self.device = device
         self._base: int | None = ptr.value
         self.addr = ptr.value + export.offset  # the peer's KV tensor, as a device pointer here
         self.nbytes = export.nbytes
@@ -228,8 +228,9 @@ class IpcMapping:
 class IpcCopy:
     """A transfer through a mapping, in flight until `event` completes."""
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, num_runs: int) -> None:
         self.event = event
+        self.num_runs = num_runs
 
     def is_done(self) -> bool:
         return self.event.query()
@@ -261,8 +262,9 @@ def copy_plan(
 class IpcCopier:
     """Copies blocks between the local GPU KV cache and mapped peer caches, on one dedicated stream."""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout, min_runs: int = 1) -> None:
         self.device = kv_cache.device
+        self.min_runs = min_runs  # fewer runs: start() declines, NIXL moves it
         self._addr = kv_cache.data_ptr()
         self._layout = layout
         self._stream: torch.cuda.Stream | None = None  # made on first use
@@ -271,12 +273,15 @@ class IpcCopier:
 
     def start(
         self, op: str, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
-    ) -> tuple[IpcCopy, int]:
+    ) -> IpcCopy | None:
         """Enqueue READ (peer -> local) or WRITE (local -> peer) of the paired blocks, after all work
-        already queued on this device's current stream. Returns the copy and its number of runs."""
+        already queued on this device's current stream; None (nothing enqueued) for fewer than
+        `min_runs` runs of blocks."""
         import torch
 
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
+        if len(sizes) < self.min_runs:
+            return None
         stream, ready = self._copy_stream()
         ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
         stream.wait_event(ready)  # of blocks about to be overwritten, comes first
@@ -288,7 +293,7 @@ class IpcCopier:
         done = torch.cuda.Event()
         done.record(stream)
         self.num_copies += 1
-        return IpcCopy(done), len(sizes)
+        return IpcCopy(done, len(sizes))
 
     def synchronize(self) -> None:
         if self._stream is not None:

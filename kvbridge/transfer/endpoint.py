@@ -132,8 +132,7 @@ class KVEndpoint:
             cache_block_lists=descriptor_mode == "blocks",
             ipc_device=kv_cache.device if use_ipc else None,
         )
-        self._ipc = IpcCopier(kv_cache, layout) if use_ipc else None  # transfers through CUDA IPC mappings
-        self.ipc_min_runs = ipc_min_runs
+        self._ipc = IpcCopier(kv_cache, layout, ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
         self._local_block_list: object | None = None
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
@@ -229,9 +228,9 @@ class KVEndpoint:
                 self.agent.send_notif(peer.agent_name, op.notif)
             return None, 0
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
-        if mapping is not None and len(run_starts(op.local_ids, op.remote_ids)) >= self.ipc_min_runs:
-            copy, num_runs = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids)
-            return _Posted(copy, ()), num_runs
+        copy = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids) if mapping is not None else None
+        if copy is not None:  # None: no mapping, or too few runs for it to pay; NIXL moves it
+            return _Posted(copy, ()), copy.num_runs
         r, mine = peer.region, self._region
         if self.descriptor_mode == "blocks":
             if self._local_block_list is None:

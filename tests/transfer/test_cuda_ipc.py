@@ -69,3 +69,16 @@ def test_handles_keep_every_byte():
 
 def test_cpu_tensors_are_not_exported():
     assert cuda_ipc.export_tensor(torch.zeros(16)) is None
+
+
+def test_transfers_of_fewer_runs_than_min_runs_are_declined_before_touching_the_gpu():
+    """KVEndpoint then moves them through NIXL (measured faster for P/D's few-run reads)."""
+    layout = KVCacheLayout(16, 2, 4, 2, 8, "float16")
+    copier = cuda_ipc.IpcCopier(torch.zeros(layout.shape, dtype=torch.float16), layout, min_runs=3)
+
+    class Mapped:  # only its address is read before the decision
+        addr = 1 << 30
+
+    two_runs = np.array([1, 2, 3, 8]), np.array([5, 6, 7, 0])
+    assert copier.start("READ", Mapped(), layout, *two_runs) is None
+    assert copier.num_copies == 0
