@@ -18,10 +18,9 @@ HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is on
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
 handshakes again (a restarted peer is picked up). Every live record has a deadline.
 
-Descriptor modes: "blocks" (default) prepares one NIXL list per side with a descriptor per block,
-once (per peer, cached), and posts block indices; NIXL merges runs adjacent on both sides.
-"ranges" coalesces with `descriptors.coalesce_blocks` (splitting at `max_descriptor_nbytes`) and
-prepares both lists per transfer. docs/transfer.md has the measurements.
+A transfer goes through NIXL in a descriptor mode ("blocks" or "ranges", nixl_post.py), or, with a
+same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
+peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
-from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
+from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, check_descriptor_mode
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
 from kvbridge.transfer.tracker import FlushOutcome, TransferRecord, TransferState, TransferTracker
@@ -64,11 +63,6 @@ class _Op(NamedTuple):
     local_ids: np.ndarray  # [n] int64
     remote_ids: np.ndarray  # [n] int64
     notif: bytes
-
-
-class _Posted(NamedTuple):
-    xfer: object
-    dlists: tuple  # per-transfer lists ("ranges" mode), released with the transfer
 
 
 class KVEndpoint:
@@ -105,13 +99,10 @@ class KVEndpoint:
             raise ConfigError(
                 f"KV tensor {tuple(kv_cache.shape)} is not a contiguous tensor of layout {layout.shape}"
             )
-        if descriptor_mode not in ("blocks", "ranges"):
-            raise ConfigError(f"descriptor_mode={descriptor_mode!r}; expected 'blocks' or 'ranges'")
+        check_descriptor_mode(descriptor_mode)  # before anything is registered
         self.engine_id = engine_id
         self.layout = layout
         self.compat_hash = layout.compat_hash(model_id)
-        self.descriptor_mode = descriptor_mode
-        self.max_descriptor_nbytes = max_descriptor_nbytes
         self.transfer_timeout_s = transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         self._message_handler = message_handler
@@ -121,6 +112,7 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
+        self._nixl = NixlPoster(self.agent, layout, self._region, descriptor_mode, max_descriptor_nbytes)
         use_ipc = cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
@@ -133,7 +125,6 @@ class KVEndpoint:
             ipc_device=kv_cache.device if use_ipc else None,
         )
         self._ipc = IpcCopier(kv_cache, layout, ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
-        self._local_block_list: object | None = None
         self._closed = False
         self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
 
@@ -221,7 +212,7 @@ class KVEndpoint:
         if posted is None:
             self.tracker.mark_done(rec.req_id)
 
-    def _post_op(self, op: _Op, peer: PeerInfo) -> tuple[_Posted | None, int]:
+    def _post_op(self, op: _Op, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
         peer.layout.block_offsets(op.remote_ids)  # IndexError for ids the peer does not have
         if len(op.local_ids) == 0:
             if op.notif:
@@ -230,29 +221,10 @@ class KVEndpoint:
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
         copy = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids) if mapping is not None else None
         if copy is not None:  # None: no mapping, or too few runs for it to pay; NIXL moves it
-            return _Posted(copy, ()), copy.num_runs
-        r, mine = peer.region, self._region
-        if self.descriptor_mode == "blocks":
-            if self._local_block_list is None:
-                descs = block_descs(self.layout, mine.base_addr, mine.device_id)
-                self._local_block_list = self.agent.prep_local(descs, mine.mem_type)
-            remote_list = self.peers.block_list(peer.address)
-            xfer = self.agent.post(op.op, self._local_block_list, op.local_ids, remote_list, op.remote_ids, op.notif)
-            return _Posted(xfer, ()), len(run_starts(op.local_ids, op.remote_ids))
-        ranges = coalesce_blocks(op.local_ids, op.remote_ids, self.layout, peer.layout, self.max_descriptor_nbytes)
-        local_descs = range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id)
-        local_list = self.agent.prep_local(local_descs, mine.mem_type)
-        remote_list = self.agent.prep_remote(
-            peer.agent_name, range_descs(ranges.remote_offsets, ranges.nbytes, r.base_addr, r.device_id), r.mem_type
-        )
-        idx = np.arange(ranges.num_descriptors)
-        try:
-            xfer = self.agent.post(op.op, local_list, idx, remote_list, idx, op.notif)
-        except TransferError:
-            self.agent.release_dlist(local_list)
-            self.agent.release_dlist(remote_list)
-            raise
-        return _Posted(xfer, (local_list, remote_list)), ranges.num_descriptors
+            return copy, copy.num_runs
+        remote_list = self.peers.block_list(peer.address) if self._nixl.mode == "blocks" else None
+        post = self._nixl.post(op.op, op.local_ids, op.remote_ids, op.notif, peer, remote_list)
+        return post, post.num_descriptors
 
     def poll(self) -> list[TransferRecord]:
         """Advance every transfer without blocking; return (and forget) the records that became final."""
@@ -267,13 +239,13 @@ class KVEndpoint:
         self._finish_handshakes()
         for rec in self.tracker.live():
             if rec.state is TransferState.POSTED:
-                xfer = rec.handle.xfer
-                state = self._poll(xfer)
+                handle = rec.handle
+                state = self._poll(handle)
                 if state is XferState.IN_PROGRESS:
                     continue
                 self._release(rec)
                 error = None if state is XferState.DONE else f"NIXL reported a failed {rec.op} from {rec.peer}"
-                if error is None and isinstance(xfer, IpcCopy) and rec.payload.notif:
+                if error is None and isinstance(handle, IpcCopy) and rec.payload.notif:
                     error = self._notify(rec)  # NIXL sends it with the transfer; here it follows the copy
                 if error is None:
                     self.tracker.mark_done(rec.req_id)
@@ -292,10 +264,10 @@ class KVEndpoint:
             if rec.state is TransferState.HANDSHAKING and rec.peer in self.peers:
                 self._post(rec)
 
-    def _poll(self, xfer) -> XferState:
-        if isinstance(xfer, IpcCopy):
-            return XferState.DONE if xfer.is_done() else XferState.IN_PROGRESS
-        return self.agent.poll(xfer)
+    def _poll(self, handle: NixlPost | IpcCopy) -> XferState:
+        if isinstance(handle, IpcCopy):
+            return XferState.DONE if handle.is_done() else XferState.IN_PROGRESS
+        return self.agent.poll(handle.xfer)
 
     def _notify(self, rec: TransferRecord) -> str | None:
         """Send a finished CUDA IPC copy's notification; the error, if that failed."""
@@ -310,15 +282,13 @@ class KVEndpoint:
             self._ipc.synchronize()
 
     def _release(self, rec: TransferRecord) -> None:
-        posted, rec.handle = rec.handle, None
-        if isinstance(posted.xfer if posted is not None else None, IpcCopy):
+        handle, rec.handle = rec.handle, None
+        if isinstance(handle, IpcCopy):
             # An enqueued copy cannot be cancelled: an expired one still writes its blocks, so wait
             # for it (milliseconds) before anyone may reuse them.
-            posted.xfer.event.synchronize()
-        elif posted is not None:
-            self.agent.release(posted.xfer)
-            for dlist in posted.dlists:
-                self.agent.release_dlist(dlist)
+            handle.event.synchronize()
+        elif handle is not None:
+            self._nixl.release(handle)
 
     # ------------------------------------------------------------------ notifications
 
@@ -362,5 +332,5 @@ class KVEndpoint:
         self._sync_ipc_copies()
         self.peers.close()  # closes CUDA IPC mappings too
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
-        self._local_block_list = None
+        self._nixl.close()
         self._kv = None

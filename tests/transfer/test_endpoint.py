@@ -340,3 +340,10 @@ def test_close_is_idempotent_and_flush_of_nothing_completes():
     assert ep.flush(1.0).is_complete
     ep.close()
     ep.close()
+
+
+def test_an_unknown_descriptor_mode_is_refused_before_anything_is_registered():
+    from kvbridge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="descriptor_mode='bogus'"):
+        _local_endpoint("decode-bogus", descriptor_mode="bogus")

@@ -1,0 +1,96 @@
+"""`NixlPoster`: how one transfer of block pairs becomes a NIXL post, in a descriptor mode.
+
+- "blocks" (default): one prepared list per side with a descriptor per block, made once (the
+  peer's by `PeerDirectory`, cached per peer; ours here, on first use), posted by block index;
+  NIXL merges entries adjacent on both sides.
+- "ranges": `descriptors.coalesce_blocks` turns the pairing into byte ranges, split at
+  `max_descriptor_nbytes`; both lists are prepared per transfer and released with it.
+
+docs/transfer.md has the measurements. Called by `KVEndpoint` on the owner's thread only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kvbridge.errors import ConfigError, TransferError
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer import messages as m
+from kvbridge.transfer.agent import NixlAgent
+from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
+from kvbridge.transfer.handshake import PeerInfo
+
+DESCRIPTOR_MODES = ("blocks", "ranges")
+
+
+def check_descriptor_mode(mode: str) -> None:
+    if mode not in DESCRIPTOR_MODES:
+        raise ConfigError(f"descriptor_mode={mode!r}; expected 'blocks' or 'ranges'")
+
+
+class NixlPost(NamedTuple):
+    xfer: object  # NIXL transfer handle, for NixlAgent.poll
+    dlists: tuple  # per-transfer lists ("ranges" mode), released with the transfer
+    num_descriptors: int  # runs adjacent on both sides ("blocks"), or ranges posted
+
+
+class NixlPoster:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        layout: KVCacheLayout,
+        region: m.KVRegion,  # our registered KV tensor
+        mode: str = "blocks",
+        max_descriptor_nbytes: int | None = None,  # "ranges": split longer ranges
+    ) -> None:
+        check_descriptor_mode(mode)
+        self._agent, self._layout, self._region = agent, layout, region
+        self.mode = mode
+        self.max_descriptor_nbytes = max_descriptor_nbytes
+        self._local_block_list: object | None = None
+
+    def post(
+        self, op: str, local_ids: np.ndarray, remote_ids: np.ndarray, notif: bytes, peer: PeerInfo,
+        remote_block_list: object | None,  # the peer's per-block list ("blocks" mode)
+    ) -> NixlPost:
+        """Post READ or WRITE of the paired blocks, `notif` to follow on completion. Raises
+        TransferError when NIXL refuses (nothing is left prepared then)."""
+        mine = self._region
+        if self.mode == "blocks":
+            if self._local_block_list is None:
+                descs = block_descs(self._layout, mine.base_addr, mine.device_id)
+                self._local_block_list = self._agent.prep_local(descs, mine.mem_type)
+            xfer = self._agent.post(op, self._local_block_list, local_ids, remote_block_list, remote_ids, notif)
+            return NixlPost(xfer, (), len(run_starts(local_ids, remote_ids)))
+        r = peer.region
+        ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
+        local_list = self._agent.prep_local(
+            range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id), mine.mem_type
+        )
+        try:
+            remote_list = self._agent.prep_remote(
+                peer.agent_name, range_descs(ranges.remote_offsets, ranges.nbytes, r.base_addr, r.device_id), r.mem_type
+            )
+        except TransferError:
+            self._agent.release_dlist(local_list)
+            raise
+        idx = np.arange(ranges.num_descriptors)
+        try:
+            xfer = self._agent.post(op, local_list, idx, remote_list, idx, notif)
+        except TransferError:
+            self._agent.release_dlist(local_list)
+            self._agent.release_dlist(remote_list)
+            raise
+        return NixlPost(xfer, (local_list, remote_list), ranges.num_descriptors)
+
+    def release(self, post: NixlPost) -> None:
+        """Release a transfer (cancelling it if still in flight) and its per-transfer lists."""
+        self._agent.release(post.xfer)
+        for dlist in post.dlists:
+            self._agent.release_dlist(dlist)
+
+    def close(self) -> None:
+        """Forget the local list; `NixlAgent.close` releases it."""
+        self._local_block_list = None
