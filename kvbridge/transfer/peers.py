@@ -152,4 +152,4 @@ class PeerDirectory:
             self._mappings[info.address] = IpcMapping(info.cuda_ipc, self._ipc_device)
             logger.info("transfers with peer %s go through a CUDA IPC mapping", info.address)
         except (TransferError, OSError) as e:  # no driver, refused handle, other host: NIXL does it
-            logger.warning("CUDA IPC mapping of peer %s failed (%s); reading through NIXL", info.address, e)
+            logger.warning("CUDA IPC mapping of peer %s failed (%s); its transfers go through NIXL", info.address, e)
