@@ -18,10 +18,21 @@ from collections import Counter, OrderedDict
 from kvbridge.engine.block_hash import BlockHash
 
 FILE_SUFFIX = ".kvblock"
+TEMP_MARK = ".tmp"  # a write in progress: "<block file name>.tmp<pid>", renamed into place when complete
 
 
 def block_file_name(block_hash: BlockHash) -> str:
     return block_hash.hex() + FILE_SUFFIX
+
+
+def temp_file_name(block_hash: BlockHash, pid: int) -> str:
+    return f"{block_file_name(block_hash)}{TEMP_MARK}{pid}"
+
+
+def is_temp_file_name(name: str) -> bool:
+    """A name `temp_file_name` gives (a write in progress, or one a crash left behind)."""
+    stem, mark, pid = name.rpartition(TEMP_MARK)
+    return bool(mark) and pid.isdigit() and parse_block_file_name(stem) is not None
 
 
 def parse_block_file_name(name: str) -> BlockHash | None:

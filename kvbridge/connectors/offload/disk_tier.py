@@ -13,26 +13,37 @@ File format (little endian):
 A file from another model, dtype or geometry, an older format or a torn/corrupt write is rejected
 on read (`DiskBlockError`); the load then fails like any other and the block is recomputed.
 Writes go to a temporary name and are renamed into place, so a crash never leaves a half file
-under a valid name. All I/O runs on one worker thread (FIFO, so a delete or read issued after a
-write of the same block sees it).
+under a valid name. The writer holds an exclusive `flock` on its temporary file until the rename:
+the kernel drops the lock when the process dies, so a temporary file nobody holds a lock on is an
+orphan of a crash, and opening the tier deletes it (`remove_orphaned_temp_files`). Other engines
+writing to the same directory at that moment keep their files: they hold the lock. All I/O runs
+on one worker thread (FIFO, so a delete or read issued after a write of the same block sees it).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import struct
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from kvbridge.connectors.offload.disk_index import block_file_name
+from kvbridge.connectors.offload.disk_index import block_file_name, is_temp_file_name, temp_file_name
 from kvbridge.engine.block_hash import BlockHash
 from kvbridge.errors import KVBridgeError
 
 MAGIC = b"KVBBLOCK"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sI32s16sQI")
+# A writer creates its temporary file and locks it a moment later; a younger unlocked file may be in
+# that gap, so it is left alone (the next open removes it if it is an orphan).
+ORPHAN_MIN_AGE_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 class DiskBlockError(KVBridgeError):
@@ -72,6 +83,7 @@ class DiskTier:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-disk")
         self._queued: set[Future] = set()  # operations not yet run
         self.bytes_written = self.bytes_read = self.num_write_failures = self.num_read_failures = 0
+        self.num_orphans_removed = remove_orphaned_temp_files(directory)
 
     def path(self, block_hash: BlockHash) -> str:
         return os.path.join(self.directory, block_file_name(block_hash))
@@ -81,12 +93,13 @@ class DiskTier:
     def write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
         """Write one block ([block_nbytes] uint8, CPU) to its file, atomically."""
         payload = memoryview(block.numpy())
-        tmp = f"{self.path(block_hash)}.tmp{os.getpid()}"
+        tmp = os.path.join(self.directory, temp_file_name(block_hash, os.getpid()))
         try:
             with open(tmp, "wb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # held until after the rename: "not an orphan"
                 f.write(encode_header(self.compat_hash, block_hash, payload))
                 f.write(payload)
-            os.replace(tmp, self.path(block_hash))
+                os.replace(tmp, self.path(block_hash))
         except OSError:
             self.num_write_failures += 1
             if os.path.exists(tmp):
@@ -150,4 +163,35 @@ class DiskTier:
             "disk_bytes_read": self.bytes_read,
             "disk_write_failures": self.num_write_failures,
             "disk_read_failures": self.num_read_failures,
+            "disk_orphans_removed": self.num_orphans_removed,
         }
+
+
+def remove_orphaned_temp_files(directory: str, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
+    """Delete the temporary files in `directory` that a crashed write left behind: no process holds
+    their lock and they are older than `min_age_s`. Returns how many were deleted."""
+    num_removed = 0
+    now = time.time()
+    with os.scandir(directory) as it:
+        for entry in it:
+            if is_temp_file_name(entry.name) and _is_orphan(entry.path, now - min_age_s):
+                num_removed += 1
+    if num_removed:
+        logger.warning("disk tier %s: removed %d temporary file(s) left by a crashed write", directory, num_removed)
+    return num_removed
+
+
+def _is_orphan(path: str, created_before: float) -> bool:
+    """Deletes `path` and returns True if it is unlocked and was last written before `created_before`."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_mtime >= created_before:
+                return False
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # a live writer holds it
+            os.unlink(path)  # under our lock: no writer can be renaming it now
+            return True
+    except OSError:
+        return False  # renamed into place or removed meanwhile, or not ours to remove

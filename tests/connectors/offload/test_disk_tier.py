@@ -1,14 +1,25 @@
-"""Disk tier files: round trip, and rejection of stale, foreign and corrupt files."""
+"""Disk tier files: round trip, rejection of stale, foreign and corrupt files, crash leftovers."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import struct
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from kvbridge.connectors.offload.disk_index import DiskTierIndex, block_file_name, scan_block_files
+from kvbridge.connectors.offload.disk_index import (
+    DiskTierIndex,
+    block_file_name,
+    is_temp_file_name,
+    scan_block_files,
+    temp_file_name,
+)
 from kvbridge.connectors.offload.disk_tier import DiskBlockError, DiskTier
 from kvbridge.layout import KVCacheLayout
 
@@ -92,3 +103,50 @@ def test_disk_index_capacity_pins_and_warm_scan(tmp_path):
     assert bytes([1]) * 16 in index and bytes([2]) * 16 not in index  # pinned survives
     index.unpin(bytes([1]) * 16)
     index.check_integrity()
+
+
+def _crash_mid_write(directory, block_hash: bytes) -> str:
+    """A process that dies (SIGKILL) halfway through `DiskTier.write`: its temporary file stays."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from kvbridge.connectors.offload.disk_tier import DiskTier
+        from kvbridge.connectors.offload.disk_index import temp_file_name
+        tier = DiskTier({str(directory)!r}, "0" * 32, 64)
+        def crash(src, dst):  # the header and payload are written, the rename never happens
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.replace = crash
+        import torch
+        tier.write({block_hash!r}, torch.zeros(64, dtype=torch.uint8))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    (name,) = [n for n in os.listdir(directory) if is_temp_file_name(n)]
+    assert name == temp_file_name(block_hash, int(name.rpartition(".tmp")[2]))
+    return str(directory / name)
+
+
+def test_opening_the_tier_removes_temporary_files_a_crash_left(tmp_path):
+    orphan = _crash_mid_write(tmp_path, HASH)
+    os.utime(orphan, (1, 1))  # the crash was a while ago
+    fresh = tmp_path / temp_file_name(bytes(16), 99)  # unlocked, but maybe a writer that did not lock yet
+    fresh.write_bytes(b"x")
+    live = tmp_path / temp_file_name(bytes([7]) * 16, 98)  # old, but a live writer holds its lock
+    live.write_bytes(b"x")
+    os.utime(live, (1, 1))
+    unrelated = tmp_path / "notes.tmp1"
+    unrelated.write_text("not a block write")
+    os.utime(unrelated, (1, 1))
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        tier = _tier(tmp_path)
+    assert not os.path.exists(orphan)
+    assert fresh.exists() and live.exists() and unrelated.exists()
+    assert tier.get_stats()["disk_orphans_removed"] == 1
+    assert scan_block_files(str(tmp_path)) == []  # temporary files never count as blocks
+    block = _block(3)
+    tier.submit_write(HASH, block).result(timeout=10)  # the tier works: the block the crash lost
+    out = torch.zeros_like(block)
+    tier.submit_read(HASH, out).result(timeout=10)
+    assert torch.equal(out, block) and scan_block_files(str(tmp_path)) == [HASH]
+    assert not any(is_temp_file_name(n) for n in os.listdir(tmp_path) if n.startswith(HASH.hex()))
+    tier.close()
