@@ -29,8 +29,9 @@ Per-step order, driven by `EngineCore.step()`:
 from __future__ import annotations
 
 import enum
+import secrets
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbridge.config import KVTransferConfig
@@ -57,6 +58,9 @@ class ConnectorContext:
     device: str  # device of the KV cache ("cpu", "cuda:0", ...)
     hash_namespace: str = ""  # namespace of the chained block hashes (see engine/block_hash.py)
     layout: KVCacheLayout | None = None  # the KV cache geometry, when the engine knows it at build time
+    # Random per context, so both halves built from one context share it: peers tell a restarted
+    # engine on the same address from the one that answered before (the NixlConnector's leases).
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 class KVConnectorMetadata:

@@ -138,10 +138,14 @@ def cli_argv(command: str, *args: str) -> list[str]:
 
 
 def start_node(
-    name: str, role: str, log_dir: str, model: str = "tiny", extra_args: Sequence[str] = (), env=None
+    name: str, role: str, log_dir: str, model: str = "tiny", extra_args: Sequence[str] = (), env=None,
+    ports: tuple[int, int] | None = None,
 ) -> ManagedProcess:
-    """`kvbridge serve --role ROLE` on free loopback ports (HTTP and side channel)."""
-    port, side_channel_port = free_ports(2)
+    """`kvbridge serve --role ROLE` on loopback `ports` (HTTP, side channel); default: free ones.
+
+    Passing the ports of a node that was killed restarts it at the same address.
+    """
+    port, side_channel_port = ports or free_ports(2)
     argv = cli_argv(
         "serve", "--role", role, "--host", HOST, "--port", str(port),
         "--side-channel-port", str(side_channel_port), "--model", model, *extra_args,

@@ -5,7 +5,11 @@ signed when a secret is configured; `verify` checks a received frame and raises
 `AuthenticationError` when it is unsigned, badly signed, outside the time window, or replayed
 (its nonce was already seen inside the window).
 
-The MAC covers: a domain string, the correlation id, the timestamp, the nonce and the payload.
+The MAC covers: a domain string, the correlation id, the timestamp, the nonce, the audience and
+the payload. The audience names who the frame is for: a request carries its destination engine
+instance ("engine_id/incarnation", see `audience_of`), a reply the nonce of its request; `verify`
+refuses a frame whose audience is not the one expected, so a captured frame cannot be replayed to
+another node, to a restarted node, or as the answer to another request.
 Only frames with a valid MAC enter the replay cache, so forged traffic cannot grow it; its size
 is capped anyway, and evicting an entry raises a floor below which every timestamp is refused,
 so a capped cache never re-opens a replay.
@@ -27,7 +31,7 @@ from typing import Callable
 from kvbridge.errors import AuthenticationError
 from kvbridge.transfer.messages import Frame
 
-_DOMAIN = b"kvbridge-side-channel-v1"
+_DOMAIN = b"kvbridge-side-channel-v2"
 NONCE_NBYTES = 16
 _HINT = "set the same KVBRIDGE_SIDE_CHANNEL_SECRET on both nodes"
 
@@ -54,24 +58,28 @@ class FrameSigner:
     def is_enabled(self) -> bool:
         return self._secret is not None
 
-    def seal(self, corr_id: int, payload: bytes) -> Frame:
+    def seal(self, corr_id: int, payload: bytes, audience: bytes = b"") -> Frame:
         if self._secret is None:
             return Frame(corr_id, payload)
         nonce = os.urandom(NONCE_NBYTES)
         ts = self._clock_ns()
-        return Frame(corr_id, payload, nonce, ts, self._mac(corr_id, ts, nonce, payload))
+        return Frame(corr_id, payload, nonce, ts, self._mac(corr_id, ts, nonce, audience, payload), audience)
 
-    def verify(self, frame: Frame) -> None:
-        """Raise AuthenticationError unless `frame` is acceptable; remember its nonce."""
+    def verify(self, frame: Frame, audiences: tuple[bytes, ...] = (b"",)) -> None:
+        """Raise AuthenticationError unless `frame` is acceptable and for one of `audiences`; remember its nonce."""
         if self._secret is None:
             return
         if not frame.mac:
             raise AuthenticationError(f"unsigned side-channel message refused; {_HINT}")
         if len(frame.nonce) != NONCE_NBYTES:
             raise AuthenticationError(f"side-channel message with a malformed nonce refused; {_HINT}")
-        expected = self._mac(frame.corr_id, frame.timestamp_ns, frame.nonce, frame.payload)
+        expected = self._mac(frame.corr_id, frame.timestamp_ns, frame.nonce, frame.audience, frame.payload)
         if not hmac.compare_digest(expected, frame.mac):
             raise AuthenticationError(f"side-channel message with a wrong signature refused; {_HINT}")
+        if frame.audience not in audiences:
+            raise AuthenticationError(
+                "side-channel message addressed to another node, or to an earlier instance of this one, refused"
+            )
         now = self._clock_ns()
         if abs(now - frame.timestamp_ns) > self._window_ns or frame.timestamp_ns <= self._floor_ns:
             raise AuthenticationError(
@@ -94,7 +102,14 @@ class FrameSigner:
                 break
             del self._seen[nonce]
 
-    def _mac(self, corr_id: int, timestamp_ns: int, nonce: bytes, payload: bytes) -> bytes:
+    def _mac(self, corr_id: int, timestamp_ns: int, nonce: bytes, audience: bytes, payload: bytes) -> bytes:
         assert self._secret is not None
-        header = struct.pack(">QQ", corr_id & 0xFFFF_FFFF_FFFF_FFFF, timestamp_ns & 0xFFFF_FFFF_FFFF_FFFF)
-        return hmac.new(self._secret, _DOMAIN + header + nonce + payload, hashlib.sha256).digest()
+        header = struct.pack(
+            ">QQI", corr_id & 0xFFFF_FFFF_FFFF_FFFF, timestamp_ns & 0xFFFF_FFFF_FFFF_FFFF, len(audience) & 0xFFFF_FFFF
+        )  # the audience's length keeps (audience, payload) boundaries unambiguous
+        return hmac.new(self._secret, _DOMAIN + header + nonce + audience + payload, hashlib.sha256).digest()
+
+
+def audience_of(engine_id: str, incarnation: str) -> bytes:
+    """The audience of a request for one engine instance."""
+    return f"{engine_id}/{incarnation}".encode()

@@ -213,7 +213,15 @@ class IpcMapping:
             ptr = _u64()
             _check(_driver().lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")
+            base, size = _u64(), _size()
+            _check(_driver().lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr.value),
+                   "cuMemGetAddressRange")
         self._base: int | None = ptr.value
+        if export.offset < 0 or export.offset + export.nbytes > size.value:
+            self.close()  # the exporter's claim does not fit the allocation it handed out
+            raise TransferError(
+                f"CUDA IPC export claims {export.nbytes} bytes at offset {export.offset} of a {size.value}-byte allocation"
+            )
         self.addr = ptr.value + export.offset  # the peer's KV tensor, as a device pointer here
         self.nbytes = export.nbytes
 

@@ -5,8 +5,7 @@ answering handshakes (and passing other messages to the connector's `message_han
 channel clients to peers, and a `TransferTracker`. Typical decode-pulls use:
 
     ep = KVEndpoint(engine_id, model_id, kv, layout, host=..., port=..., message_handler=on_msg)
-    rec = ep.read_blocks(req_id, remote_address, local_ids, remote_ids,
-                         notif=TransferDone(engine_id=ep.engine_id, req_ids=[remote_req_id]))
+    rec = ep.read_blocks(req_id, remote_address, local_ids, remote_ids, expect=(peer_engine_id, peer_incarnation))
     ...each engine step: for rec in ep.poll(): report rec.req_id as done / failed
     ep.flush(timeout_s)  # before blocks are reused; ep.close() at shutdown
 
@@ -18,6 +17,12 @@ HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is on
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
 handshakes again (a restarted peer is picked up). Every live record has a deadline.
 
+Each endpoint has a random `incarnation`, sent in its handshake answer. A transfer started with
+`expect=(engine_id, incarnation)` is posted only to that very instance: when the cached peer at
+the address is another one, the peer is handshaked again, and the transfer fails if the address
+still answers with another instance (it restarted since the caller learnt of it, or the caller was
+given stale or forged params).
+
 A transfer goes through NIXL in a descriptor mode ("blocks" or "ranges", nixl_post.py), or, with a
 same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
 peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
@@ -26,6 +31,7 @@ peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -36,6 +42,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, T
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
+from kvbridge.transfer.auth import audience_of
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
@@ -63,6 +70,7 @@ class _Op(NamedTuple):
     local_ids: np.ndarray  # [n] int64
     remote_ids: np.ndarray  # [n] int64
     notif: bytes
+    expect: tuple[str, str] | None  # (engine_id, incarnation) the peer must be; None: whoever answers
 
 
 class KVEndpoint:
@@ -94,6 +102,7 @@ class KVEndpoint:
         cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
         ipc_min_runs: int = 16,  # a transfer with fewer runs of blocks goes through NIXL even when mapped
         clock: Callable[[], float] = time.monotonic,
+        incarnation: str | None = None,  # default: a fresh random one
     ) -> None:
         if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
             raise ConfigError(
@@ -101,6 +110,7 @@ class KVEndpoint:
             )
         check_descriptor_mode(descriptor_mode)  # before anything is registered
         self.engine_id = engine_id
+        self.incarnation = incarnation or secrets.token_hex(16)
         self.layout = layout
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = transfer_timeout_s
@@ -115,7 +125,7 @@ class KVEndpoint:
         self._nixl = NixlPoster(self.agent, layout, self._region, descriptor_mode, max_descriptor_nbytes)
         use_ipc = cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
-            engine_id, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
+            engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
             cuda_ipc=cuda_ipc_export(kv_cache) if use_ipc else None,
         )
         self.tracker = TransferTracker(clock)
@@ -126,7 +136,10 @@ class KVEndpoint:
         )
         self._ipc = IpcCopier(kv_cache, layout, ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
         self._closed = False
-        self.server = SideChannelServer(host, port, self._serve, self._secret) if serve else None
+        self.server = (
+            SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
+            if serve else None
+        )  # fmt: skip
 
     @property
     def address(self) -> str | None:
@@ -157,53 +170,67 @@ class KVEndpoint:
         self._sync_ipc_copies()  # nothing may use its mapping once it is closed
         self.peers.forget(address)
 
-    def request(self, address: str, msg: m.Message) -> m.Message:
+    def request(self, address: str, msg: m.Message, audience: tuple[str, str] | None = None) -> m.Message:
         """Send a side-channel message (LeaseRenew, TransferDone, Ping...) to `address` and return the reply.
 
         Blocking (up to handshake_timeout_s x (handshake_retries + 1)); safe from any thread, e.g. a
         helper thread so the engine step never waits. Raises the named errors of SideChannelClient.
+        `audience` is the (engine_id, incarnation) the message is for; signed requests that change
+        state must name it.
         """
-        return self.peers.request(address, msg)
+        return self.peers.request(address, msg, audience_of(*audience) if audience else b"")
 
     # ------------------------------------------------------------------ transfers
 
     def read_blocks(
-        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None, expect=None
     ) -> TransferRecord:
         """Start copying the peer's `remote_block_ids` into local `local_block_ids` (same order). Non-blocking.
 
-        `notif` (a Message or bytes) reaches the peer when the read is complete. Returns the live record.
+        `notif` (a Message or bytes) reaches the peer when the read is complete; `expect` is the
+        (engine_id, incarnation) the peer must be. Returns the live record.
         """
-        return self._start("READ", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s)
+        return self._start("READ", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s, expect)
 
     def write_blocks(
-        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None, expect=None
     ) -> TransferRecord:
         """Start copying local `local_block_ids` into the peer's `remote_block_ids`. Non-blocking."""
-        return self._start("WRITE", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s)
+        return self._start("WRITE", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s, expect)
 
-    def _start(self, op, req_id, address, local_ids, remote_ids, notif, timeout_s) -> TransferRecord:
-        local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
-        remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+    def _start(self, op, req_id, address, local_ids, remote_ids, notif, timeout_s, expect) -> TransferRecord:
+        try:
+            local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
+            remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+        except OverflowError:
+            raise ValueError("a block id does not fit in 64 bits") from None
         if local.shape != remote.shape:
             raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
         self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
+        if len(remote) and remote.min() < 0:
+            raise ValueError("a remote block id is negative")
         payload = notif if isinstance(notif, bytes) else m.encode(notif)
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
-        rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload))
-        if address in self.peers:
+        rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload, expect))
+        if address in self.peers and self.peers.get(address).is_instance(expect):
             self._post(rec)
-        else:
-            self.peers.start_handshake(address)
+        else:  # unknown, or another instance than expected: (re)handshake, then decide
+            self.peers.start_handshake(address, refresh=address in self.peers)
         return rec
 
     def _post(self, rec: TransferRecord) -> None:
         op: _Op = rec.payload
         peer = self.peers.get(rec.peer)
         try:
+            peer.layout.block_offsets(op.remote_ids)  # IndexError for ids the peer does not have
+        except IndexError as e:  # the caller's ids are wrong, not the peer: keep it
+            self.tracker.mark_failed(rec.req_id, f"IndexError: {e} (the peer has {peer.layout.num_blocks} blocks)")
+            return
+        try:
             posted, num_descs = self._post_op(op, peer)
         except (KVBridgeError, IndexError, ValueError) as e:
             self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
+            self.forget_peer(rec.peer)  # a post that fails with valid ids: the peer is gone or broken
             return
         # the record keeps its original deadline: handshake time counts against it
         remaining_s = max(0.0, rec.deadline - self.tracker.clock())
@@ -213,7 +240,6 @@ class KVEndpoint:
             self.tracker.mark_done(rec.req_id)
 
     def _post_op(self, op: _Op, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
-        peer.layout.block_offsets(op.remote_ids)  # IndexError for ids the peer does not have
         if len(op.local_ids) == 0:
             if op.notif:
                 self.agent.send_notif(peer.agent_name, op.notif)
@@ -261,8 +287,19 @@ class KVEndpoint:
                 if rec.peer == address and rec.state is TransferState.HANDSHAKING:
                     self.tracker.mark_failed(rec.req_id, f"{type(error).__name__}: {error}")
         for rec in self.tracker.live():
-            if rec.state is TransferState.HANDSHAKING and rec.peer in self.peers:
+            if rec.state is not TransferState.HANDSHAKING or self.peers.is_handshaking(rec.peer):
+                continue
+            if rec.peer not in self.peers:  # its handshake failed before this record was started
+                self.tracker.mark_failed(rec.req_id, f"the handshake with {rec.peer} failed")
+            elif self.peers.get(rec.peer).is_instance(rec.payload.expect):
                 self._post(rec)
+            else:
+                info = self.peers.get(rec.peer)
+                self.tracker.mark_failed(
+                    rec.req_id,
+                    f"{rec.peer} is engine {info.engine_id} incarnation {info.incarnation}, not the instance "
+                    f"{rec.payload.expect} the transfer was meant for: it restarted, or the params are stale or forged",
+                )
 
     def _poll(self, handle: NixlPost | IpcCopy) -> XferState:
         if isinstance(handle, IpcCopy):

@@ -22,6 +22,7 @@ class LocalIdentity:
     """What an engine tells peers about itself in a handshake response."""
 
     engine_id: str
+    incarnation: str  # random per endpoint: tells a restarted engine from the one before
     compat_hash: str
     agent_name: str
     agent_metadata: bytes
@@ -36,12 +37,17 @@ class PeerInfo:
 
     address: str
     engine_id: str
+    incarnation: str
     agent_name: str
     agent_metadata: bytes
     protocol_version: int
     region: m.KVRegion
     layout: KVCacheLayout  # the local geometry with the peer's block count
     cuda_ipc: m.IpcExport | None = None  # the peer's CUDA IPC export, if it offered one
+
+    def is_instance(self, expect: tuple[str, str] | None) -> bool:
+        """Whether this is the engine instance `(engine_id, incarnation)` (None: any)."""
+        return expect is None or expect == (self.engine_id, self.incarnation)
 
 
 def make_request(me: LocalIdentity) -> m.HandshakeRequest:
@@ -66,6 +72,7 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
     return m.HandshakeResponse(
         protocol_version=version,
         engine_id=me.engine_id,
+        incarnation=me.incarnation,
         compat_hash=me.compat_hash,
         agent_name=me.agent_name,
         agent_metadata=me.agent_metadata,
@@ -101,9 +108,12 @@ def peer_from_response(
         )
     if not resp.agent_name or not resp.agent_metadata:
         raise HandshakeError(f"peer {address} sent no NIXL agent name or metadata")
+    if not resp.incarnation:
+        raise HandshakeError(f"peer {address} sent no incarnation")
     return PeerInfo(
         address=address,
         engine_id=resp.engine_id,
+        incarnation=resp.incarnation,
         agent_name=resp.agent_name,
         agent_metadata=resp.agent_metadata,
         protocol_version=version,

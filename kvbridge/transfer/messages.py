@@ -30,8 +30,11 @@ import msgspec
 
 from kvbridge.errors import IncompatiblePeerError, MalformedMessageError
 
-PROTOCOL_VERSION = 1  # what this build speaks
-MIN_PROTOCOL_VERSION = 1  # the oldest version this build still understands
+# 2: leases are named by (request id, token, block ids, block hash) under the owner's incarnation;
+# the handshake carries the incarnation. Version 1 named leases by request id alone, which any
+# peer could guess: it is no longer spoken.
+PROTOCOL_VERSION = 2  # what this build speaks
+MIN_PROTOCOL_VERSION = 2  # the oldest version this build still understands
 
 
 class _Message(msgspec.Struct, tag_field="type", kw_only=True):
@@ -89,6 +92,9 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     compat_hash: str
     agent_name: str
     agent_metadata: bytes  # nixl get_agent_metadata(); loaded with add_remote_agent
+    # Random per owner process: a reader checks it against the kv_transfer_params it was given, so
+    # blocks leased by a process that has since restarted on the same address are never read.
+    incarnation: str
     regions: list[KVRegion]
     num_blocks: int
     block_nbytes: int
@@ -97,42 +103,70 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     cuda_ipc: IpcExport | None = None
 
 
-class LeaseRenew(_Message, tag="lease"):
-    """Reader -> owner: "I still intend to read these requests' blocks; keep them a while longer"."""
+class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
+    """One lease on an owner's blocks, named the way only its requester can name it.
+
+    `req_id` is the owner's request id, `token` the unguessable secret the owner returned with the
+    request's kv_transfer_params, `block_ids` the leased blocks (in token order) and `block_hash`
+    the chained hash (hex) of the last of them. The owner acts on a lease only when all four match
+    exactly; anything else is "unknown".
+    """
+
+    req_id: str
+    token: str
+    block_ids: list[int]
+    block_hash: str
+
+
+class LeaseRenew(_Message, tag="lease2"):
+    """Reader -> owner: "I still intend to read these leases' blocks; keep them a while longer".
+
+    `incarnation` is the owner process the reader believes it talks to (from kv_transfer_params);
+    an owner with another incarnation answers every lease "unknown".
+    """
 
     engine_id: str
-    req_ids: list[str]
+    incarnation: str
+    leases: list[LeaseRef]
 
 
-class LeaseRenewReply(_Message, tag="lease_ok"):
-    """Which of the renewed requests the owner still holds, and which it no longer knows."""
+class LeaseRenewReply(_Message, tag="lease2_ok"):
+    """The owner's answer per request id.
+
+    `held`: the lease matched and is extended. `pending`: the owner has not granted that request's
+    lease yet (it does so at its next engine step; its blocks are still allocated), ask again.
+    `unknown`: no lease matches (made-up, expired, released, or another incarnation's).
+    """
 
     held: list[str] = []
+    pending: list[str] = []
     unknown: list[str] = []
 
 
-class TransferDone(_Message, tag="done"):
-    """Reader -> owner: these requests' blocks were read (or abandoned); the owner may free them.
+class TransferDone(_Message, tag="done2"):
+    """Reader -> owner: these leases' blocks were read (`leases`) or abandoned (`failed_leases`).
 
-    Sent over the side channel, or as the NIXL notification payload of the last READ.
-    Receivers must treat unknown request ids as already released (messages may be retried).
+    The owner releases a lease only on an exact match (see LeaseRef) and says, per request id,
+    whether the read was covered by the lease from start to end.
     """
 
     engine_id: str
-    req_ids: list[str]
-    failed_req_ids: list[str] = []
+    incarnation: str
+    leases: list[LeaseRef] = []
+    failed_leases: list[LeaseRef] = []
 
 
-class TransferDoneReply(_Message, tag="done_ok"):
-    """Owner -> reader, answering `TransferDone`: was each read covered by a live lease?
+class TransferDoneReply(_Message, tag="done2_ok"):
+    """Owner -> reader, answering `TransferDone`, per request id.
 
-    `released`: the blocks were held until the reader said it was done, so the read was valid.
-    `expired`: the lease had expired first; the blocks may have been reused during the read, which
-    the reader must treat as a load error.
+    `released`: the lease matched and was held until now, so a read made under it saw the
+    leased blocks unchanged. `pending`: the lease is not granted yet; send it again shortly.
+    `unknown`: no lease matches; a read made under it cannot be vouched for (a load error).
     """
 
     released: list[str] = []
-    expired: list[str] = []
+    pending: list[str] = []
+    unknown: list[str] = []
 
 
 class Ack(_Message, tag="ack"):
@@ -187,8 +221,8 @@ Message = Union[
 class Frame(msgspec.Struct, array_like=True, frozen=True):
     """The side channel's envelope around one encoded message (not itself a `Message`).
 
-    `corr_id` pairs a reply with its request. `nonce`, `timestamp_ns` and `mac` are empty/zero on
-    unauthenticated channels; see `auth.FrameSigner`.
+    `corr_id` pairs a reply with its request. `nonce`, `timestamp_ns`, `mac` and `audience` are
+    empty/zero on unauthenticated channels; see `auth.FrameSigner`.
     """
 
     corr_id: int
@@ -196,6 +230,10 @@ class Frame(msgspec.Struct, array_like=True, frozen=True):
     nonce: bytes = b""
     timestamp_ns: int = 0
     mac: bytes = b""
+    # Who the frame is for, covered by the MAC: a request names the destination engine instance
+    # ("engine_id/incarnation"), a reply the nonce of the request it answers. A captured frame is
+    # thus refused by any other node, by a restarted one, and as the answer to another request.
+    audience: bytes = b""
 
 
 _encoder = msgspec.msgpack.Encoder()

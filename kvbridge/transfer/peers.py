@@ -77,10 +77,17 @@ class PeerDirectory:
             self._connect(future.result() if future is not None else self._fetch(address))
         return self._peers[address]
 
-    def start_handshake(self, address: str) -> None:
-        """Begin a handshake on the helper thread unless the peer is known or one is in flight."""
-        if address not in self._peers and address not in self._pending:
+    def start_handshake(self, address: str, *, refresh: bool = False) -> None:
+        """Begin a handshake on the helper thread unless one is in flight or the peer is known.
+
+        `refresh`: handshake a known peer again (it may have restarted); the cached peer is kept if
+        the answer comes from the same engine instance, replaced otherwise.
+        """
+        if address not in self._pending and (refresh or address not in self._peers):
             self._pending[address] = self._pool.submit(self._fetch, address)
+
+    def is_handshaking(self, address: str) -> bool:
+        return address in self._pending
 
     def finish_handshakes(self) -> dict[str, Exception]:
         """Connect every peer whose handshake completed; return the failures by address."""
@@ -96,7 +103,11 @@ class PeerDirectory:
         return failures
 
     def forget(self, address: str) -> None:
-        """Drop the peer's metadata and cached list; the next transfer to it handshakes again."""
+        """Drop the peer's metadata, cached list, mapping and socket; the next transfer handshakes again."""
+        with self._clients_lock:
+            client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
         info = self._peers.pop(address, None)
         self._block_lists.pop(address, None)  # released by remove_peer below
         mapping = self._mappings.pop(address, None)
@@ -105,7 +116,7 @@ class PeerDirectory:
         if info is not None:
             self._agent.remove_peer(info.agent_name)
 
-    def request(self, address: str, msg: m.Message) -> m.Message:
+    def request(self, address: str, msg: m.Message, audience: bytes = b"") -> m.Message:
         """Side-channel request/reply with `address`; any thread. Raises SideChannelClient's errors."""
         with self._clients_lock:
             if self._closed:
@@ -113,7 +124,7 @@ class PeerDirectory:
             client = self._clients.get(address)
             if client is None:
                 client = self._clients[address] = self._new_client(address)
-        return client.request(msg)
+        return client.request(msg, audience=audience)
 
     def close(self) -> None:
         """Stop handshakes, close clients (waiting for a request in flight), forget every peer."""
@@ -138,6 +149,15 @@ class PeerDirectory:
         return peer_from_response(resp, address, self._me.compat_hash, self._me.layout)
 
     def _connect(self, info: PeerInfo) -> None:
+        known = self._peers.get(info.address)
+        if known is not None:
+            if (known.engine_id, known.incarnation, known.agent_name) == (info.engine_id, info.incarnation, info.agent_name):
+                return  # a refresh found the same instance
+            logger.info(
+                "peer %s is a new instance (engine %s, incarnation %s); forgetting the previous one",
+                info.address, info.engine_id, info.incarnation,
+            )  # fmt: skip
+            self.forget(info.address)
         self._agent.add_peer(info.agent_name, info.agent_metadata)
         self._peers[info.address] = info
         if self._cache_block_lists:
@@ -148,6 +168,13 @@ class PeerDirectory:
             self._map(info)
 
     def _map(self, info: PeerInfo) -> None:
+        export = info.cuda_ipc
+        if export.nbytes != info.layout.total_nbytes or not 0 <= export.offset < 1 << 56 or len(export.handle) != 64:
+            logger.warning(
+                "peer %s exports %d bytes at offset %d through CUDA IPC, but its layout is %d bytes; its transfers "
+                "go through NIXL", info.address, export.nbytes, export.offset, info.layout.total_nbytes,
+            )  # fmt: skip
+            return
         try:
             self._mappings[info.address] = IpcMapping(info.cuda_ipc, self._ipc_device)
             logger.info("transfers with peer %s go through a CUDA IPC mapping", info.address)

@@ -100,12 +100,18 @@ class SideChannelServer:
         *,
         address: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        audience: bytes = b"",
     ) -> None:
-        """Bind `tcp://host:port` (port 0: a free port) or `address` (e.g. "ipc:///tmp/x") and start serving."""
+        """Bind `tcp://host:port` (port 0: a free port) or `address` (e.g. "ipc:///tmp/x") and start serving.
+
+        `audience` (auth.audience_of) is this server's engine instance: with a secret, signed requests
+        must name it, except handshakes and pings, which change nothing and may name nobody (b"").
+        """
         if handler is None:
             raise TypeError("SideChannelServer needs a handler(msg) -> reply")
         self._handler = handler
         self._signer = FrameSigner(secret)
+        self._audience = audience
         self._bad_input = _RateLimitedLog()
         self._auth_failures = _RateLimitedLog()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
@@ -165,14 +171,17 @@ class SideChannelServer:
 
     def _serve_one(self, parts: list[bytes]) -> None:
         ident, body = parts[0], parts[1:]
-        corr_id = 0
+        corr_id, frame = 0, None
         try:
             if len(body) != 1:
                 raise MalformedMessageError(f"expected one frame per request, got {len(body)}")
             frame = m.decode_frame(body[0])
             corr_id = frame.corr_id
-            self._signer.verify(frame)
-            reply = self._handler(m.decode(frame.payload)) or m.Ack()
+            msg = m.decode(frame.payload)
+            # Only requests that change nothing may be sent before the client knows who answers.
+            is_read_only = isinstance(msg, (m.HandshakeRequest, m.Ping))
+            self._signer.verify(frame, (self._audience, b"") if is_read_only else (self._audience,))
+            reply = self._handler(msg) or m.Ack()
             self.num_requests += 1
         except AuthenticationError as e:
             self._auth_failures.warning("side channel %s: %s", self.address, e)
@@ -184,10 +193,10 @@ class SideChannelServer:
             if not isinstance(e, KVBridgeError):
                 logger.exception("side channel %s: handler failed", self.address)
             reply = error_reply_for(e)
-        self._send(ident, corr_id, reply)
+        self._send(ident, corr_id, reply, frame.nonce if frame is not None else b"")
 
-    def _send(self, ident: bytes, corr_id: int, reply: m.Message) -> None:
-        data = m.encode_frame(self._signer.seal(corr_id, m.encode(reply)))
+    def _send(self, ident: bytes, corr_id: int, reply: m.Message, request_nonce: bytes) -> None:
+        data = m.encode_frame(self._signer.seal(corr_id, m.encode(reply), audience=request_nonce))
         try:
             self._socket.send_multipart([ident, data], zmq.NOBLOCK)
         except zmq.ZMQError:  # peer gone or its queue full: it will time out and retry
@@ -215,8 +224,11 @@ class SideChannelClient:
         self._lock = threading.Lock()
         self._socket: zmq.Socket | None = None
 
-    def request(self, msg: m.Message, timeout_s: float | None = None) -> m.Message:
+    def request(self, msg: m.Message, timeout_s: float | None = None, audience: bytes = b"") -> m.Message:
         """Send `msg` and return the peer's reply (never an ErrorReply: that is raised).
+
+        `audience` names the engine instance the request is for (auth.audience_of); a signed
+        request that changes state must name it.
 
         Raises PeerUnreachableError after `retries + 1` attempts of `timeout_s` each,
         AuthenticationError when either side refuses the other's signature, and the error named
@@ -231,7 +243,7 @@ class SideChannelClient:
             )
         with self._lock:
             for _ in range(self.retries + 1):
-                reply = self._attempt(payload, timeout_s)
+                reply = self._attempt(payload, timeout_s, audience)
                 if reply is not None:
                     if isinstance(reply, m.ErrorReply):
                         raise_for_error(reply, self.address)
@@ -247,10 +259,11 @@ class SideChannelClient:
         with self._lock:
             self._reset_socket()
 
-    def _attempt(self, payload: bytes, timeout_s: float) -> m.Message | None:
+    def _attempt(self, payload: bytes, timeout_s: float, audience: bytes) -> m.Message | None:
         sock = self._ensure_socket()
         corr_id = next(self._corr_ids)
-        sock.send(m.encode_frame(self._signer.seal(corr_id, payload)))
+        sent = self._signer.seal(corr_id, payload, audience)
+        sock.send(m.encode_frame(sent))
         deadline = time.monotonic() + timeout_s
         while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
             if not sock.poll(left_ms):
@@ -262,7 +275,7 @@ class SideChannelClient:
             if isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH:
                 raise_for_error(reply, self.address)  # the peer refused us; its reply may be unsigned
             try:
-                self._signer.verify(frame)
+                self._signer.verify(frame, (sent.nonce,))  # a reply to this very request
             except AuthenticationError as e:
                 raise AuthenticationError(f"reply from {self.address} refused: {e}") from None
             return reply

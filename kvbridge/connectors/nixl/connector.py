@@ -30,7 +30,8 @@ class NixlConnector(SplitConnector):
         super().__init__(config, role, context)
 
     def make_scheduler_half(self) -> NixlScheduler:
-        return NixlScheduler(self.config, self.context.block_size, self.options.lease_s)
+        opts = self.options
+        return NixlScheduler(self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy)
 
     def make_worker_half(self) -> NixlWorker:
         return NixlWorker(self.config, self.context, self.options)

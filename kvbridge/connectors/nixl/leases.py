@@ -1,18 +1,20 @@
 """Prefill side: blocks held for remote readers, under leases. Pure Python, thread-safe.
 
 A finished prefill request's blocks stay allocated (`delay_free_blocks`) until the worker reports
-the request in `finished_sending`. This table decides when that is:
+the request in `finished_sending`. This table decides when that is. Every lease is named by
+`(request id, token, block ids, block hash)` inside one process `incarnation`; the token is an
+unguessable secret that only the request's client received. A renewal or release that does not
+match a lease exactly is answered "unknown" and changes nothing, so nobody but the requester can
+end a lease early, and nobody can get a read confirmed that no lease covered.
 
-* the decode side reads, then sends `TransferDone`: the lease is RELEASED and the reply says the
-  read was valid, because the blocks could not have been reused while the lease was held;
-* nobody reads or renews before the deadline: the lease EXPIRES and the blocks are freed. A
-  `TransferDone` arriving later is answered "expired": the reader may have seen reused blocks and
-  must treat the read as a load error. This check after the read is what makes a read of reused
-  blocks detectable: it is never served silently.
-
-`TransferDone` may arrive before the lease is granted (the client got the prefill's response
-before the prefill engine ran its next step). The blocks are still held then, so the read was
-valid: the id is remembered as released early, and the grant that follows is released at once.
+* the reader renews while it reads, then sends `TransferDone`: the lease is RELEASED and the reply
+  says "released": the blocks could not have been reused while it was held;
+* nobody reads or renews before the deadline: the lease EXPIRES and the blocks are freed; a later
+  release is answered "unknown", which the reader treats as a load error;
+* a renewal or release that arrives before the lease is granted (the client got the prefill's
+  response before the prefill engine ran its next step) is answered "pending": the blocks are
+  still allocated then, and the reader asks again. Ids that were granted once and have ended are
+  remembered (bounded) and answered "unknown" instead.
 
 The side-channel thread calls `renew` and `release`; the engine thread calls `grant`, `collect`
 and `pending`.
@@ -24,8 +26,11 @@ import enum
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
-_MAX_TOMBSTONES = 65536  # expired / early-released ids remembered, oldest forgotten first
+from kvbridge.transfer.messages import LeaseRef
+
+_MAX_ENDED = 65536  # ended request ids remembered, oldest forgotten first
 
 
 class LeaseState(enum.Enum):
@@ -36,65 +41,92 @@ class LeaseState(enum.Enum):
 
 @dataclass
 class _Lease:
-    block_ids: tuple[int, ...]
+    ref: LeaseRef
     deadline: float
     state: LeaseState = LeaseState.ACTIVE
 
 
+class LeaseAnswer(NamedTuple):
+    """Request ids sorted by what the table did with them."""
+
+    matched: list[str]  # held (renew) or released (release)
+    pending: list[str]
+    unknown: list[str]
+
+
 class LeaseTable:
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, incarnation: str) -> None:
         self.lease_s = lease_s
+        self.incarnation = incarnation
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()  # refused late readers
-        self._released_early: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, None] = OrderedDict()  # released or expired, answered "unknown"
         self.num_expired = 0
         self.num_released = 0
+        self.num_refused = 0  # renewals and releases that matched no lease
 
-    def grant(self, req_id: str, block_ids: tuple[int, ...], now: float) -> None:
+    def grant(self, ref: LeaseRef, now: float) -> None:
+        """Hold `ref.block_ids` for `ref.req_id` until released or `lease_s` without a renewal."""
         with self._lock:
-            lease = _Lease(block_ids, now + self.lease_s)
-            if req_id in self._released_early:
-                del self._released_early[req_id]
-                lease.state = LeaseState.RELEASED
-                self.num_released += 1
-            self._leases[req_id] = lease
+            self._ended.pop(ref.req_id, None)
+            self._leases[ref.req_id] = _Lease(ref, now + self.lease_s)
 
-    def renew(self, req_ids: list[str], now: float) -> tuple[list[str], list[str]]:
-        """Extend active leases. Returns (held, unknown)."""
-        held, unknown = [], []
+    def renew(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
+        """Extend the leases that match exactly."""
+        answer = LeaseAnswer([], [], [])
         with self._lock:
-            for req_id in req_ids:
-                lease = self._leases.get(req_id)
-                if lease is not None and lease.state is LeaseState.ACTIVE:
-                    lease.deadline = max(lease.deadline, now + self.lease_s)
-                    held.append(req_id)
-                elif lease is None and req_id not in self._expired:
-                    held.append(req_id)  # granted at the prefill's next step; nothing is freed before
-                else:
-                    unknown.append(req_id)
-        return held, unknown
+            for ref in refs:
+                lease = self._match(incarnation, ref, answer)
+                if lease is not None and lease.state is LeaseState.ACTIVE and now < lease.deadline:
+                    lease.deadline = now + self.lease_s
+                    answer.matched.append(ref.req_id)
+                elif lease is not None:
+                    self._refuse(ref, answer)
+        return answer
 
-    def release(self, req_ids: list[str]) -> tuple[list[str], list[str]]:
-        """Readers are done with these requests. Returns (released: reads were valid, expired: not)."""
-        released, expired = [], []
+    def release(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
+        """The reader is done with these leases. `matched`: each was held until now (reads valid)."""
+        answer = LeaseAnswer([], [], [])
         with self._lock:
-            for req_id in req_ids:
-                lease = self._leases.get(req_id)
+            for ref in refs:
+                lease = self._match(incarnation, ref, answer)
                 if lease is None:
-                    if req_id in self._expired:
-                        expired.append(req_id)
-                        continue
-                    _remember(self._released_early, req_id)
-                    released.append(req_id)
-                elif lease.state is LeaseState.EXPIRED:
-                    expired.append(req_id)
-                else:
-                    if lease.state is LeaseState.ACTIVE:
-                        lease.state = LeaseState.RELEASED
-                        self.num_released += 1
-                    released.append(req_id)
-        return released, expired
+                    continue
+                if lease.state is LeaseState.ACTIVE and now >= lease.deadline:
+                    self._expire(ref.req_id, lease)
+                if lease.state is LeaseState.EXPIRED:
+                    self._refuse(ref, answer)
+                    continue
+                if lease.state is LeaseState.ACTIVE:
+                    lease.state = LeaseState.RELEASED
+                    self.num_released += 1
+                answer.matched.append(ref.req_id)
+        return answer
+
+    def _match(self, incarnation: str, ref: LeaseRef, answer: LeaseAnswer) -> _Lease | None:
+        """The lease `ref` names exactly, or None after filing `ref` as pending or unknown."""
+        if incarnation != self.incarnation:
+            self._refuse(ref, answer)
+            return None
+        lease = self._leases.get(ref.req_id)
+        if lease is None:
+            if ref.req_id in self._ended:
+                self._refuse(ref, answer)
+            else:
+                answer.pending.append(ref.req_id)
+            return None
+        if lease.ref != ref:  # token, block ids or block hash differ
+            self._refuse(ref, answer)
+            return None
+        return lease
+
+    def _refuse(self, ref: LeaseRef, answer: LeaseAnswer) -> None:
+        self.num_refused += 1
+        answer.unknown.append(ref.req_id)
+
+    def _expire(self, req_id: str, lease: _Lease) -> None:
+        lease.state = LeaseState.EXPIRED
+        self.num_expired += 1
 
     def collect(self, now: float) -> set[str]:
         """Expire overdue leases; return (once) every request whose blocks may now be freed."""
@@ -102,24 +134,20 @@ class LeaseTable:
         with self._lock:
             for req_id, lease in list(self._leases.items()):
                 if lease.state is LeaseState.ACTIVE and now >= lease.deadline:
-                    lease.state = LeaseState.EXPIRED
-                    self.num_expired += 1
-                    _remember(self._expired, req_id)
+                    self._expire(req_id, lease)
                 if lease.state is not LeaseState.ACTIVE:
                     del self._leases[req_id]
+                    self._ended[req_id] = None
+                    while len(self._ended) > _MAX_ENDED:
+                        self._ended.popitem(last=False)
                     done.add(req_id)
         return done
 
-    def pending(self) -> set[str]:
+    def pending(self, now: float) -> set[str]:
+        """Requests whose leases are live: neither ended nor past their deadline."""
         with self._lock:
-            return {r for r, lease in self._leases.items() if lease.state is LeaseState.ACTIVE}
+            return {r for r, lease in self._leases.items() if lease.state is LeaseState.ACTIVE and now < lease.deadline}
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
-
-
-def _remember(ids: OrderedDict[str, None], req_id: str) -> None:
-    ids[req_id] = None
-    while len(ids) > _MAX_TOMBSTONES:
-        ids.popitem(last=False)

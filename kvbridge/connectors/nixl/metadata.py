@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbridge.connectors.base import KVConnectorMetadata
+from kvbridge.transfer.messages import LeaseRef
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,7 @@ class RemoteEngine:
     engine_id: str
     host: str
     port: int
+    incarnation: str  # the engine instance that granted the lease; a restarted one has another
 
     @property
     def address(self) -> str:
@@ -30,12 +32,16 @@ class RecvJob:
 
     request_id: str
     remote: RemoteEngine
-    remote_request_id: str
+    lease: LeaseRef  # names the prefill's lease in renewals and in the release that confirms the read
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
+
+    @property
+    def remote_request_id(self) -> str:
+        return self.lease.req_id
 
 
 @dataclass
 class NixlConnectorMetadata(KVConnectorMetadata):
     recvs: dict[str, RecvJob] = field(default_factory=dict)  # decode: reads to start
-    leases: dict[str, tuple[int, ...]] = field(default_factory=dict)  # prefill: blocks held for a remote read
+    leases: dict[str, LeaseRef] = field(default_factory=dict)  # prefill: leases to grant on held blocks

@@ -17,10 +17,17 @@ from typing import Any
 import msgspec
 
 from kvbridge.errors import InvalidRequestError
+from kvbridge.transfer.messages import LeaseRef
+
+
+MAX_BLOCK_ID = (1 << 63) - 1  # block ids travel as int64 (NIXL descriptors, numpy)
+MAX_REMOTE_BLOCKS = 1 << 20  # far above any prompt; bounds what one request makes a node parse and plan
+# Fields a decode node needs to prove that the KV it reads belongs to its prompt: refused when missing.
+REQUIRED_FIELDS = ("remote_block_hash", "remote_incarnation", "remote_lease_token")
 
 
 class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a decode node finds the prompt's KV: the prefill engine, its address and its blocks."""
+    """Where a decode node finds the prompt's KV, and the lease that proves the blocks are its prompt's."""
 
     do_remote_prefill: bool = True
     remote_engine_id: str
@@ -29,14 +36,25 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: list[int]  # the prompt's full blocks, in token order
     remote_request_id: str
     remote_num_tokens: int = 0  # prompt tokens the blocks cover (len(remote_block_ids) * block_size)
-    # Chained hash (hex) of the last remote block: it identifies every token the blocks hold, so the
-    # decode side can tell that these blocks belong to the prompt it was sent. "" skips the check.
+    # Chained hash (hex) of the last remote block: it identifies every token the blocks hold. The
+    # decode side checks it against its own prompt, the prefill side against the lease.
     remote_block_hash: str = ""
     remote_block_size: int = 0  # tokens per block on the prefill engine (0: unknown)
     lease_s: float = 0.0  # how long the prefill holds the blocks without a renewal
+    remote_incarnation: str = ""  # the prefill engine instance that holds the lease
+    remote_lease_token: str = ""  # the lease's secret: only the requester received it
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+    def lease_ref(self) -> LeaseRef:
+        """How the lease is named to the prefill engine in renewals and releases."""
+        return LeaseRef(
+            req_id=self.remote_request_id,
+            token=self.remote_lease_token,
+            block_ids=list(self.remote_block_ids),
+            block_hash=self.remote_block_hash,
+        )
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -47,7 +65,8 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefillParams | None:
     """The remote-prefill params of a request for a decode node, None when it has none.
 
-    Raises InvalidRequestError when `do_remote_prefill` is set but the rest is malformed.
+    Raises InvalidRequestError naming the field when `do_remote_prefill` is set but the rest is
+    malformed, incomplete or out of range.
     """
     if not params or not params.get("do_remote_prefill"):
         return None
@@ -58,8 +77,25 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefillParams |
             f"kv_transfer_params for remote prefill are malformed: {e}; pass the kv_transfer_params "
             "that the prefill node returned, unchanged"
         ) from None
+    for name in REQUIRED_FIELDS:
+        if not getattr(parsed, name):
+            raise InvalidRequestError(
+                f"kv_transfer_params.{name} is required for a remote prefill: without it the decode node "
+                "cannot prove that the remote KV belongs to this prompt; pass the kv_transfer_params "
+                "that the prefill node returned, unchanged"
+            )
     if not 0 < parsed.remote_port < 65536:
         raise InvalidRequestError(f"kv_transfer_params.remote_port={parsed.remote_port} is not a port")
-    if any(b < 0 for b in parsed.remote_block_ids):
-        raise InvalidRequestError("kv_transfer_params.remote_block_ids holds a negative block id")
+    if len(parsed.remote_block_ids) > MAX_REMOTE_BLOCKS:
+        raise InvalidRequestError(
+            f"kv_transfer_params.remote_block_ids holds {len(parsed.remote_block_ids)} ids, more than {MAX_REMOTE_BLOCKS}"
+        )
+    if any(not 0 <= b <= MAX_BLOCK_ID for b in parsed.remote_block_ids):
+        raise InvalidRequestError(f"kv_transfer_params.remote_block_ids holds an id outside [0, {MAX_BLOCK_ID}]")
+    if not parsed.remote_block_ids:
+        raise InvalidRequestError("kv_transfer_params.remote_block_ids is empty: the prefill node holds no block")
+    if parsed.remote_block_size < 0 or not 0 <= parsed.lease_s < 1e9 or parsed.remote_num_tokens < 0:
+        raise InvalidRequestError(
+            "kv_transfer_params.remote_block_size, remote_num_tokens and lease_s must be non-negative"
+        )
     return parsed

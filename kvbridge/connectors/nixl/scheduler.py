@@ -12,6 +12,7 @@ worker reads them and tells the prefill engine to release them.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connectors.base import FinishResult, MatchResult
@@ -19,9 +20,11 @@ from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, Re
 from kvbridge.connectors.nixl.params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
 from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import InvalidRequestError
+from kvbridge.transfer.messages import LeaseRef
 
 if TYPE_CHECKING:
     from kvbridge.config import KVTransferConfig
+    from kvbridge.connectors.nixl.peer_policy import PeerPolicy
     from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.request import Request
 
@@ -32,17 +35,22 @@ SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
 
 
 class NixlScheduler:
-    def __init__(self, config: KVTransferConfig, block_size: int, lease_s: float) -> None:
+    def __init__(
+        self, config: KVTransferConfig, block_size: int, lease_s: float, incarnation: str, peer_policy: PeerPolicy
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.lease_s = lease_s
+        self.incarnation = incarnation  # this engine instance, named in every lease it grants
+        self.peer_policy = peer_policy
         self.side_channel_port = config.side_channel_port  # replaced by the bound port once the worker reports it
         self._local_hits: dict[str, int] = {}  # decode: local prefix hit seen at matching
         self._handled: set[str] = set()  # decode: remote KV already asked for (never twice)
         self._new_recvs: dict[str, RecvJob] = {}
-        self._new_leases: dict[str, tuple[int, ...]] = {}
+        self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
+        self.num_refused_peers = 0  # decode: params naming a peer outside allowed_peers
 
     # ------------------------------------------------------------------ decode
 
@@ -50,11 +58,20 @@ class NixlScheduler:
         if not self.config.is_consumer or request.request_id in self._handled:
             return None
         try:
-            return parse_remote_prefill(request.kv_transfer_params)
+            params = parse_remote_prefill(request.kv_transfer_params)
         except InvalidRequestError as e:
             logger.error("request %s: %s; computing its prompt locally", request.request_id, e)
             self._handled.add(request.request_id)
             return None
+        if params is not None and not self.peer_policy.allows(params.remote_host):
+            logger.error(
+                "request %s names prefill host %r, which the NixlConnector option allowed_peers %s does not "
+                "allow; computing its prompt locally", request.request_id, params.remote_host, list(self.peer_policy.allowed),
+            )  # fmt: skip
+            self.num_refused_peers += 1
+            self._handled.add(request.request_id)
+            return None
+        return params
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         params = self._remote_params(request)
@@ -65,20 +82,25 @@ class NixlScheduler:
         return MatchResult(max(0, num_remote - num_computed_tokens), True)
 
     def _num_usable_blocks(self, request: Request, params: RemotePrefillParams) -> int:
-        """The remote blocks that hold this prompt's tokens: all of them, or none when they do not match."""
-        num_blocks = min(len(params.remote_block_ids), request.num_prompt_tokens // self.block_size)
-        # Hashes of blocks of another size never match; the handshake then names the real cause.
-        comparable = params.remote_block_size in (0, self.block_size)
-        if params.remote_block_hash and num_blocks and comparable:
-            if len(params.remote_block_ids) > num_blocks or request.block_hashes[num_blocks - 1].hex() != params.remote_block_hash:
-                logger.error(
-                    "request %s: the remote prefill's blocks hold other tokens than this prompt (block hash "
-                    "mismatch); computing the prompt locally. Send each decode request the prompt its "
-                    "prefill request had.",
-                    request.request_id,
-                )
-                self.num_mismatched_params += 1
-                return 0
+        """The remote blocks that hold this prompt's tokens: all of them, or none when they do not match.
+
+        The last block's chained hash names every token before it, so one comparison proves that the
+        blocks the params name (if they hold what the prefill's lease says) are this prompt's.
+        """
+        num_blocks = len(params.remote_block_ids)
+        if num_blocks > request.num_prompt_tokens // self.block_size or params.remote_block_size not in (0, self.block_size):
+            matches = False  # more blocks than the prompt fills, or blocks of another size: never this prompt's
+        else:
+            matches = request.block_hashes[num_blocks - 1].hex() == params.remote_block_hash
+        if not matches:
+            logger.error(
+                "request %s: the remote prefill's blocks hold other tokens than this prompt (block hash "
+                "mismatch); computing the prompt locally. Send each decode request the prompt its "
+                "prefill request had.",
+                request.request_id,
+            )
+            self.num_mismatched_params += 1
+            return 0
         return num_blocks
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -90,8 +112,8 @@ class NixlScheduler:
         count = num_external_tokens // self.block_size
         self._new_recvs[request.request_id] = RecvJob(
             request_id=request.request_id,
-            remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port),
-            remote_request_id=params.remote_request_id,
+            remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
+            lease=params.lease_ref(),
             local_block_ids=tuple(block_ids[first : first + count]),
             remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
         )
@@ -122,23 +144,28 @@ class NixlScheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             return FinishResult(False, None)  # aborted or failed: there is nothing worth reading
         num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
-        held = tuple(block_ids[:num_full])
+        if not num_full:
+            return FinishResult(False, None)  # not one full block: the decode side computes the prompt
         params = RemotePrefillParams(
             remote_engine_id=self.config.engine_id,
             remote_host=self.config.side_channel_host,
             remote_port=self.side_channel_port,
-            remote_block_ids=list(held),
+            remote_block_ids=list(block_ids[:num_full]),
             remote_request_id=request.request_id,
             remote_num_tokens=num_full * self.block_size,
-            remote_block_hash=request.block_hashes[num_full - 1].hex() if num_full else "",
+            remote_block_hash=request.block_hashes[num_full - 1].hex(),
             remote_block_size=self.block_size,
             lease_s=self.lease_s,
-        ).to_dict()
-        if not held:
-            return FinishResult(False, params)
-        self._new_leases[request.request_id] = held
+            remote_incarnation=self.incarnation,
+            remote_lease_token=secrets.token_hex(32),  # 256 bits: only this request's client learns it
+        )
+        self._new_leases[request.request_id] = params.lease_ref()
         self._leased.add(request.request_id)
-        return FinishResult(True, params)
+        return FinishResult(True, params.to_dict())
 
     def get_stats(self) -> dict[str, Any]:
-        return {"num_leased_requests": len(self._leased), "num_mismatched_params": self.num_mismatched_params}
+        return {
+            "num_leased_requests": len(self._leased),
+            "num_mismatched_params": self.num_mismatched_params,
+            "num_refused_peers": self.num_refused_peers,
+        }

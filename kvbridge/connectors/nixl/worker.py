@@ -3,8 +3,12 @@
 Decode (reader), per request:
 
     RecvJob --read_blocks--> HANDSHAKING --> POSTED --> DONE --TransferDone--> released: finished_recving
-                                  |             |                  '--------> expired:  load error
+                                  |             |                  '--------> anything else: load error
                                   '-------------'--> FAILED | EXPIRED -------------------> load error
+
+The handshake checks that the peer is the engine instance (engine id and incarnation) that
+granted the lease; the release names the lease by its token, block ids and block hash, and only
+an exact match is "released" (peer_control.py). A read is used only after that answer.
 
 A load error reports the job's blocks in `get_block_ids_with_load_errors` together with the request
 in `finished_recving`; the scheduler then recomputes them or fails the request (policy). Nothing
@@ -16,23 +20,23 @@ side-channel thread renews or releases it; `get_finished` reports released and e
 `finished_sending` so the scheduler frees the blocks.
 
 NIXL is touched only from the engine thread (`KVEndpoint` rule). Side-channel requests to a peer
-(TransferDone, LeaseRenew) block, so they run on one helper thread per peer address.
+(TransferDone, LeaseRenew) block, so they run on PeerControls' small shared thread pool.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connectors.base import ConnectorContext, FinishedTransfers, FlushResult
 from kvbridge.connectors.nixl.leases import LeaseTable
-from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob
+from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.connectors.nixl.options import NixlOptions
+from kvbridge.connectors.nixl.peer_control import PeerControls, Verdict
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT
 from kvbridge.connectors.nixl.stats import TransferStats
+from kvbridge.errors import KVBridgeError
 from kvbridge.transfer import messages as m
 
 if TYPE_CHECKING:
@@ -45,18 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _PeerControl:
-    """Side-channel traffic to one prefill engine: batched, one request in flight at a time."""
-
-    executor: ThreadPoolExecutor
-    done_ok: list[str] = field(default_factory=list)  # local request ids read successfully
-    done_failed: list[str] = field(default_factory=list)  # local request ids whose read failed
-    in_flight: tuple[Future, list[str]] | None = None  # (future, local ids it covers)
-    renewing: Future | None = None
-    last_renew: float = 0.0
-
-
 class NixlWorker:
     def __init__(self, config: KVTransferConfig, context: ConnectorContext, options: NixlOptions) -> None:
         self.config = config
@@ -65,9 +57,14 @@ class NixlWorker:
         self.stats = TransferStats()
         self._clock = time.monotonic
         self._endpoint: KVEndpoint | None = None
-        self._leases = LeaseTable(options.lease_s)
+        self._leases = LeaseTable(options.lease_s, context.incarnation)
+        self._policy = options.peer_policy
         self._recvs: dict[str, RecvJob] = {}  # live and releasing reads, by local request id
-        self._peers: dict[str, _PeerControl] = {}  # by side-channel address
+        self._deadlines: dict[str, float] = {}  # local request id -> when its read must be confirmed
+        self._peers = PeerControls(
+            self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
+            renew_interval_s=options.renew_interval_s, clock=self._clock,
+        )  # fmt: skip
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._is_shut_down = False
@@ -85,6 +82,7 @@ class NixlWorker:
             self.context.model_id,
             kv_cache,
             layout,
+            incarnation=self.context.incarnation,
             host=self.config.side_channel_host,
             port=self.config.side_channel_port,
             serve=self.config.is_producer,
@@ -110,12 +108,12 @@ class NixlWorker:
 
     def _on_message(self, msg: m.Message) -> m.Message:
         match msg:
-            case m.LeaseRenew(req_ids=req_ids):
-                held, unknown = self._leases.renew(req_ids, self._clock())
-                return m.LeaseRenewReply(held=held, unknown=unknown)
-            case m.TransferDone(req_ids=ok, failed_req_ids=failed):
-                released, expired = self._leases.release(list(ok) + list(failed))
-                return m.TransferDoneReply(released=released, expired=expired)
+            case m.LeaseRenew(incarnation=incarnation, leases=leases):
+                held, pending, unknown = self._leases.renew(incarnation, leases, self._clock())
+                return m.LeaseRenewReply(held=held, pending=pending, unknown=unknown)
+            case m.TransferDone(incarnation=incarnation, leases=leases, failed_leases=failed):
+                released, pending, unknown = self._leases.release(incarnation, leases + failed, self._clock())
+                return m.TransferDoneReply(released=released, pending=pending, unknown=unknown)
             case _:
                 return m.ErrorReply(code=m.ErrorCode.UNSUPPORTED, message=f"{type(msg).__name__} is not handled here")
 
@@ -125,25 +123,36 @@ class NixlWorker:
         if metadata is None:
             return
         now = self._clock()
-        for req_id, block_ids in metadata.leases.items():
-            self._leases.grant(req_id, block_ids, now)
+        for lease in metadata.leases.values():
+            self._leases.grant(lease, now)
         for job in metadata.recvs.values():
-            self._start_recv(job)
+            self._start_recv(job, now)
 
-    def _start_recv(self, job: RecvJob) -> None:
+    def _start_recv(self, job: RecvJob, now: float) -> None:
         self._recvs[job.request_id] = job
-        peer = self._peer(job.remote.address)
+        self._deadlines[job.request_id] = now + self.options.transfer_timeout_s
+        remote = job.remote
+        if not self._policy.allows(remote.host):  # the scheduler half refuses these first
+            return self._refuse(job, f"prefill host {remote.host!r} is not in the NixlConnector option allowed_peers")
+        if not self._peers.admits(remote):
+            return self._refuse(
+                job, f"this node already talks to {self.options.max_peers} prefill engines (NixlConnector option max_peers)"
+            )
         if not job.local_block_ids:  # everything hit locally: only release the prefill's blocks
-            peer.done_ok.append(job.request_id)
-            return
-        self._endpoint.read_blocks(job.request_id, job.remote.address, job.local_block_ids, job.remote_block_ids)
-        peer.last_renew = peer.last_renew or self._clock()
+            self._peers.abandon(remote, job.lease)
+            return self._finish_recv(job.request_id)
+        try:
+            self._endpoint.read_blocks(
+                job.request_id, remote.address, job.local_block_ids, job.remote_block_ids,
+                expect=(remote.engine_id, remote.incarnation),
+            )  # fmt: skip
+        except (KVBridgeError, ValueError, IndexError, OverflowError) as e:  # this request's fault only
+            self._refuse(job, f"{type(e).__name__}: {e}")
 
-    def _peer(self, address: str) -> _PeerControl:
-        if address not in self._peers:
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-nixl-peer")
-            self._peers[address] = _PeerControl(executor)
-        return self._peers[address]
+    def _refuse(self, job: RecvJob, error: str) -> None:
+        """Fail a read that never started: a load error for its blocks, nothing sent anywhere."""
+        self._fail(job, error)
+        self._finish_recv(job.request_id)
 
     def wait_for_save(self, metadata: NixlConnectorMetadata | None) -> None:
         pass  # prefill never writes: the decode side reads the blocks while they are leased
@@ -162,18 +171,36 @@ class NixlWorker:
             return
         for rec in self._endpoint.poll():
             job = self._recvs[rec.req_id]
-            peer = self._peer(job.remote.address)
             if rec.is_ok:
                 self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors)
-                peer.done_ok.append(rec.req_id)
+                self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
-                peer.done_failed.append(rec.req_id)
-        now = self._clock()
-        for address, peer in self._peers.items():
-            self._collect_release(address, peer)
-            self._send_release(address, peer)
-            self._renew(address, peer, now)
+                self._peers.abandon(job.remote, job.lease)
+                self._finish_recv(rec.req_id)
+        for outcome in self._peers.progress(self._reading()):
+            job = self._recvs[outcome.req_id]
+            if outcome.verdict is Verdict.REFUSED:
+                self.stats.num_expired_reads += 1
+                self._fail(job, outcome.reason)
+            self._finish_recv(outcome.req_id)
+        busy = {job.remote for job in self._recvs.values()}
+        dropped = self._peers.drop_idle(busy)
+        in_use = {r.address for r in busy} | self._peers.addresses()
+        for address in {r.address for r in dropped} - in_use:
+            self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
+
+    def _reading(self) -> dict[RemoteEngine, list[m.LeaseRef]]:
+        """Leases of reads still in flight, by prefill engine: renewed while the read lasts."""
+        reading: dict[RemoteEngine, list[m.LeaseRef]] = {}
+        for req_id, job in self._recvs.items():
+            if job.local_block_ids and self._endpoint.tracker.get(req_id) is not None:
+                reading.setdefault(job.remote, []).append(job.lease)
+        return reading
+
+    def _send(self, remote: RemoteEngine, msg: m.Message) -> m.Message:
+        """Side-channel request to a prefill engine; runs on PeerControls' pool."""
+        return self._endpoint.request(remote.address, msg, audience=(remote.engine_id, remote.incarnation))
 
     def _fail(self, job: RecvJob, error: str) -> None:
         logger.error("request %s: KV load failed: %s", job.request_id, error)
@@ -181,63 +208,16 @@ class NixlWorker:
         self.stats.num_load_errors += len(job.local_block_ids)
         self._invalid_block_ids.update(job.local_block_ids)
 
-    # ------------------------------------------------------------------ decode: releases and renewals
-
-    def _send_release(self, address: str, peer: _PeerControl) -> None:
-        if peer.in_flight is not None or not (peer.done_ok or peer.done_failed):
-            return
-        ok, failed = peer.done_ok, peer.done_failed
-        peer.done_ok, peer.done_failed = [], []
-        msg = m.TransferDone(
-            engine_id=self.config.engine_id,
-            req_ids=[self._recvs[r].remote_request_id for r in ok],
-            failed_req_ids=[self._recvs[r].remote_request_id for r in failed],
-        )
-        future = peer.executor.submit(self._endpoint.request, address, msg)
-        peer.in_flight = (future, ok)
-        for req_id in failed:  # already reported as load errors; the release is a courtesy
-            self._finish_recv(req_id)
-
-    def _collect_release(self, address: str, peer: _PeerControl) -> None:
-        if peer.in_flight is None or not peer.in_flight[0].done():
-            return
-        future, ok = peer.in_flight
-        peer.in_flight = None
-        try:
-            reply = future.result()
-            expired = set(reply.expired) if isinstance(reply, m.TransferDoneReply) else None
-        except Exception as e:  # the prefill engine is gone or refuses: the reads cannot be vouched for
-            logger.warning("TransferDone to %s failed: %s", address, e)
-            expired = None
-        for req_id in ok:
-            job = self._recvs[req_id]
-            if expired is None or job.remote_request_id in expired:
-                self.stats.num_expired_reads += expired is not None
-                self._fail(job, "the prefill engine's lease on the blocks was not confirmed after the read")
-            self._finish_recv(req_id)
-
     def _finish_recv(self, req_id: str) -> None:
         job = self._recvs.pop(req_id)
+        self._deadlines.pop(req_id, None)
         if job.local_block_ids:  # a release-only job never parked its request
             self._finished_recving.add(req_id)
-
-    def _renew(self, address: str, peer: _PeerControl, now: float) -> None:
-        if peer.renewing is not None:
-            if not peer.renewing.done():
-                return
-            peer.renewing = None
-        if now - peer.last_renew < self.options.renew_interval_s:
-            return
-        waiting = [j.remote_request_id for j in self._recvs.values() if j.remote.address == address]
-        if waiting:
-            msg = m.LeaseRenew(engine_id=self.config.engine_id, req_ids=waiting)
-            peer.renewing = peer.executor.submit(self._endpoint.request, address, msg)
-        peer.last_renew = now
 
     # ------------------------------------------------------------------ flush and shutdown
 
     def _pending_req_ids(self) -> set[str]:
-        return set(self._recvs) | self._leases.pending()
+        return set(self._recvs) | self._leases.pending(self._clock())
 
     def flush(self, timeout_s: float) -> FlushResult:
         deadline = self._clock() + timeout_s
@@ -252,9 +232,7 @@ class NixlWorker:
         if self._is_shut_down:
             return
         self._is_shut_down = True
-        for peer in self._peers.values():
-            peer.executor.shutdown(wait=False, cancel_futures=True)
-        self._peers.clear()
+        self._peers.close()
         if self._endpoint is not None:
             self._endpoint.close()  # deregisters the KV tensor from NIXL and drops it
         self._endpoint = None
@@ -269,6 +247,8 @@ class NixlWorker:
         stats["num_leases"] = len(self._leases)
         stats["num_expired_leases"] = self._leases.num_expired
         stats["num_recvs_in_flight"] = len(self._recvs)
+        stats["num_refused_lease_requests"] = self._leases.num_refused
+        stats["num_peers"] = len(self._peers)
         if self.side_channel_port:
             stats[SIDE_CHANNEL_PORT_STAT] = self.side_channel_port
         return stats

@@ -1,0 +1,197 @@
+"""Decode side: the side-channel conversation with each prefill engine (releases and renewals).
+
+After a read, the decode worker must hear the prefill engine say "released" for the read's lease
+before it may use the blocks: only then were they held, unchanged, from before the read to after
+it. `PeerControls` batches those confirmations (`TransferDone`) and the renewals of leases still
+being read (`LeaseRenew`) per prefill engine, runs them on a small shared thread pool so the engine
+step never waits on the network, and turns the answers into one verdict per request:
+
+    confirm(...) --TransferDone--> "released" ------------------------> CONFIRMED
+                                   "pending" (lease not granted yet) --> asked again, until the deadline
+                                   "unknown", error, deadline ---------> REFUSED (a load error)
+
+Per-peer state is bounded: at most `max_peers` engines at once (`admits` says whether one more
+fits), and a peer with nothing in flight for `idle_s` is dropped (`drop_idle`), so requests naming
+many made-up addresses cannot grow threads or sockets.
+
+Engine thread only, except the pool's jobs, which only call `send`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvbridge.connectors.nixl.metadata import RemoteEngine
+from kvbridge.transfer import messages as m
+
+logger = logging.getLogger(__name__)
+
+NUM_THREADS = 4  # side-channel requests in flight at once, over all peers
+RETRY_PENDING_S = 0.02  # a "pending" lease is usually granted at the prefill's next step
+
+
+class Verdict(enum.Enum):
+    CONFIRMED = enum.auto()  # the lease held through the read: the blocks are this prompt's
+    REFUSED = enum.auto()  # not vouched for: a load error
+
+
+class Outcome(NamedTuple):
+    req_id: str  # local request id
+    verdict: Verdict
+    reason: str
+
+
+@dataclass
+class _Confirm:
+    lease: m.LeaseRef
+    deadline: float
+
+
+@dataclass
+class _Peer:
+    remote: RemoteEngine
+    last_active: float
+    to_confirm: dict[str, _Confirm] = field(default_factory=dict)  # local req id -> what to confirm
+    to_abandon: list[m.LeaseRef] = field(default_factory=list)  # failed reads: release as a courtesy
+    in_flight: tuple[Future, dict[str, _Confirm]] | None = None
+    renewing: Future | None = None
+    last_renew: float = 0.0
+    retry_at: float = 0.0
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self.to_confirm or self.to_abandon or self.in_flight or self.renewing)
+
+
+Send = Callable[[RemoteEngine, m.Message], m.Message]
+
+
+class PeerControls:
+    def __init__(
+        self, send: Send, engine_id: str, *, max_peers: int, idle_s: float, renew_interval_s: float,
+        clock: Callable[[], float],
+    ) -> None:  # fmt: skip
+        self._send = send
+        self._engine_id = engine_id
+        self._max_peers, self._idle_s, self._renew_interval_s = max_peers, idle_s, renew_interval_s
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="kvbridge-nixl-ctl")
+        self._peers: dict[RemoteEngine, _Peer] = {}
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def addresses(self) -> set[str]:
+        return {remote.address for remote in self._peers}
+
+    def admits(self, remote: RemoteEngine) -> bool:
+        return remote in self._peers or len(self._peers) < self._max_peers
+
+    def _peer(self, remote: RemoteEngine) -> _Peer:
+        peer = self._peers.get(remote)
+        if peer is None:
+            peer = self._peers[remote] = _Peer(remote, self._clock())
+        return peer
+
+    def confirm(self, remote: RemoteEngine, req_id: str, lease: m.LeaseRef, deadline: float) -> None:
+        """The read of `req_id` finished: ask the prefill engine to release its lease and vouch for it."""
+        self._peer(remote).to_confirm[req_id] = _Confirm(lease, deadline)
+
+    def abandon(self, remote: RemoteEngine, lease: m.LeaseRef) -> None:
+        """The read failed: release the lease so the prefill frees its blocks now. No verdict follows."""
+        self._peer(remote).to_abandon.append(lease)
+
+    def progress(self, reading: dict[RemoteEngine, list[m.LeaseRef]]) -> list[Outcome]:
+        """Collect answers, send what is due; `reading` are the leases of reads in flight (renewed)."""
+        now = self._clock()
+        outcomes: list[Outcome] = []
+        for remote in set(self._peers) | set(reading):
+            peer = self._peer(remote)
+            outcomes += self._collect(peer, now)
+            self._send_release(peer, now)
+            self._renew(peer, reading.get(remote, []), now)
+        return outcomes
+
+    def drop_idle(self, busy: set[RemoteEngine]) -> list[RemoteEngine]:
+        """Forget peers with nothing in flight for idle_s (or at once, past max_peers); return them."""
+        now = self._clock()
+        idle = [
+            r for r, p in self._peers.items() if r not in busy and not p.is_busy and now - p.last_active >= self._idle_s
+        ]
+        for remote in idle:
+            del self._peers[remote]
+        return idle
+
+    def _collect(self, peer: _Peer, now: float) -> list[Outcome]:
+        if peer.renewing is not None and peer.renewing.done():
+            peer.renewing = None  # a renewal's answer changes nothing here: the release decides
+        if peer.in_flight is None or not peer.in_flight[0].done():
+            return []
+        future, sent = peer.in_flight
+        peer.in_flight = None
+        try:
+            reply = future.result()
+        except Exception as e:  # the prefill engine is gone or refuses: nothing is vouched for
+            reply, error = None, f"{type(e).__name__}: {e}"
+        else:
+            error = None if isinstance(reply, m.TransferDoneReply) else f"answered {type(reply).__name__}"
+        outcomes = []
+        for req_id, item in sent.items():
+            if reply is not None and error is None and req_id_in(item, reply.released):
+                outcomes.append(Outcome(req_id, Verdict.CONFIRMED, ""))
+            elif reply is not None and error is None and req_id_in(item, reply.pending) and now < item.deadline:
+                peer.to_confirm.setdefault(req_id, item)  # not granted yet: ask again shortly
+                peer.retry_at = now + RETRY_PENDING_S
+            else:
+                reason = error or (
+                    "its lease was never granted before the deadline" if req_id_in(item, reply.pending)
+                    else "no lease matches (expired, released, made up, or granted by another instance)"
+                )  # fmt: skip
+                outcomes.append(Outcome(req_id, Verdict.REFUSED, f"the prefill engine did not confirm the read: {reason}"))
+        return outcomes
+
+    def _send_release(self, peer: _Peer, now: float) -> None:
+        if peer.in_flight is not None or now < peer.retry_at or not (peer.to_confirm or peer.to_abandon):
+            return
+        # Answers name remote request ids: one lease per id and batch, so a forged lease that reuses
+        # a real one's id can never share in the real one's "released".
+        sent: dict[str, _Confirm] = {}
+        remote_ids: set[str] = set()
+        for req_id, item in list(peer.to_confirm.items()):
+            if item.lease.req_id not in remote_ids:
+                remote_ids.add(item.lease.req_id)
+                sent[req_id] = peer.to_confirm.pop(req_id)
+        abandoned = [lease for lease in peer.to_abandon if lease.req_id not in remote_ids]
+        peer.to_abandon = [lease for lease in peer.to_abandon if lease.req_id in remote_ids]
+        msg = m.TransferDone(
+            engine_id=self._engine_id,
+            incarnation=peer.remote.incarnation,
+            leases=[item.lease for item in sent.values()],
+            failed_leases=abandoned,
+        )
+        peer.in_flight = (self._pool.submit(self._send, peer.remote, msg), sent)
+        peer.last_active = now
+
+    def _renew(self, peer: _Peer, leases: list[m.LeaseRef], now: float) -> None:
+        if not leases or peer.renewing is not None:
+            return
+        if not peer.last_renew:
+            peer.last_renew = now  # the lease was granted with a full term: renew from here on
+        if now - peer.last_renew < self._renew_interval_s:
+            return
+        msg = m.LeaseRenew(engine_id=self._engine_id, incarnation=peer.remote.incarnation, leases=leases)
+        peer.renewing = self._pool.submit(self._send, peer.remote, msg)
+        peer.last_renew = peer.last_active = now
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._peers.clear()
+
+
+def req_id_in(item: _Confirm, req_ids: list[str]) -> bool:
+    return item.lease.req_id in req_ids
