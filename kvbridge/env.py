@@ -32,6 +32,12 @@ def side_channel_secret() -> bytes | None:
     return value.encode() if value else None
 
 
+def checkpoint_full_hash() -> bool:
+    """KVBRIDGE_CHECKPOINT_FULL_HASH: a checkpoint's identity hashes every byte of every weight file,
+    not samples of files over 256 MiB (engine/checkpoint_id.py says when that matters)."""
+    return _get_bool("KVBRIDGE_CHECKPOINT_FULL_HASH", False)
+
+
 def log_level() -> str:
     """KVBRIDGE_LOG_LEVEL: logging level of the `kvbridge` logger (default WARNING)."""
     return (_get_str("KVBRIDGE_LOG_LEVEL", "WARNING") or "WARNING").upper()

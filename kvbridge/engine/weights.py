@@ -9,7 +9,6 @@ Qwen2ForCausalLM. Every problem with the directory raises `ModelLoadError`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from kvbridge.config import ModelConfig
+from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model import LlamaForCausalLM
 from kvbridge.engine.presets import PRESETS, ModelArgs, get_preset, is_preset
 from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -29,7 +29,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 class LoadedModel(NamedTuple):
     model: LlamaForCausalLM  # on the configured device and dtype, rotary not yet attached
     tokenizer: Tokenizer
-    model_id: str  # identity of the weights, e.g. "tiny:seed=0" or "<dir name>:<config.json hash>"
+    model_id: str  # identity of the weights: "tiny:seed=0", or "<architecture>:<content hash>" (checkpoint_id.py)
     max_position: int  # the model's own context limit
 
 
@@ -50,7 +50,8 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         )
     args, max_position = read_hf_config(path)
     model = load_checkpoint(path, args, device, dtype)
-    return LoadedModel(model.eval(), load_tokenizer(path, args.vocab_size), checkpoint_id(path), max_position)
+    model_id = checkpoint_id(os.path.join(path, "config.json"), safetensors_files(path))  # pages cached by the load
+    return LoadedModel(model.eval(), load_tokenizer(path, args.vocab_size), model_id, max_position)
 
 
 def random_model(args: ModelArgs, seed: int) -> LlamaForCausalLM:
@@ -141,13 +142,6 @@ def read_hf_config(path: str) -> tuple[ModelArgs, int]:
     except KeyError as exc:
         raise ModelLoadError(f"{path}/config.json lacks {exc.args[0]!r}") from None
     return args, max_position
-
-
-def checkpoint_id(path: str) -> str:
-    """'<dir name>:<12 hex of sha256(config.json)>': stable across hosts holding the same checkpoint."""
-    with open(os.path.join(path, "config.json"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    return f"{os.path.basename(os.path.normpath(path))}:{digest}"
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from kvbridge import LLM, SamplingParams
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.engine import checkpoint_id as checkpoint_id_module
+from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.presets import ModelArgs
@@ -85,7 +90,9 @@ def assert_loads_like(path, reference_model, max_model_len=128):
 def test_llama_sharded(tmp_path):
     ref = write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM", seed=1, num_shards=3)
     runner = assert_loads_like(tmp_path, ref)
-    assert runner.model_id.startswith(f"{tmp_path.name}:") and len(runner.model_id.split(":")[1]) == 12
+    files = [str(tmp_path / f"model-{i:05d}-of-00003.safetensors") for i in (1, 2, 3)]
+    assert runner.model_id == checkpoint_id(str(tmp_path / "config.json"), files)
+    assert runner.model_id.startswith("LlamaForCausalLM:") and len(runner.model_id.split(":")[1]) == 32
     assert runner.layout.num_kv_heads == 2 and runner.layout.head_dim == 16
     assert runner.tokenizer.eos_token_id == 2  # byte-level fallback, ids from config.json
     runner.shutdown()
@@ -157,3 +164,97 @@ def test_no_safetensors(tmp_path):
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
         ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+# ---------------------------------------------------------------- checkpoint identity
+
+
+def _id(path) -> str:
+    return checkpoint_id(str(path / "config.json"), [str(path / "model.safetensors")])
+
+
+def _tensor_offset(file, name: str) -> tuple[int, int]:
+    """(absolute byte offset, size in bytes) of tensor `name`'s data in a safetensors file."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        begin, end = json.loads(f.read(length))[name]["data_offsets"]
+    return 8 + length + begin, end - begin
+
+
+def _poke(file, name: str, at: float, value: float = 0.5) -> None:
+    """Overwrite one float32 of tensor `name`, at fraction `at` of its data, in place: same shapes."""
+    offset, size = _tensor_offset(file, name)
+    with open(file, "r+b") as f:
+        f.seek(offset + int(size * at) // 4 * 4)
+        old = struct.unpack("<f", f.read(4))[0]
+        f.seek(-4, os.SEEK_CUR)
+        f.write(struct.pack("<f", value if old != value else -value))
+
+
+MIDDLE = "model.layers.1.self_attn.v_proj.weight"  # neither the first nor the last tensor of the file
+
+
+def test_checkpoint_id_changes_with_one_weight_value(tmp_path):
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM", seed=1)
+    before = _id(tmp_path)
+    assert _id(tmp_path) == before  # deterministic
+    _poke(tmp_path / "model.safetensors", MIDDLE, at=0.37)
+    assert _id(tmp_path) != before  # a small file is hashed whole: one value anywhere counts
+
+
+def test_checkpoint_id_does_not_depend_on_the_directory(tmp_path):
+    """The same files at another path (another host, a copy) share KV; new files at the old path do not."""
+    (tmp_path / "a").mkdir()
+    write_checkpoint(tmp_path / "a", LLAMA, "LlamaForCausalLM", seed=1)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert _id(tmp_path / "a") == _id(tmp_path / "b")
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**config, "rope_theta": 10000.0}))
+    assert _id(tmp_path / "a") != _id(tmp_path / "b")  # config.json is part of it
+
+
+def test_sampled_identity_of_large_files(tmp_path, monkeypatch):
+    """Above FULL_HASH_MAX_BYTES a file is sampled per tensor: a tensor whose values change broadly
+    always changes the id; KVBRIDGE_CHECKPOINT_FULL_HASH=1 makes any one value count again."""
+    monkeypatch.setattr(checkpoint_id_module, "FULL_HASH_MAX_BYTES", 0)  # every file counts as large
+    monkeypatch.setattr(checkpoint_id_module, "SAMPLE_BYTES", 256)  # windows small next to this model's tensors
+    monkeypatch.delenv("KVBRIDGE_CHECKPOINT_FULL_HASH", raising=False)
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM", seed=1)
+    file = tmp_path / "model.safetensors"
+    _, size = _tensor_offset(file, MIDDLE)
+    assert size > 3 * checkpoint_id_module.SAMPLE_BYTES  # the test samples, rather than hashes, this tensor
+    sampled = _id(tmp_path)
+    for at in (0.0, 0.5, 0.999):  # each window of the tensor
+        _poke(file, MIDDLE, at=at, value=float(at) + 1.0)
+        assert _id(tmp_path) != sampled, at
+        sampled = _id(tmp_path)
+    monkeypatch.setenv("KVBRIDGE_CHECKPOINT_FULL_HASH", "1")
+    full = _id(tmp_path)
+    assert full != sampled  # the mode is part of the identity: nodes must agree on it
+    _poke(file, MIDDLE, at=0.3)  # outside every window: only the full hash sees it
+    assert _id(tmp_path) != full
+
+
+def test_new_weights_at_the_same_path_do_not_hit_the_old_disk_tier(tmp_path):
+    """The bug this identity fixes: a checkpoint replaced in place was served its predecessor's KV."""
+    ckpt, disk = tmp_path / "ckpt", tmp_path / "disk"
+    ckpt.mkdir()
+    prompt = {"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(48)]}  # three full blocks
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    offload = {"connector": "OffloadingConnector", "extra": {"host_num_blocks": 16, "disk_dir": str(disk)}}
+
+    def run(**kwargs):
+        with LLM(str(ckpt), num_blocks=16, max_model_len=128, **kwargs) as llm:
+            out = llm.generate(prompt, params)[0]
+            stats = llm.get_stats()
+        return out, stats
+
+    write_checkpoint(ckpt, LLAMA, "LlamaForCausalLM", seed=1)
+    first, _ = run(kv_transfer_config=offload)
+    assert len(os.listdir(disk)) == 3
+    write_checkpoint(ckpt, LLAMA, "LlamaForCausalLM", seed=2)  # new weights, same shapes, same path
+    expected, _ = run()
+    assert expected.outputs[0].token_ids != first.outputs[0].token_ids  # the weights do matter here
+    second, stats = run(kv_transfer_config=offload)
+    assert second.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert second.num_external_tokens == 0 and stats["connector"]["scheduler"]["disk_hit_blocks"] == 0
