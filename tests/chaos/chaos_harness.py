@@ -1,0 +1,361 @@
+"""What every chaos scenario shares: node processes on loopback, reference completions, attacker
+clients (plain HTTP, raw side-channel frames, a frame-capturing relay, a TCP listener that is not
+kvbridge), and the two checks each scenario ends with.
+
+The checks (issue 9): (a) no completion with wrong tokens is ever returned: a 200 carries exactly
+the greedy tokens of a colocated engine for its prompt (`assert_correct`), a clear JSON error
+passes where the scenario allows it; (b) nothing leaks: every live node's state reaches
+`num_used_blocks == 0` with integrity ok and `/health` is 200 (`assert_clean`).
+
+The attacker only uses what a client of the HTTP API or of the side channel can: the
+`kv_transfer_params` that a prefill node returns for its own prompts, and bytes on sockets. It
+speaks the side channel in raw msgpack (the `Frame` envelope of kvbridge/transfer/messages.py),
+never through kvbridge's own client, so an old and a new build answer the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvbridge import LLM, SamplingParams
+from kvbridge.serve.launcher import ManagedProcess, free_ports, http_json, start_node, wait_healthy
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 256
+MAX_TOKENS = 6
+NODE_ARGS = ["--num-threads", "1", "--num-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN)]
+# A decode node that gives up on an unreachable or bogus peer in seconds, not in a minute.
+FAST_FAIL = {"handshake_timeout_s": 1.0, "handshake_retries": 0, "transfer_timeout_s": 5.0}
+REQUEST_TIMEOUT_S = 60.0  # a deadline that detects a hang, never a performance bound
+CLEAN_TIMEOUT_S = 45.0  # leases of 30 s (the default) expire well inside it
+STARTUP_TIMEOUT_S = 120.0
+
+_WORDS = (
+    "amber basalt cobalt delta ember fjord garnet harbor indigo jasper kelp lagoon meadow nickel "
+    "onyx prism quartz raven sierra tundra umber violet willow xenon yarrow zephyr"
+).split()
+
+
+# ---------------------------------------------------------------- prompts and references
+
+
+def prompt(tag: str, num_chars: int = 180) -> str:
+    """A deterministic prompt of about `num_chars` bytes (= tokens) that starts with `tag`.
+
+    Distinct tags give prompts that differ in their first block, so they never share cached KV.
+    """
+    rng = random.Random(hashlib.sha256(tag.encode()).digest())
+    text = f"[{tag}]"
+    while len(text) < num_chars:
+        text += " " + rng.choice(_WORDS)
+    return text[:num_chars]
+
+
+def references(prompts: list[str], max_tokens: int = MAX_TOKENS) -> dict[str, list[int]]:
+    """Greedy completions of a colocated engine (no connector) for each prompt."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    unique = list(dict.fromkeys(prompts))
+    with LLM(max_model_len=MAX_MODEL_LEN) as llm:
+        outputs = llm.generate(unique, params)
+    return {p: out.outputs[0].token_ids for p, out in zip(unique, outputs)}
+
+
+# ---------------------------------------------------------------- node processes
+
+
+class NodeSet:
+    """The node processes of one test module, by name. `close()` stops every one of them.
+
+    Each node gets its ports up front, so `kill` + `start(..., ports=nodes.ports(name))` restarts
+    it at the same HTTP and side-channel address.
+    """
+
+    def __init__(self) -> None:
+        self.log_dir = tempfile.mkdtemp(prefix="kvbridge-chaos-")
+        self.procs: dict[str, ManagedProcess] = {}
+        self.refs: dict[str, list[int]] = {}  # the module's reference completions, by prompt
+        self._ports: dict[str, tuple[int, int]] = {}
+        self._all: list[ManagedProcess] = []
+
+    def start(self, name: str, role: str, extra: list[str] = (), env: dict[str, str] | None = None,
+              ports: tuple[int, int] | None = None) -> ManagedProcess:  # fmt: skip
+        ports = ports or tuple(free_ports(2))
+        proc = start_node(name, role, self.log_dir, "tiny", [*NODE_ARGS, *extra], env, ports=ports)
+        self.procs[name], self._ports[name] = proc, ports
+        self._all.append(proc)
+        return proc
+
+    def url(self, name: str) -> str:
+        return self.procs[name].url
+
+    def ports(self, name: str) -> tuple[int, int]:
+        """(HTTP port, side-channel port) of the node."""
+        return self._ports[name]
+
+    def side_channel(self, name: str) -> str:
+        return f"tcp://127.0.0.1:{self._ports[name][1]}"
+
+    def pid(self, name: str) -> int:
+        return self.procs[name].popen.pid
+
+    def wait(self, *names: str) -> None:
+        wait_healthy([self.procs[n] for n in names or self.procs], STARTUP_TIMEOUT_S)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: the process dies holding whatever it held, as in a crash."""
+        proc = self.procs.pop(name)
+        proc.popen.kill()
+        proc.popen.wait(10)
+
+    def close(self) -> None:
+        for proc in self._all:
+            proc.signal_stop()
+        for proc in self._all:
+            proc.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> NodeSet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- HTTP client
+
+
+def request(url: str, path: str, body: dict[str, Any] | None = None, timeout_s: float = REQUEST_TIMEOUT_S):
+    """(status, JSON or text) of one request; a hang past `timeout_s` fails the test by name."""
+    try:
+        return http_json(f"{url}{path}", body, timeout_s=timeout_s)
+    except OSError as e:
+        raise AssertionError(f"{url}{path} gave no answer within {timeout_s:.0f}s (a hang?): {e!r}") from None
+
+
+def complete(url: str, text: str, params: dict[str, Any] | None = None, max_tokens: int = MAX_TOKENS,
+             timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, Any]:  # fmt: skip
+    body: dict[str, Any] = {"prompt": text, "max_tokens": max_tokens, "temperature": 0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return request(url, "/v1/completions", body, timeout_s)
+
+
+def prefill(url: str, text: str) -> dict[str, Any]:
+    """The kv_transfer_params a prefill node returns for `text` (it now holds the prompt's blocks)."""
+    status, body = complete(url, text, {"do_remote_decode": True}, max_tokens=1)
+    assert status == 200, body
+    params = body["kv_transfer_params"]
+    assert params and params["remote_block_ids"], body
+    return {**params, "do_remote_prefill": True}
+
+
+def side_channel_address(params: dict[str, Any]) -> str:
+    return f"tcp://{params['remote_host']}:{params['remote_port']}"
+
+
+def assert_correct(status: int, body: Any, expected: list[int], allow_error: bool = True) -> None:
+    """A 200 carries exactly `expected`; anything else must be a clear JSON error (if allowed)."""
+    if status == 200:
+        got = body["choices"][0]["token_ids"]
+        assert got == expected, f"WRONG TOKENS served with 200: got {got}, the colocated engine gives {expected}"
+        return
+    assert allow_error, f"expected 200 with the correct tokens, got {status}: {body}"
+    assert 400 <= status < 600 and isinstance(body, dict), f"not a JSON error: {status} {body!r}"
+    assert body.get("error", {}).get("message"), f"error without a message: {status} {body}"
+
+
+def assert_refused(status: int, body: Any, field: str) -> None:
+    """HTTP 400 with an OpenAI-shaped error that blames kv_transfer_params and names `field`."""
+    assert status == 400, f"expected 400 naming {field}, got {status}: {body}"
+    error = body["error"]
+    assert error["param"] == "kv_transfer_params" and field in error["message"], body
+
+
+def external_tokens(body: Any) -> int:
+    return body["kvbridge"]["num_external_tokens"]
+
+
+def state(url: str) -> dict[str, Any]:
+    status, body = request(url, "/v1/kvbridge/state", timeout_s=30)
+    assert status == 200, body
+    return body
+
+
+def load_errors(url: str) -> int:
+    """Blocks the node's connector reported as not loaded (the engine's load-error counter)."""
+    return state(url)["stats"]["num_failed_load_blocks"]
+
+
+def assert_healthy(url: str) -> None:
+    status, body = request(url, "/health", timeout_s=10)
+    assert status == 200, f"{url} is not healthy: {status} {body}"
+
+
+def assert_clean(*urls: str, timeout_s: float = CLEAN_TIMEOUT_S) -> None:
+    """Each node: healthy, integrity ok, no request left, and (within `timeout_s`) no block in use."""
+    for url in urls:
+        assert_healthy(url)
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while True:
+        states = {url: state(url) for url in pending}
+        for url, s in states.items():
+            assert s["integrity"]["ok"], f"{url}: integrity check failed: {s['integrity']}"
+        pending = [u for u, s in states.items() if s["stats"]["num_used_blocks"] or s["has_unfinished_requests"]]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            leaks = {u: (states[u]["stats"]["num_used_blocks"], states[u]["stats"].get("connector")) for u in pending}
+            raise AssertionError(f"blocks still in use after {timeout_s:.0f}s (leaked?): {leaks}")
+        time.sleep(0.25)
+
+
+def churn(url: str, tag: str, num_blocks: int = NUM_BLOCKS) -> None:
+    """Plain prompts through a node until every one of its blocks has been rewritten.
+
+    Blocks that a lease holds stay untouched; free ones (cached or not) are all reused.
+    """
+    per_prompt = (MAX_MODEL_LEN - 2 * BLOCK_SIZE) // BLOCK_SIZE  # full blocks of one filler prompt
+    for i in range(num_blocks // per_prompt + 2):
+        status, body = complete(url, prompt(f"{tag}-churn{i}", per_prompt * BLOCK_SIZE + 4), max_tokens=1)
+        assert status == 200, body
+
+
+# ---------------------------------------------------------------- raw side channel
+
+
+def encode_frame(payload: bytes, corr_id: int = 1) -> bytes:
+    """An unsigned side-channel frame: [corr_id, payload, nonce, timestamp_ns, mac] in msgpack."""
+    return msgspec.msgpack.encode([corr_id, payload, b"", 0, b""])
+
+
+def side_channel_send(address: str, frame: bytes, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """Send one raw frame to a node's side channel; its decoded reply message, or None (no reply)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(frame)
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        reply = msgspec.msgpack.decode(sock.recv())
+        return msgspec.msgpack.decode(reply[1])
+    finally:
+        sock.close(0)
+
+
+def side_channel_message(address: str, message: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """Send a message written as a plain dict (its tag in "type"), unsigned, as any client could."""
+    return side_channel_send(address, encode_frame(msgspec.msgpack.encode(message)), timeout_s)
+
+
+class FrameRelay:
+    """A man in the middle on the side channel: forwards frames to `target` and keeps a copy of each.
+
+    Point a decode node at `tcp://127.0.0.1:{relay.port}` (the `remote_port` of its params) and
+    `captured` fills with the frames it sends, signed for the node behind the relay.
+    """
+
+    def __init__(self, target: str) -> None:
+        self._ctx = zmq.Context()
+        self._front = self._ctx.socket(zmq.ROUTER)
+        self._front.setsockopt(zmq.LINGER, 0)
+        self.port = self._front.bind_to_random_port("tcp://127.0.0.1")
+        self._target = target
+        self._backs: dict[bytes, zmq.Socket] = {}  # one upstream socket per downstream peer
+        self.captured: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-frame-relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is self._front:
+                    ident, frame = self._front.recv_multipart()
+                    self.captured.append(frame)
+                    if ident not in self._backs:
+                        back = self._backs[ident] = self._ctx.socket(zmq.DEALER)
+                        back.setsockopt(zmq.LINGER, 0)
+                        back.connect(self._target)
+                        poller.register(back, zmq.POLLIN)
+                    self._backs[ident].send(frame)
+                else:
+                    ident = next(i for i, b in self._backs.items() if b is sock)
+                    self._front.send_multipart([ident, sock.recv()])
+        for sock in [self._front, *self._backs.values()]:
+            sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._ctx.term()
+
+
+def message_type(frame: bytes) -> str:
+    """The tag of the message inside a captured frame."""
+    return msgspec.msgpack.decode(msgspec.msgpack.decode(frame)[1])["type"]
+
+
+# ---------------------------------------------------------------- other sockets and processes
+
+
+class TcpListener:
+    """A TCP listener that is not kvbridge: counts connections, answers each with `greeting`, holds it."""
+
+    def __init__(self, host: str = "127.0.0.1", greeting: bytes = b"HTTP/1.1 400 Bad Request\r\n\r\n") -> None:
+        self._sock = socket.create_server((host, 0))
+        self._sock.settimeout(0.1)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.num_connections = 0
+        self._greeting = greeting
+        self._conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-tcp-listener", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self.num_connections += 1
+            self._conns.append(conn)
+            with contextlib.suppress(OSError):
+                conn.sendall(self._greeting)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for conn in [self._sock, *self._conns]:
+            conn.close()
+
+
+def num_threads(pid: int) -> int:
+    """Threads of a live process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no Threads line in /proc/{pid}/status")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (free a moment ago)."""
+    return free_ports(1)[0]

@@ -1,0 +1,96 @@
+"""A decode node is handed kv_transfer_params that do not prove the blocks are this prompt's.
+
+Stale params whose blocks the prefill has since reused, params with the block hash stripped, and
+params whose hash is right (the attacker's own prompt) but whose block ids are a victim's lease.
+Each must end in the correct tokens (recomputed) or a clear error, never in another prompt's KV;
+and a stripped hash is refused outright with a 400 naming `remote_block_hash`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from chaos_harness import (
+    NodeSet,
+    assert_clean,
+    assert_correct,
+    assert_refused,
+    churn,
+    complete,
+    external_tokens,
+    load_errors,
+    prefill,
+    prompt,
+    references,
+    request,
+)
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+STALE = prompt("stale-A", 170)
+HASHLESS_VICTIM, HASHLESS_ATTACKER = prompt("hashless-victim", 200), prompt("hashless-attacker", 200)
+FORGED_VICTIM, FORGED_ATTACKER = prompt("forged-victim", 200), prompt("forged-attacker", 150)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with NodeSet() as nodes:
+        nodes.start("prefill", "prefill")
+        nodes.start("decode", "decode")
+        nodes.refs = references([STALE, HASHLESS_VICTIM, HASHLESS_ATTACKER, FORGED_VICTIM, FORGED_ATTACKER])
+        nodes.wait()
+        yield nodes
+
+
+def test_stale_params_after_the_prefill_reused_the_blocks(cluster):
+    p, d, expected = cluster.url("prefill"), cluster.url("decode"), cluster.refs[STALE]
+    params = prefill(p, STALE)
+    status, body = complete(d, STALE, params)
+    assert_correct(status, body, expected, allow_error=False)
+    assert external_tokens(body) > 0  # read from the prefill, which released the lease
+    churn(p, "stale")  # every block the lease covered now holds other prompts' KV
+    status, reset = request(d, "/v1/kvbridge/reset_prefix_cache", {})  # the decode must read again
+    assert status == 200 and reset == {"reset": True}, reset
+
+    errors_before = load_errors(d)
+    status, body = complete(d, STALE, params)  # the same, old params
+    print("stale replay:", status, body)
+    assert_correct(status, body, expected)
+    if status == 200:
+        assert load_errors(d) > errors_before, "the read of released blocks was not counted as a load error"
+    assert_clean(p, d)
+
+
+def test_params_without_block_hash_are_refused(cluster):
+    p, d = cluster.url("prefill"), cluster.url("decode")
+    victim = prefill(p, HASHLESS_VICTIM)
+    stripped = {k: v for k, v in victim.items() if k != "remote_block_hash"}
+    status, body = complete(d, HASHLESS_ATTACKER, stripped)
+    print("hashless:", status, body)
+    assert_correct(status, body, cluster.refs[HASHLESS_ATTACKER])
+    assert_refused(status, body, "remote_block_hash")
+
+    status, body = complete(d, HASHLESS_VICTIM, victim)  # the victim's own read is untouched
+    assert_correct(status, body, cluster.refs[HASHLESS_VICTIM], allow_error=False)
+    status, body = complete(d, HASHLESS_ATTACKER)  # and the decode node's cache holds no foreign KV
+    assert_correct(status, body, cluster.refs[HASHLESS_ATTACKER], allow_error=False)
+    assert_clean(p, d)
+
+
+def test_own_block_hash_with_a_victims_block_ids(cluster):
+    p, d = cluster.url("prefill"), cluster.url("decode")
+    victim = prefill(p, FORGED_VICTIM)
+    own = prefill(p, FORGED_ATTACKER)  # a valid hash, token and incarnation for the attacker's prompt
+    num_blocks = len(own["remote_block_ids"])
+    assert len(victim["remote_block_ids"]) >= num_blocks
+    forged = {**own, "remote_block_ids": victim["remote_block_ids"][:num_blocks]}
+    status, body = complete(d, FORGED_ATTACKER, forged)
+    print("forged:", status, body)
+    assert_correct(status, body, cluster.refs[FORGED_ATTACKER])
+
+    status, body = complete(d, FORGED_VICTIM, victim)
+    assert_correct(status, body, cluster.refs[FORGED_VICTIM], allow_error=False)
+    status, body = complete(d, FORGED_ATTACKER, own)  # the attacker's honest read releases its lease
+    assert_correct(status, body, cluster.refs[FORGED_ATTACKER], allow_error=False)
+    status, body = complete(d, FORGED_ATTACKER)  # no foreign KV cached under the attacker's prompt
+    assert_correct(status, body, cluster.refs[FORGED_ATTACKER], allow_error=False)
+    assert_clean(p, d)
