@@ -53,6 +53,9 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
+    def lease_ids(msg) -> list[str]:
+        return [lease.req_id for lease in getattr(msg, "leases", [])]
+
     def reply(obj: dict) -> None:
         proto.write(json.dumps(obj) + "\n")
         proto.flush()
@@ -74,8 +77,8 @@ def main() -> int:
 
     def on_message(msg):
         with lock:
-            received.append([type(msg).__name__, list(getattr(msg, "req_ids", []))])
-        return m.Ack(count=len(getattr(msg, "req_ids", [])))
+            received.append([type(msg).__name__, lease_ids(msg)])
+        return m.Ack(count=len(lease_ids(msg)))
 
     secret = spec.get("secret")
     ep = KVEndpoint(
@@ -83,12 +86,12 @@ def main() -> int:
         secret=secret.encode() if secret else None,
         descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True),
     )
-    reply({"address": ep.address})
+    reply({"address": ep.address, "engine_id": ep.engine_id, "incarnation": ep.incarnation})
     for line in sys.stdin:
         cmd = json.loads(line)
         match cmd["cmd"]:
             case "notifs":
-                out = {"notifs": [[n.agent_name, type(n.message).__name__, list(getattr(n.message, "req_ids", []))]
+                out = {"notifs": [[n.agent_name, type(n.message).__name__, lease_ids(n.message)]
                                   for n in ep.get_notifs()]}
             case "messages":
                 with lock:

@@ -23,7 +23,7 @@ def export(**changes) -> m.IpcExport:
 
 def handshake_response(cuda_ipc_export) -> m.HandshakeResponse:
     region = m.KVRegion(base_addr=4096, nbytes=1 << 20)
-    return m.HandshakeResponse(protocol_version=1, engine_id="e", compat_hash="h", agent_name="a",
+    return m.HandshakeResponse(protocol_version=2, engine_id="e", incarnation="i", compat_hash="h", agent_name="a",
                                agent_metadata=b"md", regions=[region], num_blocks=8, block_nbytes=1024,
                                cuda_ipc=cuda_ipc_export)
 

@@ -35,6 +35,12 @@ GEOMETRY = {"num_blocks": 64, "num_layers": 2, "block_size": 4, "num_kv_heads": 
 MODEL = "tiny-test-model"
 
 
+def _done(engine_id: str, *req_ids: str) -> m.TransferDone:
+    """A notification payload naming `req_ids` (the peer reports the request ids it received)."""
+    leases = [m.LeaseRef(req_id=r, token="t", block_ids=[], block_hash="") for r in req_ids]
+    return m.TransferDone(engine_id=engine_id, incarnation="i", leases=leases)
+
+
 class Peer:
     """A peer endpoint in a child process."""
 
@@ -113,7 +119,7 @@ def test_read_scattered_blocks_verifies_every_byte_and_notifies(peer, mode):
     ep, kv = _local_endpoint(descriptor_mode=mode, max_descriptor_nbytes=3 * 512)
     try:
         rec = ep.read_blocks(f"read-{mode}", peer.address, local_ids, remote_ids,
-                             notif=m.TransferDone(engine_id="decode", req_ids=[f"read-{mode}"]))
+                             notif=_done("decode", f"read-{mode}"))
         assert rec.state in (TransferState.HANDSHAKING, TransferState.POSTED)
         rec = _wait_final(ep, f"read-{mode}")
         assert rec.state is TransferState.DONE, rec.error
@@ -148,7 +154,7 @@ def test_write_path_with_notification_and_side_channel_message(peer):
         peer.ask("notifs")  # start from an empty notification queue
         local_ids, remote_ids = [5, 6, 7, 30, 2], [60, 61, 62, 56, 58]  # the read tests never use 52..63
         rec = ep.write_blocks("w1", peer.address, local_ids, remote_ids,
-                              notif=m.TransferDone(engine_id="prefill-writer", req_ids=["w1"]))
+                              notif=_done("prefill-writer", "w1"))
         rec = _wait_final(ep, "w1")
         assert rec.state is TransferState.DONE, rec.error
         assert peer.ask("digest", ids=remote_ids)["digest"] == blocks_digest(kv, local_ids)
@@ -156,9 +162,9 @@ def test_write_path_with_notification_and_side_channel_message(peer):
         fill_kv(original, 7)
         assert peer.ask("digest", ids=[57, 59, 63])["digest"] == blocks_digest(original, [57, 59, 63])
         assert _drain_notifs(peer, 1) == [["prefill-writer", "TransferDone", ["w1"]]]
-        ep.send_notif(peer.address, m.TransferDone(engine_id="prefill-writer", req_ids=["standalone"]))
+        ep.send_notif(peer.address, _done("prefill-writer", "standalone"))
         assert _drain_notifs(peer, 1) == [["prefill-writer", "TransferDone", ["standalone"]]]
-        reply = ep.request(peer.address, m.TransferDone(engine_id="prefill-writer", req_ids=["a", "b"]))
+        reply = ep.request(peer.address, _done("prefill-writer", "a", "b"))
         assert reply == m.Ack(count=2)
         assert ["TransferDone", ["a", "b"]] in peer.ask("messages")["messages"]
     finally:
@@ -320,7 +326,7 @@ def test_write_through_the_mapping_to_a_peer_that_sees_only_its_own_gpu(tmp_path
     try:
         local_ids, remote_ids = [1, 2, 3, 17, 30], [40, 41, 50, 51, 7]
         ep.write_blocks("gpu-write", gpu_peer.address, local_ids, remote_ids,
-                        notif=m.TransferDone(engine_id="gpu-writer", req_ids=["gpu-write"]))
+                        notif=_done("gpu-writer", "gpu-write"))
         rec = _wait_final(ep, "gpu-write")
         assert rec.state is TransferState.DONE, rec.error
         assert ep.get_stats()["num_ipc_copies"] == 1

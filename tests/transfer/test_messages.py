@@ -14,9 +14,13 @@ from kvbridge.transfer import messages as m
 def _handshake_response() -> m.HandshakeResponse:
     region = m.KVRegion(base_addr=0x7F00_0000_0000, nbytes=1 << 20, device_id=1, mem_type="VRAM")
     return m.HandshakeResponse(
-        protocol_version=1, engine_id="prefill-0", compat_hash="ab" * 16, agent_name="prefill-0",
+        protocol_version=2, engine_id="prefill-0", incarnation="cd" * 16, compat_hash="ab" * 16, agent_name="prefill-0",
         agent_metadata=b"\x00\x01nixl", regions=[region], num_blocks=8, block_nbytes=1 << 17,
     )
+
+
+LEASE_A = m.LeaseRef(req_id="a", token="t" * 64, block_ids=[3, 4], block_hash="ab" * 16)
+LEASE_B = m.LeaseRef(req_id="b", token="u" * 64, block_ids=[7], block_hash="cd" * 16)
 
 
 @pytest.mark.parametrize(
@@ -24,9 +28,10 @@ def _handshake_response() -> m.HandshakeResponse:
     [
         m.HandshakeRequest(protocol_version=1, engine_id="d", compat_hash="h", agent_name="d", agent_metadata=b"x"),
         _handshake_response(),
-        m.LeaseRenew(engine_id="d", req_ids=["a", "b"]),
-        m.LeaseRenewReply(held=["a"], unknown=["b"]),
-        m.TransferDone(engine_id="d", req_ids=["a"], failed_req_ids=["b"]),
+        m.LeaseRenew(engine_id="d", incarnation="i", leases=[LEASE_A, LEASE_B]),
+        m.LeaseRenewReply(held=["a"], pending=["c"], unknown=["b"]),
+        m.TransferDone(engine_id="d", incarnation="i", leases=[LEASE_A], failed_leases=[LEASE_B]),
+        m.TransferDoneReply(released=["a"], pending=["c"], unknown=["b"]),
         m.Ack(count=3),
         m.Ping(engine_id="d"),
         m.Pong(engine_id="p"),
@@ -42,20 +47,23 @@ def test_match_dispatch_on_decoded_messages():
         match m.decode(data):
             case m.HandshakeRequest(engine_id=eid):
                 return f"handshake from {eid}"
-            case m.TransferDone(req_ids=ids):
-                return f"done {ids}"
+            case m.TransferDone(leases=leases):
+                return f"done {[lease.req_id for lease in leases]}"
             case _:
                 return "other"
 
-    assert kind(m.encode(m.TransferDone(engine_id="d", req_ids=["r1"]))) == "done ['r1']"
+    assert kind(m.encode(m.TransferDone(engine_id="d", incarnation="i", leases=[LEASE_A]))) == "done ['a']"
     assert kind(m.encode(m.HandshakeRequest(protocol_version=1, engine_id="d", compat_hash="h"))) == "handshake from d"
     assert kind(m.encode(m.Ping())) == "other"
 
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", b"garbage", msgspec.msgpack.encode({"type": "nope"}), msgspec.msgpack.encode({"type": "done"}),
-     msgspec.msgpack.encode({"type": "done", "engine_id": 3, "req_ids": []}), msgspec.msgpack.encode([1, 2])],
+    [b"", b"\xc1", b"garbage", msgspec.msgpack.encode({"type": "nope"}), msgspec.msgpack.encode({"type": "done2"}),
+     msgspec.msgpack.encode({"type": "done2", "engine_id": 3, "incarnation": "i"}), msgspec.msgpack.encode([1, 2]),
+     msgspec.msgpack.encode({"type": "done2", "engine_id": "d", "incarnation": "i", "leases": [{"req_id": "a"}]}),
+     # version 1's release named a request id alone: no longer a message at all
+     msgspec.msgpack.encode({"type": "done", "engine_id": "d", "req_ids": ["a"]})],
 )
 def test_malformed_bytes_raise_named_error(data):
     with pytest.raises(MalformedMessageError):
@@ -63,7 +71,7 @@ def test_malformed_bytes_raise_named_error(data):
 
 
 def test_frame_round_trip_and_malformed_frame():
-    frame = m.Frame(7, b"payload", b"n" * 16, 123, b"mac")
+    frame = m.Frame(7, b"payload", b"n" * 16, 123, b"mac", b"engine/incarnation")
     assert m.decode_frame(m.encode_frame(frame)) == frame
     with pytest.raises(MalformedMessageError):
         m.decode_frame(b"\x93\x01")
@@ -120,8 +128,8 @@ def test_new_message_type_is_malformed_for_old_peer():
 
 
 def test_real_messages_ignore_unknown_fields_from_newer_peers():
-    data = msgspec.msgpack.encode({"type": "done", "engine_id": "d", "req_ids": ["a"], "future_field": [1, 2]})
-    assert m.decode(data) == m.TransferDone(engine_id="d", req_ids=["a"])
+    data = msgspec.msgpack.encode({"type": "done2", "engine_id": "d", "incarnation": "i", "future_field": [1, 2]})
+    assert m.decode(data) == m.TransferDone(engine_id="d", incarnation="i")
 
 
 def test_version_negotiation(monkeypatch):

@@ -20,10 +20,16 @@ from kvbridge.errors import (
     TransferError,
 )
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.auth import FrameSigner
+from kvbridge.transfer.auth import FrameSigner, audience_of
 from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer
 
 SECRET = b"s3cret-for-tests"
+AUDIENCE = audience_of("prefill-0", "inc-1")
+
+
+def _done(*req_ids: str) -> m.TransferDone:
+    leases = [m.LeaseRef(req_id=r, token="t", block_ids=[1], block_hash="h") for r in req_ids]
+    return m.TransferDone(engine_id="d", incarnation="inc-1", leases=leases)
 
 
 def _handler(msg: m.Message) -> m.Message | None:
@@ -37,8 +43,8 @@ def _handler(msg: m.Message) -> m.Message | None:
             return m.Pong(engine_id=eid)
         case m.Ping(engine_id=eid):
             return m.Pong(engine_id=eid)
-        case m.TransferDone(req_ids=ids):
-            return m.Ack(count=len(ids))
+        case m.TransferDone(leases=leases):
+            return m.Ack(count=len(leases))
         case _:
             return None
 
@@ -66,8 +72,8 @@ def test_round_trip_on_a_free_port(server):
     client = _client(server.address)
     try:
         assert client.request(m.Ping(engine_id="d")) == m.Pong(engine_id="d")
-        assert client.request(m.TransferDone(engine_id="d", req_ids=["a", "b"])) == m.Ack(count=2)
-        assert client.request(m.LeaseRenew(engine_id="d", req_ids=[])) == m.Ack()  # None -> Ack
+        assert client.request(_done("a", "b")) == m.Ack(count=2)
+        assert client.request(m.LeaseRenew(engine_id="d", incarnation="i", leases=[])) == m.Ack()  # None -> Ack
     finally:
         client.close()
 
@@ -214,7 +220,7 @@ def test_oversized_input_is_dropped_and_server_keeps_serving():
         assert client.request(m.Ping(engine_id="still")) == m.Pong(engine_id="still")
         with pytest.raises(MalformedMessageError, match="exceeds"):
             SideChannelClient(srv.address, max_message_bytes=64 << 10).request(
-                m.TransferDone(engine_id="d", req_ids=["x" * 100] * 1000)
+                _done(*["x" * 100] * 1000)
             )
     finally:
         sock.close(0)
@@ -244,7 +250,7 @@ def test_authenticated_client_is_served_and_unsigned_server_is_refused(secure_se
 
 
 def test_replayed_message_is_rejected(secure_server):
-    frame = FrameSigner(SECRET).seal(42, m.encode(m.TransferDone(engine_id="d", req_ids=["r"])))
+    frame = FrameSigner(SECRET).seal(42, m.encode(_done("r")))
     data = m.encode_frame(frame)
     sock = _raw_dealer(secure_server.address)
     try:
@@ -281,3 +287,68 @@ def test_signer_window_replay_and_bounded_nonce_cache():
     with pytest.raises(AuthenticationError, match="wrong signature"):
         verifier.verify(tampered)
     FrameSigner(None).verify(tampered)  # no secret: no authentication
+
+
+@pytest.fixture
+def addressed_server():
+    srv = SideChannelServer("127.0.0.1", 0, _handler, SECRET, audience=AUDIENCE)
+    yield srv
+    srv.close()
+
+
+def _send_raw(address: str, frame: m.Frame) -> m.Message:
+    sock = _raw_dealer(address)
+    try:
+        sock.send(m.encode_frame(frame))
+        assert sock.poll(2000)
+        return m.decode(m.decode_frame(sock.recv()).payload)
+    finally:
+        sock.close(0)
+
+
+def test_signed_requests_are_bound_to_their_destination_instance(addressed_server):
+    signer = FrameSigner(SECRET)
+    assert _send_raw(addressed_server.address, signer.seal(1, m.encode(_done("r")), AUDIENCE)) == m.Ack(count=1)
+    # the same secret, but meant for another node or for an earlier instance of this one
+    for audience in (audience_of("prefill-1", "inc-1"), audience_of("prefill-0", "inc-0"), b""):
+        reply = _send_raw(addressed_server.address, signer.seal(2, m.encode(_done("r")), audience))
+        assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH, audience
+        assert "another node" in reply.message
+    # handshakes and pings change nothing: a client that does not know the instance yet may send them
+    assert _send_raw(addressed_server.address, signer.seal(3, m.encode(m.Ping(engine_id="p")))) == m.Pong(engine_id="p")
+    client = _client(addressed_server.address, SECRET)
+    try:
+        assert client.request(_done("a"), audience=AUDIENCE) == m.Ack(count=1)
+        with pytest.raises(AuthenticationError, match="another node"):
+            client.request(_done("a"), audience=audience_of("prefill-0", "restarted"))
+    finally:
+        client.close()
+
+
+def test_a_reply_is_accepted_only_for_the_request_it_answers():
+    """A captured reply, replayed as the answer to a later request, is refused by the client."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = _client(f"tcp://127.0.0.1:{port}", SECRET, timeout_s=2.0)
+    signer = FrameSigner(SECRET)
+    captured = signer.seal(1, m.encode(m.Ack(count=99)), audience=b"n" * 16)  # answered some other request
+    errors = []
+
+    def serve():
+        ident, data = router.recv_multipart()
+        request = m.decode_frame(data)
+        replayed = m.Frame(request.corr_id, captured.payload, captured.nonce, captured.timestamp_ns, captured.mac,
+                           captured.audience)  # fmt: skip
+        router.send_multipart([ident, m.encode_frame(replayed)])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        client.request(m.Ping(engine_id="x"))
+    except AuthenticationError as e:
+        errors.append(e)
+    finally:
+        thread.join(5)
+        client.close()
+        router.close(0)
+    assert errors, "a reply signed for another request was accepted"

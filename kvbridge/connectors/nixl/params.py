@@ -77,7 +77,7 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefillParams |
             f"kv_transfer_params for remote prefill are malformed: {e}; pass the kv_transfer_params "
             "that the prefill node returned, unchanged"
         ) from None
-    for name in REQUIRED_FIELDS:
+    for name in REQUIRED_FIELDS if parsed.remote_block_ids else ():  # reading nothing needs no proof
         if not getattr(parsed, name):
             raise InvalidRequestError(
                 f"kv_transfer_params.{name} is required for a remote prefill: without it the decode node "
@@ -92,8 +92,6 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefillParams |
         )
     if any(not 0 <= b <= MAX_BLOCK_ID for b in parsed.remote_block_ids):
         raise InvalidRequestError(f"kv_transfer_params.remote_block_ids holds an id outside [0, {MAX_BLOCK_ID}]")
-    if not parsed.remote_block_ids:
-        raise InvalidRequestError("kv_transfer_params.remote_block_ids is empty: the prefill node holds no block")
     if parsed.remote_block_size < 0 or not 0 <= parsed.lease_s < 1e9 or parsed.remote_num_tokens < 0:
         raise InvalidRequestError(
             "kv_transfer_params.remote_block_size, remote_num_tokens and lease_s must be non-negative"

@@ -75,7 +75,7 @@ class NixlScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         params = self._remote_params(request)
-        if params is None:
+        if params is None or not params.remote_block_ids:
             return MatchResult(0, False)
         num_remote = self._num_usable_blocks(request, params) * self.block_size
         self._local_hits[request.request_id] = num_computed_tokens
@@ -88,24 +88,25 @@ class NixlScheduler:
         blocks the params name (if they hold what the prefill's lease says) are this prompt's.
         """
         num_blocks = len(params.remote_block_ids)
-        if num_blocks > request.num_prompt_tokens // self.block_size or params.remote_block_size not in (0, self.block_size):
-            matches = False  # more blocks than the prompt fills, or blocks of another size: never this prompt's
-        else:
-            matches = request.block_hashes[num_blocks - 1].hex() == params.remote_block_hash
-        if not matches:
-            logger.error(
-                "request %s: the remote prefill's blocks hold other tokens than this prompt (block hash "
-                "mismatch); computing the prompt locally. Send each decode request the prompt its "
-                "prefill request had.",
-                request.request_id,
+        if params.remote_block_size not in (0, self.block_size):
+            reason = (
+                f"the prefill engine holds blocks of {params.remote_block_size} tokens, this engine of "
+                f"{self.block_size}; run both with the same block size"
             )
-            self.num_mismatched_params += 1
-            return 0
-        return num_blocks
+        elif num_blocks > request.num_prompt_tokens // self.block_size:
+            reason = f"{num_blocks} remote blocks are more than this prompt fills"
+        elif request.block_hashes[num_blocks - 1].hex() != params.remote_block_hash:
+            reason = "they hold other tokens (block hash mismatch); send each decode request its prefill's prompt"
+        else:
+            return num_blocks
+        logger.error("request %s: the remote prefill's blocks are not this prompt's: %s; computing it locally",
+                     request.request_id, reason)  # fmt: skip
+        self.num_mismatched_params += 1
+        return 0
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params = self._remote_params(request)
-        if params is None:
+        if params is None or not params.remote_block_ids:
             return
         self._handled.add(request.request_id)
         first = self._local_hits.pop(request.request_id, request.num_computed_tokens) // self.block_size
@@ -144,24 +145,28 @@ class NixlScheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             return FinishResult(False, None)  # aborted or failed: there is nothing worth reading
         num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
-        if not num_full:
-            return FinishResult(False, None)  # not one full block: the decode side computes the prompt
-        params = RemotePrefillParams(
-            remote_engine_id=self.config.engine_id,
-            remote_host=self.config.side_channel_host,
-            remote_port=self.side_channel_port,
-            remote_block_ids=list(block_ids[:num_full]),
-            remote_request_id=request.request_id,
-            remote_num_tokens=num_full * self.block_size,
-            remote_block_hash=request.block_hashes[num_full - 1].hex(),
-            remote_block_size=self.block_size,
-            lease_s=self.lease_s,
-            remote_incarnation=self.incarnation,
-            remote_lease_token=secrets.token_hex(32),  # 256 bits: only this request's client learns it
-        )
+        if not num_full:  # not one full block: nothing is held, the decode side computes the prompt
+            return FinishResult(False, self._params(request, []).to_dict())
+        params = self._params(request, block_ids[:num_full])
         self._new_leases[request.request_id] = params.lease_ref()
         self._leased.add(request.request_id)
         return FinishResult(True, params.to_dict())
+
+    def _params(self, request: Request, held: list[int]) -> RemotePrefillParams:
+        """What the decode side needs to read `held` and to prove it read this request's blocks."""
+        return RemotePrefillParams(
+            remote_engine_id=self.config.engine_id,
+            remote_host=self.config.side_channel_host,
+            remote_port=self.side_channel_port,
+            remote_block_ids=list(held),
+            remote_request_id=request.request_id,
+            remote_num_tokens=len(held) * self.block_size,
+            remote_block_hash=request.block_hashes[len(held) - 1].hex() if held else "",
+            remote_block_size=self.block_size,
+            lease_s=self.lease_s,
+            remote_incarnation=self.incarnation,
+            remote_lease_token=secrets.token_hex(32) if held else "",  # 256 bits: only this request's client learns it
+        )
 
     def get_stats(self) -> dict[str, Any]:
         return {

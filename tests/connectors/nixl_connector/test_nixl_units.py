@@ -8,34 +8,47 @@ import pytest
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
-from kvbridge.connectors.nixl.params import parse_remote_prefill
+from kvbridge.connectors.nixl.params import MAX_REMOTE_BLOCKS, parse_remote_prefill
+from kvbridge.connectors.nixl.peer_policy import PeerPolicy
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, NixlScheduler
 from kvbridge.connectors.nixl.stats import TransferStats, busy_seconds
 from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, InvalidRequestError
+from kvbridge.transfer.messages import LeaseRef
 
 BS = 16
 
 
-def remote_params(block_ids, port=5555) -> dict:
+def token_ids(num_tokens: int) -> list[int]:
+    return list(range(3, 3 + num_tokens))
+
+
+def remote_params(block_ids, port=5555, num_tokens=None, host="127.0.0.1") -> dict:
+    """Params as a prefill of `num_tokens` prompt tokens (default: exactly the blocks) returns them."""
+    num_tokens = len(block_ids) * BS if num_tokens is None else num_tokens
+    prefilled = Request("pre-r1", token_ids(num_tokens), SamplingParams(), BS)
     return {
         "do_remote_prefill": True,
         "remote_engine_id": "pre",
-        "remote_host": "127.0.0.1",
+        "remote_host": host,
         "remote_port": port,
         "remote_block_ids": list(block_ids),
         "remote_request_id": "pre-r1",
+        "remote_block_hash": prefilled.block_hashes[len(block_ids) - 1].hex() if block_ids else "",
+        "remote_incarnation": "inc-0",
+        "remote_lease_token": "t" * 64,
     }
 
 
 def request(num_tokens: int, params: dict | None = None, req_id: str = "r1") -> Request:
-    return Request(req_id, list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=4), BS, params)
+    return Request(req_id, token_ids(num_tokens), SamplingParams(max_tokens=4), BS, params)
 
 
-def scheduler(role: str) -> NixlScheduler:
-    return NixlScheduler(KVTransferConfig("NixlConnector", role=role, engine_id="me", side_channel_port=0), BS, 30.0)
+def scheduler(role: str, allowed_peers=("127.0.0.0/8",)) -> NixlScheduler:
+    config = KVTransferConfig("NixlConnector", role=role, engine_id="me", side_channel_port=0)
+    return NixlScheduler(config, BS, 30.0, "inc-me", PeerPolicy(allowed_peers))
 
 
 def test_params_are_validated_with_named_errors():
@@ -48,6 +61,43 @@ def test_params_are_validated_with_named_errors():
         parse_remote_prefill({k: v for k, v in remote_params([1]).items() if k != "remote_engine_id"})
     with pytest.raises(InvalidRequestError, match="port"):
         parse_remote_prefill(remote_params([1], port=0))
+
+
+@pytest.mark.parametrize("field", ["remote_block_hash", "remote_incarnation", "remote_lease_token"])
+def test_params_without_the_proof_of_their_blocks_are_refused(field):
+    without = {k: v for k, v in remote_params([1, 2]).items() if k != field}
+    with pytest.raises(InvalidRequestError, match=f"{field} is required"):
+        parse_remote_prefill(without)
+    with pytest.raises(InvalidRequestError, match=f"{field} is required"):
+        parse_remote_prefill({**without, field: ""})  # an empty value skips nothing either
+
+
+@pytest.mark.parametrize(
+    "block_ids, match",
+    [([1, 2**63], "outside"), ([-1], "outside"), ([0] * (MAX_REMOTE_BLOCKS + 1), "more than")],
+)
+def test_absurd_block_ids_are_refused_before_anything_is_planned(block_ids, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        parse_remote_prefill({**remote_params([1]), "remote_block_ids": block_ids})
+
+
+def test_peer_policy_allows_networks_and_exact_names_only():
+    policy = PeerPolicy(("10.0.0.0/16", "::1", "Prefill-0.svc"))
+    assert policy.allows("10.0.3.4") and policy.allows("::1") and policy.allows("[::1]") and policy.allows("prefill-0.svc")
+    assert not policy.allows("10.1.0.1") and not policy.allows("127.0.0.1") and not policy.allows("prefill-0.svc.evil")
+    assert PeerPolicy().allows("127.0.0.2") and not PeerPolicy().allows("192.168.1.1")  # default: loopback only
+    assert PeerPolicy(("*",)).allows("anything")
+    with pytest.raises(ConfigError, match="allowed_peers"):
+        NixlOptions.from_extra({"allowed_peers": ["10.0.0.0/99"]})
+    assert NixlOptions.from_extra({"allowed_peers": "*"}).allowed_peers == ("*",)
+
+
+def test_decode_refuses_params_naming_a_peer_outside_the_allow_list():
+    sched = scheduler("kv_consumer")
+    req = request(2 * BS, remote_params([7, 8], host="169.254.169.254"))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed locally, nothing planned
+    assert sched.build_connector_meta(SchedulerOutput()).recvs == {}
+    assert sched.get_stats()["num_refused_peers"] == 1
 
 
 def test_options_reject_unknown_and_bad_values():
@@ -65,13 +115,15 @@ def test_options_reject_unknown_and_bad_values():
 
 def test_decode_asks_only_for_blocks_missing_locally_and_plans_one_read():
     sched = scheduler("kv_consumer")
-    req = request(5 * BS + 3, remote_params([10, 11, 12, 13, 14]))
+    req = request(5 * BS + 3, remote_params([10, 11, 12, 13, 14], num_tokens=5 * BS + 3))
     assert sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)
     sched.update_state_after_alloc(req, [0, 1, 2, 3, 4, 5], 3 * BS)
     meta = sched.build_connector_meta(SchedulerOutput())
     job = meta.recvs["r1"]
     assert job.local_block_ids == (2, 3, 4) and job.remote_block_ids == (12, 13, 14)
     assert job.remote.address == "tcp://127.0.0.1:5555" and job.remote_request_id == "pre-r1"
+    assert job.remote.incarnation == "inc-0" and job.lease.token == "t" * 64
+    assert job.lease.block_ids == [10, 11, 12, 13, 14]  # the release names the whole lease, not the part read
     # asked once: a re-admission (after preemption) computes locally
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sched.build_connector_meta(SchedulerOutput()).recvs == {}
@@ -84,6 +136,7 @@ def test_remote_blocks_of_another_prompt_are_never_read():
     _, params = producer.request_finished(prefilled, [7, 8, 9, 10])
     params = {**params, "do_remote_prefill": True, "remote_port": 5555}
     assert params["remote_block_hash"] == prefilled.block_hashes[2].hex()
+    assert params["remote_incarnation"] == "inc-me" and len(params["remote_lease_token"]) == 64
 
     consumer = scheduler("kv_consumer")
     same = request(3 * BS + 2, params, req_id="same")
@@ -122,9 +175,26 @@ def test_prefill_holds_full_prompt_blocks_under_a_lease_and_reports_its_port():
     assert delay and params["remote_block_ids"] == [4, 5, 6] and params["remote_port"] == 4242
     assert params["remote_engine_id"] == "me" and params["remote_num_tokens"] == 3 * BS
     assert sched.has_pending_transfers()
-    assert sched.build_connector_meta(SchedulerOutput()).leases == {"r1": (4, 5, 6)}
+    lease = sched.build_connector_meta(SchedulerOutput()).leases["r1"]
+    assert lease == LeaseRef(req_id="r1", token=params["remote_lease_token"], block_ids=[4, 5, 6],
+                             block_hash=params["remote_block_hash"])  # fmt: skip
     sched.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     assert not sched.has_pending_transfers()
+    other = request(3 * BS + 5, {"do_remote_decode": True}, req_id="r2")
+    other.num_computed_tokens, other.status = other.num_prompt_tokens, RequestStatus.FINISHED_LENGTH
+    assert sched.request_finished(other, [4, 5, 6, 7])[1]["remote_lease_token"] != params["remote_lease_token"]
+
+
+def test_prefill_shorter_than_a_block_holds_nothing_and_the_decode_computes_it():
+    sched = scheduler("kv_producer")
+    req = request(BS - 1, {"do_remote_decode": True})
+    req.num_computed_tokens, req.status = req.num_prompt_tokens, RequestStatus.FINISHED_LENGTH
+    delay, params = sched.request_finished(req, [4])
+    assert not delay and params["remote_block_ids"] == [] and not params["remote_lease_token"]
+    assert not sched.has_pending_transfers()
+    consumer = scheduler("kv_consumer")
+    short = request(BS - 1, {**params, "do_remote_prefill": True}, req_id="short")
+    assert consumer.get_num_new_matched_tokens(short, 0) == (0, False)  # nothing to read, nothing to prove
 
 
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
@@ -135,22 +205,48 @@ def test_prefill_frees_aborted_requests_at_once(status):
     assert sched.request_finished(req, [1, 2, 3]) == (False, None)
 
 
+def lease(req_id: str, token: str = "t" * 64, block_ids=(1,), block_hash: str = "h1") -> LeaseRef:
+    return LeaseRef(req_id=req_id, token=token, block_ids=list(block_ids), block_hash=block_hash)
+
+
 def test_lease_table_release_expiry_and_early_release():
-    leases = LeaseTable(lease_s=10)
-    leases.grant("a", (1,), now=0)
-    leases.grant("b", (2,), now=0)
-    assert leases.renew(["b"], now=8) == (["b"], [])
-    assert leases.release(["a"]) == (["a"], [])
+    leases = LeaseTable(lease_s=10, incarnation="inc")
+    leases.grant(lease("a"), now=0)
+    leases.grant(lease("b", block_ids=(2,)), now=0)
+    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=8) == (["b"], [], [])
+    assert leases.release("inc", [lease("a")], now=9) == (["a"], [], [])
     assert leases.collect(now=12) == {"a"}  # b was renewed until 18
-    assert leases.pending() == {"b"}
+    assert leases.pending(now=12) == {"b"}
+    assert leases.pending(now=18) == set()  # overdue: nothing to wait for, even before collect
     assert leases.collect(now=18) == {"b"}
-    assert leases.release(["b"]) == ([], ["b"])  # a late reader is told its read is void
-    assert leases.renew(["b"], now=19) == ([], ["b"])
-    # TransferDone before the grant: the blocks were never freed, the read is valid
-    assert leases.release(["c"]) == (["c"], [])
-    leases.grant("c", (3,), now=20)
-    assert leases.pending() == set() and leases.collect(now=20) == {"c"}
+    assert leases.release("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"])  # a late reader's read is void
+    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"])
+    assert leases.release("inc", [lease("a")], now=19) == ([], [], ["a"])  # released once, never again
+    # A release before the grant: "pending" (the blocks are still allocated); after the grant it matches.
+    assert leases.release("inc", [lease("c")], now=20) == ([], ["c"], [])
+    leases.grant(lease("c"), now=20)
+    assert leases.release("inc", [lease("c")], now=20) == (["c"], [], [])
+    assert leases.collect(now=20) == {"c"}
     assert leases.num_expired == 1 and len(leases) == 0
+
+
+def test_lease_table_acts_only_on_an_exact_match():
+    leases = LeaseTable(lease_s=10, incarnation="inc")
+    real = lease("victim", token="s" * 64, block_ids=(4, 5), block_hash="h5")
+    leases.grant(real, now=0)
+    forgeries = [
+        lease("victim"),  # the id alone (what version 1 of the protocol trusted)
+        lease("victim", token="s" * 63 + "x", block_ids=(4, 5), block_hash="h5"),  # a guessed token
+        lease("victim", token="s" * 64, block_ids=(4, 6), block_hash="h5"),  # other blocks
+        lease("victim", token="s" * 64, block_ids=(4, 5), block_hash="h6"),  # another prompt's hash
+    ]
+    for forged in forgeries:
+        assert leases.renew("inc", [forged], now=1) == ([], [], ["victim"])
+        assert leases.release("inc", [forged], now=1) == ([], [], ["victim"])
+    assert leases.release("inc-of-a-restarted-engine", [real], now=1) == ([], [], ["victim"])
+    assert leases.num_refused == 2 * len(forgeries) + 1
+    assert leases.pending(now=1) == {"victim"} and leases.collect(now=1) == set()  # still held
+    assert leases.release("inc", [real], now=2) == (["victim"], [], [])
 
 
 def test_throughput_counts_wall_time_with_transfers_in_flight():
