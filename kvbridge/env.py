@@ -32,6 +32,13 @@ def side_channel_secret() -> bytes | None:
     return value.encode() if value else None
 
 
+def admin_token() -> str | None:
+    """KVBRIDGE_ADMIN_TOKEN: bearer token that a node's admin endpoints require (default none: open).
+    `kvbridge serve --admin-token-file` takes precedence."""
+    value = (_get_str("KVBRIDGE_ADMIN_TOKEN", None) or "").strip()
+    return value or None
+
+
 def checkpoint_full_hash() -> bool:
     """KVBRIDGE_CHECKPOINT_FULL_HASH: a checkpoint's identity hashes every byte of every weight file,
     not samples of files over 256 MiB (engine/checkpoint_id.py says when that matters)."""

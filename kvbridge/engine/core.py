@@ -239,6 +239,24 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
         return True
 
+    def try_reset_prefix_cache(self, waiting_on: frozenset[str] | None = None) -> frozenset[str]:
+        """`reset_prefix_cache` without waiting, for a caller that must keep the engine serving (the
+        HTTP API asks again between steps). One step that computes nothing collects what ended
+        (finished transfers, expired leases); then, if none of `waiting_on` (default: every request
+        a transfer holds blocks or waits for) is still in flight, the prefix cache is forgotten and
+        the empty set returned. Otherwise the cache is left as it was and the requests still in flight
+        are returned: pass them as `waiting_on` next time, so that transfers started in between do
+        not delay the reset (it forgets only what was cached; blocks in use stay in use)."""
+        self._check_alive()
+        if self.worker_connector is not None:
+            self._empty_step()
+        pending = self.scheduler.conn.pending_req_ids()
+        if waiting_on is not None:
+            pending &= waiting_on
+        if not pending:
+            self.scheduler.reset_prefix_cache()
+        return pending
+
     @property
     def flush_timeout_s(self) -> float:
         """How long reset_prefix_cache/shutdown wait for transfers: kv_transfer.flush_timeout_s or the env default."""

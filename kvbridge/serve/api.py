@@ -7,6 +7,7 @@ Routes (see docs/serving.md):
     GET  /metrics                      Prometheus text format
     GET  /v1/kvbridge/state            admin: engine stats, check_integrity() result, in-flight counts
     POST /v1/kvbridge/reset_prefix_cache   admin: drop the local prefix cache
+The admin endpoints (serve/admin.py) can require a bearer token.
 
 `create_app` is called by serve/server.py (the CLI) and by tests with an engine of their own.
 Run the app with `handler_cancellation=True` so a client that hangs up aborts its request.
@@ -27,6 +28,7 @@ from aiohttp import web
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.errors import InvalidRequestError
 from kvbridge.serve import protocol
+from kvbridge.serve.admin import AdminAPI, AdminAuth
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -40,21 +42,6 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-def _state(core: Any) -> dict[str, Any]:
-    """Runs on the engine thread: a consistent snapshot of the engine's bookkeeping."""
-    try:
-        core.check_integrity()
-        integrity = {"ok": True, "error": None}
-    except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a diagnostics endpoint
-        integrity = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {
-        "stats": core.get_stats(),
-        "integrity": integrity,
-        "has_unfinished_requests": core.has_unfinished_requests(),
-        "has_pending_transfers": core.has_pending_transfers(),
-    }
 
 
 @dataclass
@@ -219,7 +206,7 @@ class CompletionsAPI:
         block_size, block_nbytes = (layout.block_size, layout.block_nbytes) if layout is not None else (0, 0)
         return protocol.kvbridge_stats(run.last, run.timings(), block_size, block_nbytes)
 
-    # ------------------------------------------------------------ health, metrics, admin
+    # ------------------------------------------------------------ health, metrics
 
     async def health(self, request: web.Request) -> web.Response:
         status = {"model": self.model_name, "role": self.role, "running": self.engine.num_running}
@@ -241,35 +228,23 @@ class CompletionsAPI:
                 pass  # serve the request counters anyway
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def state(self, request: web.Request) -> web.Response:
-        if not self.engine.is_ready:
-            return _error(503, "the engine is not ready; poll GET /health", "service_unavailable")
-        state = await self.engine.call(_state)
-        return web.json_response({**state, "role": self.role, "num_running": self.engine.num_running}, dumps=_dumps)
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        if not self.engine.is_ready:
-            return _error(503, "the engine is not ready; poll GET /health", "service_unavailable")
-        ok = await self.engine.call(lambda core: core.reset_prefix_cache())
-        return web.json_response({"reset": bool(ok)})
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, default=str)  # stats may hold non-JSON leaves (enums, tuples): say them as text
-
 
 API_KEY = web.AppKey("api", CompletionsAPI)
 
 
-def create_app(engine: AsyncEngine, model_name: str, role: str = "both") -> web.Application:
-    """The node's aiohttp application; `app[API_KEY]` is the CompletionsAPI (tests read its metrics)."""
+def create_app(
+    engine: AsyncEngine, model_name: str, role: str = "both", admin_token: str | None = None
+) -> web.Application:
+    """The node's aiohttp application; `app[API_KEY]` is the CompletionsAPI (tests read its metrics).
+    With `admin_token`, the admin endpoints need it as a bearer token (serve/admin.py)."""
     api = CompletionsAPI(engine, model_name, role)
+    admin, auth = AdminAPI(engine, role), AdminAuth(admin_token)
     app = web.Application(client_max_size=16 * 1024 * 1024)
     app[API_KEY] = api
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics_text)
-    app.router.add_get("/v1/kvbridge/state", api.state)
-    app.router.add_post("/v1/kvbridge/reset_prefix_cache", api.reset_prefix_cache)
+    app.router.add_get("/v1/kvbridge/state", auth.guard(admin.state))
+    app.router.add_post("/v1/kvbridge/reset_prefix_cache", auth.guard(admin.reset_prefix_cache))
     return app

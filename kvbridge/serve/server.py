@@ -8,7 +8,8 @@
 kv_both); `--kv-connector NAME` runs another connector, `--no-connector` none. The HTTP port
 opens at once and `/health` answers 503 until the engine is built; a start-up failure ends the
 process with exit code 1. SIGINT/SIGTERM stop admitting, then shut the engine down (which
-flushes its connector) before exiting.
+flushes its connector) before exiting. `--admin-token-file PATH` (else KVBRIDGE_ADMIN_TOKEN) makes
+the admin endpoints require that bearer token (serve/admin.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import signal
 import sys
 
+from kvbridge import env
 from kvbridge.config import DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from kvbridge.errors import ConfigError
 
@@ -36,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--port", type=int, default=8000, help="HTTP port")
     net.add_argument("--side-channel-port", type=int, default=0, help="connector side-channel port (0: pick one)")
     net.add_argument("--side-channel-host", default=None, help="side-channel address peers reach (default --host)")
+    net.add_argument(
+        "--admin-token-file", default=None, metavar="PATH",
+        help="file holding the bearer token the admin endpoints require (default: $KVBRIDGE_ADMIN_TOKEN, else open)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="tiny", help="built-in preset or checkpoint directory")
     model.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default --model)")
@@ -139,18 +145,22 @@ async def serve(app, engine, host: str, port: int, describe: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.serve.admin import open_admin_warning, read_admin_token
     from kvbridge.serve.api import create_app
     from kvbridge.serve.async_engine import AsyncEngine
 
     try:
         config = build_engine_config(args)
+        admin_token = read_admin_token(args.admin_token_file, env.admin_token())
     except ConfigError as exc:
         print(f"kvbridge serve: {exc}", file=sys.stderr)
         return 2
+    if (warning := open_admin_warning(args.host, args.port, admin_token)) is not None:
+        logger.warning("%s", warning)
     engine = AsyncEngine(_engine_factory(config, args.num_threads))
     engine.start()
     connector = f"{config.kv_transfer.connector}/{config.kv_transfer.role}" if config.kv_transfer else "no connector"
-    app = create_app(engine, args.served_model_name or args.model, args.role)
+    app = create_app(engine, args.served_model_name or args.model, args.role, admin_token)
     try:
         return asyncio.run(serve(app, engine, args.host, args.port, f"role={args.role}, {connector}"))
     except OSError as exc:

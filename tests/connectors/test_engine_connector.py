@@ -165,6 +165,24 @@ def test_reset_times_out_naming_the_requests():
         assert info.value.pending_req_ids == {out.request_id}
 
 
+def test_try_reset_never_waits_and_resets_once_the_transfers_it_waits_on_ended():
+    with make_llm(delay_s=1.0) as llm:
+        first, _ = run(llm)
+        pool = llm.engine.scheduler.kv.pool
+        assert llm.engine.try_reset_prefix_cache() == {first.request_id}  # its save is running: no wait, no reset
+        assert pool.num_cached_blocks > 0
+        deadline = time.monotonic() + 30  # a hang detector
+        while (pending := llm.engine.try_reset_prefix_cache(frozenset({first.request_id}))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pending == frozenset() and pool.num_cached_blocks == 0
+        later, _ = run(llm, prompt=[(t + 1) % 256 for t in PROMPT])  # cached, its save now running
+        assert pool.num_cached_blocks > 0
+        # Asked while `first` was in flight: a transfer that started since does not delay the reset.
+        assert llm.engine.try_reset_prefix_cache(frozenset({first.request_id})) == frozenset()
+        assert later.request_id in llm.engine.scheduler.conn.pending_req_ids() and pool.num_cached_blocks == 0
+        llm.engine.check_integrity()
+
+
 def test_shutdown_flushes_then_shuts_both_halves_down():
     llm = make_llm(delay_s=0.2)
     run(llm)

@@ -41,6 +41,8 @@ class FakeEngineCore:
         self.num_aborted = 0
         self.num_steps = 0
         self.fail_next_step = False
+        self.transfers_in_flight: set[str] = set()  # what try_reset_prefix_cache waits on; tests edit it
+        self.num_resets = 0
         self.is_shut_down = False
         self.thread_ids: set[int] = set()  # every thread that touched the engine
 
@@ -118,6 +120,13 @@ class FakeEngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return True
+
+    def try_reset_prefix_cache(self, waiting_on: frozenset[str] | None = None) -> frozenset[str]:
+        self._touch()
+        pending = frozenset(self.transfers_in_flight)
+        pending = pending & waiting_on if waiting_on is not None else pending
+        self.num_resets += not pending
+        return pending
 
     def get_stats(self) -> dict:
         self._touch()
