@@ -99,7 +99,8 @@ class FakeEngineCore:
             if kv.get("do_remote_decode"):
                 kv_out = RemotePrefillParams(  # the full shape: the API validates it on the decode leg
                     remote_engine_id=self.engine_id, remote_host="127.0.0.1", remote_port=5557,
-                    remote_block_ids=[0], remote_request_id=rid,
+                    remote_block_ids=[0], remote_request_id=rid, remote_block_hash="00" * 16,
+                    remote_incarnation="fake-incarnation", remote_lease_token="fake-token",
                 ).to_dict()
         ids = list(req["out"])
         return RequestOutput(
