@@ -3,9 +3,8 @@ loopback, the decode engine in this process. Every completion must equal a coloc
 
 from __future__ import annotations
 
-import logging
-
 import gc
+import logging
 import random
 import time
 import weakref
