@@ -1,0 +1,81 @@
+"""Signed side-channel frames captured on the wire cannot be replayed to another node or to a
+restarted one (nodes share KVBRIDGE_SIDE_CHANNEL_SECRET; the attacker does not know it).
+
+A relay between the decode node and prefill A keeps a copy of every frame the decode node sends,
+signed for A. Each is then sent again, unchanged, to prefill B (same secret) and to A restarted
+on the same ports with the same engine id: both refuse it (ErrorReply with code "auth").
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from chaos_harness import (
+    FrameRelay,
+    NodeSet,
+    assert_clean,
+    assert_correct,
+    complete,
+    message_type,
+    prefill,
+    prompt,
+    references,
+    side_channel_send,
+)
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+SECRET = "chaos-suite-replay-secret"
+ENV = {"KVBRIDGE_SIDE_CHANNEL_SECRET": SECRET}
+REPLAY_WINDOW_S = 30.0  # auth.FrameSigner's default: a replay later than this is refused as stale anyway
+TEXT = prompt("replay-captured", 120)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with NodeSet() as nodes:
+        nodes.start("prefill-a", "prefill", ["--engine-id", "chaos-prefill-a"], env=ENV)
+        nodes.start("prefill-b", "prefill", env=ENV)
+        nodes.start("decode", "decode", env=ENV)
+        nodes.refs = references([TEXT])
+        nodes.wait()
+        yield nodes
+
+
+def _assert_all_refused(address: str, frames: list[bytes]) -> None:
+    for frame in frames:
+        reply = side_channel_send(address, frame)
+        print(f"replayed {message_type(frame)} to {address}: {reply}")
+        assert reply is not None, f"{address} did not answer a replayed frame"
+        assert reply["type"] == "error" and reply["code"] == "auth", (
+            f"{address} accepted a {message_type(frame)} frame signed for another node: {reply}"
+        )
+
+
+def test_captured_frames_are_refused_by_another_node_and_by_a_restarted_one(cluster):
+    a, d = cluster.url("prefill-a"), cluster.url("decode")
+    params = prefill(a, TEXT)
+    relay = FrameRelay(cluster.side_channel("prefill-a"))
+    try:
+        status, body = complete(d, TEXT, {**params, "remote_port": relay.port})
+        assert_correct(status, body, cluster.refs[TEXT])
+    finally:
+        relay.close()
+    captured_at = time.monotonic()
+    frames = relay.captured
+    print("captured:", [message_type(f) for f in frames])
+    assert frames, "the decode node sent nothing through the relay"
+
+    _assert_all_refused(cluster.side_channel("prefill-b"), frames)
+
+    cluster.kill("prefill-a")
+    cluster.start("prefill-a", "prefill", ["--engine-id", "chaos-prefill-a"], env=ENV, ports=cluster.ports("prefill-a"))
+    cluster.wait("prefill-a")
+    elapsed = time.monotonic() - captured_at
+    assert elapsed < REPLAY_WINDOW_S - 5, (
+        f"precondition: the restart took {elapsed:.0f}s, so a refusal could come from the replay window "
+        "and not from the incarnation; rerun on a less loaded machine"
+    )
+    _assert_all_refused(cluster.side_channel("prefill-a"), frames)
+    assert_clean(cluster.url("prefill-a"), cluster.url("prefill-b"), d)
