@@ -1,0 +1,121 @@
+"""PeerControls: verdicts from the prefill's answers, one lease per id and batch, bounded peers."""
+
+from __future__ import annotations
+
+import threading
+
+from kvbridge.connectors.nixl.metadata import RemoteEngine
+from kvbridge.connectors.nixl.peer_control import PeerControls, Verdict
+from kvbridge.errors import PeerUnreachableError
+from kvbridge.transfer import messages as m
+
+PREFILL = RemoteEngine("prefill", "127.0.0.1", 5555, "inc-1")
+
+
+def lease(req_id: str, token: str = "t") -> m.LeaseRef:
+    return m.LeaseRef(req_id=req_id, token=token, block_ids=[1, 2], block_hash="h")
+
+
+class FakePrefill:
+    """Answers like a LeaseTable holding `held` (exact leases) and not yet granting `pending` ids."""
+
+    def __init__(self, held: list[m.LeaseRef], pending: set[str] = frozenset(), down: bool = False) -> None:
+        self.held, self.pending, self.down = list(held), set(pending), down
+        self.sent: list[m.Message] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, remote: RemoteEngine, msg: m.Message) -> m.Message:
+        with self.lock:
+            self.sent.append(msg)
+        if self.down:
+            raise PeerUnreachableError("no reply")
+        if isinstance(msg, m.LeaseRenew):
+            return m.LeaseRenewReply(held=[x.req_id for x in msg.leases if x in self.held])
+        reply = m.TransferDoneReply()
+        for x in msg.leases + msg.failed_leases:
+            if x.req_id in self.pending:
+                reply.pending.append(x.req_id)
+            elif x in self.held and msg.incarnation == remote.incarnation:
+                self.held.remove(x)
+                reply.released.append(x.req_id)
+            else:
+                reply.unknown.append(x.req_id)
+        return reply
+
+
+def run(controls: PeerControls, now: list[float], reading=None, steps: int = 200) -> dict[str, Verdict]:
+    verdicts = {}
+    for _ in range(steps):
+        for outcome in controls.progress(reading or {}):
+            verdicts[outcome.req_id] = outcome.verdict
+        now[0] += 0.01
+        threading.Event().wait(0.002)  # let the pool answer
+    return verdicts
+
+
+def make(send, now, **kw) -> PeerControls:
+    options = dict(max_peers=2, idle_s=5.0, renew_interval_s=1.0)
+    options.update(kw)
+    return PeerControls(send, "decode", clock=lambda: now[0], **options)
+
+
+def test_only_an_exact_release_confirms_a_read():
+    now = [0.0]
+    prefill = FakePrefill(held=[lease("real")])
+    controls = make(prefill, now)
+    controls.confirm(PREFILL, "local-real", lease("real"), deadline=100)
+    controls.confirm(PREFILL, "local-forged", lease("real", token="guess"), deadline=100)  # same remote id
+    controls.confirm(PREFILL, "local-made-up", lease("nobody"), deadline=100)
+    verdicts = run(controls, now)
+    assert verdicts == {"local-real": Verdict.CONFIRMED, "local-forged": Verdict.REFUSED, "local-made-up": Verdict.REFUSED}
+    batches = [[x.req_id for x in msg.leases] for msg in prefill.sent]
+    assert all(len(ids) == len(set(ids)) for ids in batches)  # never two leases of one id in a batch
+    controls.close()
+
+
+def test_pending_is_asked_again_until_granted_or_the_deadline():
+    now = [0.0]
+    prefill = FakePrefill(held=[lease("late")], pending={"late", "never"})
+    controls = make(prefill, now)
+    controls.confirm(PREFILL, "a", lease("late"), deadline=100)
+    controls.confirm(PREFILL, "b", lease("never"), deadline=0.5)
+    verdicts = run(controls, now, steps=20)
+    assert verdicts == {}  # asked again, nothing decided before the deadline
+    prefill.pending.discard("late")  # the prefill's next step granted it
+    verdicts = run(controls, now, steps=100)
+    assert verdicts == {"a": Verdict.CONFIRMED, "b": Verdict.REFUSED}
+    controls.close()
+
+
+def test_an_unreachable_prefill_confirms_nothing():
+    now = [0.0]
+    controls = make(FakePrefill(held=[lease("x")], down=True), now)
+    controls.confirm(PREFILL, "x", lease("x"), deadline=100)
+    assert run(controls, now, steps=50) == {"x": Verdict.REFUSED}
+    controls.close()
+
+
+def test_peers_are_capped_and_idle_ones_dropped():
+    now = [0.0]
+    controls = make(FakePrefill(held=[]), now, max_peers=2, idle_s=5.0)
+    others = [RemoteEngine("e", "127.0.0.1", 6000 + i, "i") for i in range(3)]
+    assert controls.admits(others[0])
+    controls.abandon(others[0], lease("a"))
+    controls.abandon(others[1], lease("b"))
+    assert len(controls) == 2 and not controls.admits(others[2]) and controls.admits(others[0])
+    run(controls, now, steps=10)
+    assert controls.drop_idle(busy=set()) == []  # not idle long enough
+    now[0] += 10
+    assert controls.drop_idle(busy={others[1]}) == [others[0]]  # a peer with reads in flight stays
+    assert controls.admits(others[2])
+    controls.close()
+
+
+def test_leases_being_read_are_renewed_every_interval():
+    now = [0.0]
+    prefill = FakePrefill(held=[lease("r")])
+    controls = make(prefill, now, renew_interval_s=0.5)
+    run(controls, now, reading={PREFILL: [lease("r")]}, steps=120)  # 1.2 s of a read in flight
+    renewals = [msg for msg in prefill.sent if isinstance(msg, m.LeaseRenew)]
+    assert 1 <= len(renewals) <= 3 and renewals[0].incarnation == "inc-1" and renewals[0].leases == [lease("r")]
+    controls.close()
