@@ -3,6 +3,8 @@
     kvbridge proxy --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 http://10.0.0.3:8200
 
 Per request (ARCHITECTURE.md, "P/D flow"):
+0. Validate the body as a node would (`parse_completion_request`): a request the decode node would
+   refuse gets its 400 here, before a prefill node computes and holds anything for it.
 1. POST the body to the next prefill node (round-robin) with `max_tokens=1`, `stream=false` and
    `kv_transfer_params={"do_remote_decode": true}`; its response carries `kv_transfer_params`
    naming the blocks it holds for us.
@@ -11,7 +13,8 @@ Per request (ARCHITECTURE.md, "P/D flow"):
 A node that is unreachable or answers 5xx gives a 502 that names it and its reason, a node that
 does not answer within `--timeout` a 504; a 4xx from a node (the client's mistake) is passed
 through unchanged. A client that hangs up closes the upstream connection, which aborts the
-request on that node.
+request on that node. When the decode leg fails for any of these reasons after the prefill leg
+succeeded, the prefill node is told to free the blocks it holds for it (proxy_release.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvbridge.serve.protocol import error_body
+from kvbridge import env
+from kvbridge.errors import InvalidRequestError
+from kvbridge.serve.protocol import error_body, parse_completion_request
+from kvbridge.serve.proxy_release import LeaseReleaser
 
 PREFILL_PARAMS = {"do_remote_decode": True}
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -59,8 +65,8 @@ def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) 
     return {**body, "kv_transfer_params": kv}
 
 
-def error_response(status: int, message: str, err_type: str) -> web.Response:
-    return web.json_response(error_body(message, err_type, status), status=status)
+def error_response(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, err_type, status, param), status=status)
 
 
 class NodeFailure(Exception):
@@ -81,12 +87,14 @@ class PDProxy:
         self.session = None
         self.num_requests = 0
         self.num_node_failures = 0
+        self.releaser = LeaseReleaser(env.side_channel_secret())
 
     async def on_startup(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
 
     async def on_cleanup(self, app: web.Application) -> None:
+        await self.releaser.drain()
         if self.session is not None:
             await self.session.close()
 
@@ -117,8 +125,10 @@ class PDProxy:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "the request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+        try:  # the client's kv_transfer_params are replaced on both legs: not theirs to get wrong
+            parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
+        except InvalidRequestError as exc:
+            return error_response(400, str(exc), "invalid_request_error", exc.param)
         self.num_requests += 1
         prefill_url, decode_url = self.prefill.next(), self.decode.next()
         t0 = time.monotonic()
@@ -126,26 +136,37 @@ class PDProxy:
             resp = await self._post("prefill", prefill_url, prefill_body(body))
             try:
                 prefill = await resp.json()
+                if not isinstance(prefill, dict):
+                    raise ValueError(f"a JSON {type(prefill).__name__}, not an object")
             except (*UPSTREAM_ERRORS, ValueError) as exc:
                 raise self._failure(502, f"prefill node {prefill_url} sent a malformed response: {exc}") from None
             finally:
                 resp.release()
-            t1 = time.monotonic()
-            resp = await self._post("decode", decode_url, decode_body(body, prefill.get("kv_transfer_params")))
         except NodeFailure as failure:
             return failure.response
+        kv_params = prefill.get("kv_transfer_params")
+        t1, decode_ok = time.monotonic(), False
         try:
-            if body.get("stream"):
-                return await _stream_through(request, resp)
-            result = await resp.json()
-        except (*UPSTREAM_ERRORS, ValueError) as exc:
-            resp.close()
-            return error_response(502, f"decode node {decode_url} failed mid-response: {exc}", "upstream_error")
-        except BaseException:
-            resp.close()  # the client hung up: drop the upstream connection so the decode node aborts
-            raise
+            resp = await self._post("decode", decode_url, decode_body(body, kv_params))
+            try:
+                if body.get("stream"):
+                    response, decode_ok = await _stream_through(request, resp)
+                    return response
+                result = await resp.json()
+                decode_ok = True
+            except (*UPSTREAM_ERRORS, ValueError) as exc:
+                resp.close()
+                return error_response(502, f"decode node {decode_url} failed mid-response: {exc}", "upstream_error")
+            except BaseException:
+                resp.close()  # the client hung up: drop the upstream connection so the decode node aborts
+                raise
+            finally:
+                resp.release()
+        except NodeFailure as failure:
+            return failure.response
         finally:
-            resp.release()
+            if not decode_ok:  # nobody will read what the prefill node holds for this request
+                self.releaser.release_soon(kv_params)
         proxy_stats = {"prefill_url": prefill_url, "decode_url": decode_url, "prefill_s": round(t1 - t0, 6)}
         proxy_stats.update(decode_s=round(time.monotonic() - t1, 6), prefill_kvbridge=prefill.get("kvbridge"))
         if isinstance(result.get("kvbridge"), dict):
@@ -169,6 +190,8 @@ class PDProxy:
             "decode": dict(zip(self.decode.urls, decode)),
             "num_requests": self.num_requests,
             "num_node_failures": self.num_node_failures,
+            "num_kv_releases": self.releaser.num_released,
+            "num_kv_release_failures": self.releaser.num_failed,
         }
         return web.json_response(status, status=200 if ok else 503)
 
@@ -180,18 +203,23 @@ def _error_message(text: str) -> str:
         return text[:500]
 
 
-async def _stream_through(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-    """Copy the decode node's SSE stream to the client as it arrives."""
+async def _stream_through(
+    request: web.Request, upstream: aiohttp.ClientResponse
+) -> tuple[web.StreamResponse, bool]:
+    """Copy the decode node's SSE stream to the client as it arrives. Returns the response and
+    whether the upstream stream ended normally."""
     response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
+    complete = True
     try:
         async for data in upstream.content.iter_any():
             await response.write(data)
     except UPSTREAM_ERRORS as exc:
+        complete = False
         message = json.dumps({"error": {"message": f"decode node failed mid-stream: {exc}", "code": 502}})
         await response.write(f"data: {message}\n\ndata: [DONE]\n\n".encode())
     await response.write_eof()
-    return response
+    return response, complete
 
 
 PROXY_KEY = web.AppKey("proxy", PDProxy)

@@ -1,0 +1,123 @@
+"""The proxy strands no prefill blocks: it refuses what a node would refuse before the prefill leg,
+and when the decode leg fails after it, the prefill node frees the blocks at once, not at the end
+of their lease. Black-box: prefill node, decode node and proxy processes on loopback, plain HTTP.
+
+The decode node serves a shorter context than the prefill node (a misconfiguration the proxy
+cannot see), so a long prompt is accepted by the prefill node and refused by the decode node.
+The lease (60 s) is far longer than the deadline the tests poll with, so freed blocks can only
+come from the proxy's release.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+import time
+
+import pytest
+
+from kvbridge.serve.launcher import http_json, start_node, start_proxy, wait_healthy
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="needs NIXL"),
+]
+
+LEASE_S = 60.0
+COMMON = ["--num-threads", "1", "--num-blocks", "64", "--kv-connector-extra", json.dumps({"lease_s": LEASE_S})]
+PREFILL_ARGS = [*COMMON, "--max-model-len", "512"]
+DECODE_ARGS = [*COMMON, "--max-model-len", "128"]
+SHORT = {"prompt": "Blocks are held only for a reader that will come. " * 2, "max_tokens": 4, "temperature": 0}
+LONG = {**SHORT, "prompt": "x" * 300}  # 18 full blocks on the prefill node; too long for the decode node
+RELEASE_DEADLINE_S = 20.0  # a hang detector, far below the lease
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with tempfile.TemporaryDirectory() as log_dir:
+        procs = []
+        try:
+            prefill = start_node("prefill", "prefill", log_dir, extra_args=PREFILL_ARGS)
+            decode = start_node("decode", "decode", log_dir, extra_args=DECODE_ARGS)
+            procs = [prefill, decode]
+            proxy = start_proxy([prefill.url], [decode.url], log_dir, timeout_s=60)
+            procs.append(proxy)
+            wait_healthy(procs, timeout_s=180)
+            yield prefill, decode, proxy
+        finally:
+            for proc in procs:
+                proc.signal_stop()
+            for proc in procs:
+                proc.stop()
+
+
+def _stats(node) -> dict:
+    status, state = http_json(f"{node.url}/v1/kvbridge/state", timeout_s=30)
+    assert status == 200 and state["integrity"]["ok"], state
+    return state["stats"]
+
+
+def _wait_no_held_blocks(node) -> dict:
+    deadline = time.monotonic() + RELEASE_DEADLINE_S
+    while (stats := _stats(node))["num_used_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return stats
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"stop": ["."]}, "stop"),
+        ({"prompt": ""}, "prompt"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
+def test_requests_a_node_would_refuse_get_a_400_from_the_proxy_before_any_leg(cluster, change, param):
+    prefill, _, proxy = cluster
+    admissions = _stats(prefill)["num_admissions"]
+    for _ in range(4):  # four of these once filled a 64-block prefill node for a whole lease
+        status, body = http_json(f"{proxy.url}/v1/completions", {**SHORT, **change})
+        assert status == 400 and body["error"]["param"] == param, body
+        assert body["error"]["type"] == "invalid_request_error"
+    stats = _stats(prefill)
+    assert stats["num_admissions"] == admissions and stats["num_used_blocks"] == 0, stats
+
+
+def test_a_body_that_is_no_object_is_a_400_too(cluster):
+    prefill, _, proxy = cluster
+    admissions = _stats(prefill)["num_admissions"]
+    for body in ([SHORT], "prompt", 7):
+        status, answer = http_json(f"{proxy.url}/v1/completions", body)
+        assert status == 400 and "JSON object" in answer["error"]["message"], answer
+    assert _stats(prefill)["num_admissions"] == admissions
+
+
+def test_a_decode_node_that_refuses_the_request_releases_the_prefill_blocks(cluster):
+    prefill, _, proxy = cluster
+    status, ok = http_json(f"{proxy.url}/v1/completions", SHORT)  # the cluster works
+    assert status == 200 and len(ok["choices"][0]["token_ids"]) == SHORT["max_tokens"], ok
+    admissions = _stats(prefill)["num_admissions"]
+    for _ in range(3):  # 3 x 18 blocks would not fit in 64 if any stayed held
+        status, body = http_json(f"{proxy.url}/v1/completions", LONG)
+        assert status == 400 and body["error"]["param"] == "prompt", body  # the decode node's answer
+    stats = _wait_no_held_blocks(prefill)
+    assert stats["num_admissions"] == admissions + 3  # the prefill leg ran each time
+    assert stats["num_used_blocks"] == 0, f"the prefill node still holds blocks of refused requests: {stats}"
+    _, health = http_json(f"{proxy.url}/health")
+    assert health["num_kv_releases"] >= 3 and health["num_kv_release_failures"] == 0, health
+
+
+def test_an_unreachable_decode_node_releases_the_prefill_blocks(cluster):
+    prefill, decode, proxy = cluster
+    decode.stop()  # last: the module's other tests ran with it
+    for _ in range(3):
+        status, body = http_json(f"{proxy.url}/v1/completions", SHORT)
+        assert status == 502 and "decode node" in body["error"]["message"], body
+    stats = _wait_no_held_blocks(prefill)
+    assert stats["num_used_blocks"] == 0, f"the prefill node still holds blocks for a dead decode node: {stats}"
