@@ -9,6 +9,14 @@ class ConfigError(KVBridgeError, ValueError):
     """A config value is invalid; the message names the field and the accepted values."""
 
 
+class SamplingParamsError(ConfigError):
+    """A `SamplingParams` value is out of range. `field` names it (the HTTP API's 400 names it too)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class ConnectorNotFoundError(ConfigError):
     """No connector is registered under the configured name."""
 

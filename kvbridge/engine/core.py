@@ -22,9 +22,11 @@ from kvbridge import env
 from kvbridge.config import EngineConfig
 from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from kvbridge.connectors.factory import create_connector
+from kvbridge.engine.faults import fail_request, fail_step
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput
 from kvbridge.engine.request import Request, RequestStatus
+from kvbridge.engine.request_limits import RequestLimits
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 from kvbridge.errors import EngineShutdownError, FlushTimeoutError, InvalidRequestError
@@ -78,6 +80,12 @@ class EngineCore:
             load_failure_policy=config.kv_transfer.load_failure_policy if config.kv_transfer else "recompute",
         )
         self.scheduler_connector = scheduler_connector
+        chunked = config.scheduler.enable_chunked_prefill
+        self.limits = RequestLimits(
+            vocab_size=self.runner.model.args.vocab_size,
+            max_model_len=self.scheduler.max_model_len,
+            max_unchunked_prompt=None if chunked else config.scheduler.max_num_batched_tokens,
+        )
         self._pending_outputs: list[RequestOutput] = []  # produced outside step(), returned by the next one
         self.is_idle = False  # the last step computed nothing
         self._froze_gc = False
@@ -119,28 +127,16 @@ class EngineCore:
         sampling_params: SamplingParams,
         kv_transfer_params: dict | None = None,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError for an empty or too long prompt or a live duplicate id."""
+        """Queue a request. Raises InvalidRequestError naming the field this engine cannot serve (see
+        RequestLimits: empty or too long prompt, token ids outside the vocabulary, max_tokens) or a live
+        duplicate id."""
         self._check_alive()
         if request_id in self.scheduler.requests or request_id in self.scheduler.conn.block_owners():
             raise InvalidRequestError(
                 f"request id {request_id!r} is in use (running, or its KV transfer is still in flight); "
                 "give each request a unique id"
             )
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
-        if num_prompt >= self.scheduler.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens, but this engine serves at most {self.scheduler.max_model_len} "
-                "tokens per request (prompt + output); shorten the prompt or raise max_model_len / the KV cache size",
-                param="prompt",
-            )
-        if not self.config.scheduler.enable_chunked_prefill and num_prompt > self.config.scheduler.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens="
-                f"{self.config.scheduler.max_num_batched_tokens} with chunked prefill off; enable chunked prefill",
-                param="prompt",
-            )
+        self.limits.check(prompt_token_ids, sampling_params)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -161,12 +157,20 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Returns an output for every request that got a token or finished."""
+        """One engine step. Returns an output for every request that got a token or finished.
+
+        A fault while the step works on one request ends that request with the reason (the scheduler
+        and the model runner catch their per-request parts); a fault of the step as a whole ends the
+        step's requests. Only an engine fault (engine/faults.py) is raised.
+        """
         self._check_alive()
         scheduler_output = self.scheduler.schedule()
-        scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(scheduler_output)
-        runner_output = self.runner.execute(scheduler_output)  # load, forward, save, collect finished
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(scheduler_output)
+            runner_output = self.runner.execute(scheduler_output)  # load, forward, save, sample, collect finished
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception as exc:  # noqa: BLE001 - fail_step ends the step's requests, or re-raises an engine fault
+            updates = fail_step(self.scheduler, scheduler_output, exc)
         self.is_idle = scheduler_output.is_empty
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs + [self._to_output(u) for u in updates]
@@ -174,10 +178,14 @@ class EngineCore:
     def _to_output(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
         token_ids = list(request.output_token_ids)
+        try:
+            text = self.tokenizer.decode(token_ids)
+        except Exception as exc:  # noqa: BLE001 - this request's output cannot be read: it alone ends
+            text, update = "", fail_request(self.scheduler, update, f"detokenizing raised {type(exc).__name__}: {exc}")
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, token_ids, self.tokenizer.decode(token_ids), FINISH_REASONS.get(request.status))],
+            outputs=[CompletionOutput(0, token_ids, text, FINISH_REASONS.get(request.status))],
             finished=request.is_finished,
             kv_transfer_params=update.kv_transfer_params,
             num_cached_tokens=request.num_cached_tokens,

@@ -97,6 +97,7 @@ class ModelRunner:
             self._generators.pop(req_id, None)
         connector = self._connector
         sampled: dict[str, int] = {}
+        request_errors: dict[str, str] = {}
         kv_output = KVConnectorOutput()
         try:
             if connector is not None:
@@ -106,7 +107,7 @@ class ModelRunner:
             if scheduler_output.scheduled:
                 hooks = (connector.wait_for_layer_load, connector.save_kv_layer) if connector else (None, None)
                 step = self.forward(scheduler_output, *hooks)
-                sampled = self._sample(scheduler_output, step)
+                sampled, request_errors = self._sample(scheduler_output, step)
             if connector is not None:
                 connector.wait_for_save()
                 sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
@@ -119,7 +120,7 @@ class ModelRunner:
         finally:
             if connector is not None:
                 connector.clear_connector_metadata()
-        return ModelRunnerOutput(sampled_token_ids=sampled, kv_connector_output=kv_output)
+        return ModelRunnerOutput(sampled, kv_output, request_errors)
 
     def forward(
         self,
@@ -173,11 +174,18 @@ class ModelRunner:
         if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
             raise ValueError(f"request {req_id}: block ids {block_ids} outside [0, {self.layout.num_blocks})")
 
-    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> dict[str, int]:
+    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> tuple[dict[str, int], dict[str, str]]:
+        """(token per request, reason per request whose sampling failed)."""
         requests = {s.request.request_id: s.request for s in scheduler_output.scheduled}
         params = [requests[r].sampling_params for r in step.req_ids]
         generators = [self._generator_for(r, p) for r, p in zip(step.req_ids, params)]
-        return dict(zip(step.req_ids, sampler.sample(step.logits, params, generators)))
+        sampled, errors = {}, {}
+        for req_id, token in zip(step.req_ids, sampler.sample(step.logits, params, generators)):
+            if isinstance(token, Exception):
+                errors[req_id] = f"request {req_id} failed: sampling raised {type(token).__name__}: {token}"
+            else:
+                sampled[req_id] = token
+        return sampled, errors
 
     def _generator_for(self, req_id: str, params) -> torch.Generator | None:
         if params.seed is None or params.is_greedy:

@@ -57,6 +57,8 @@ class ModelRunnerOutput:
     # (a chunked prefill that has not reached the end samples nothing).
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    # Requests whose share of the step failed (e.g. sampling), with the reason: the scheduler ends them.
+    request_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

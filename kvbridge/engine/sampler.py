@@ -3,6 +3,10 @@
 A request with `SamplingParams.seed` draws from its own `torch.Generator`, owned by the model
 runner for the request's lifetime, so its completion does not depend on what it was batched
 with. Requests without a seed draw from torch's global generator.
+
+A row whose sampling fails yields its exception instead of a token: one request's bad luck (logits
+that are not finite) ends that request only. Probabilities are checked before `multinomial`,
+which on a GPU answers NaN with a device-side assert that ends the whole process.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvbridge.engine.faults import is_engine_fault
 from kvbridge.engine.sampling_params import SamplingParams
 
 
@@ -40,21 +45,29 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         return int(torch.argmax(logits))
     scaled = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
     probs = scaled.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"the probabilities at temperature {params.temperature} are not finite (NaN or inf logits)")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """logits [N, V] -> N token ids, row i sampled with params[i] and generators[i].
+) -> list[int | Exception]:
+    """logits [N, V] -> N token ids, row i sampled with params[i] and generators[i]; a row whose
+    sampling raised holds the exception instead (an engine fault is raised).
 
     Greedy rows are taken in one argmax; the others one row at a time (each may own a generator).
     """
     logits = logits.float()
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    tokens: list[int | Exception] = torch.argmax(logits, dim=-1).tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
         if not p.is_greedy:
-            tokens[i] = sample_one(logits[i], p, gen)
+            try:
+                tokens[i] = sample_one(logits[i], p, gen)
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, the others keep their tokens
+                if is_engine_fault(exc):
+                    raise
+                tokens[i] = exc
     return tokens
 
 

@@ -1,15 +1,38 @@
-"""How to sample a completion."""
+"""How to sample a completion, and the range of every value (the HTTP API's 400s come from here).
+
+Checks that need the model (token ids below the vocabulary size, `max_tokens` within
+`max_model_len`) are `EngineCore.add_request`'s.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import SamplingParamsError
+
+# Below 0.01, logits / temperature overflow float32 and softmax gives NaN (1e-300 did, and killed the
+# engine). Such a temperature is greedy in all but name: send 0.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0  # far past uniform sampling already
+MAX_TOP_K = (1 << 31) - 1  # any k >= the vocabulary size means no cut
+MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+MAX_TOKEN_ID = (1 << 63) - 1  # token ids travel as int64 tensors
+# The scheduler checks every sampled token against them; 4M of them slowed every other request to 28 s.
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check(ok: bool, name: str, expected: str, value: object) -> None:
+    if not ok:
+        raise SamplingParamsError(f"SamplingParams.{name} must be {expected}, got {value!r}", name)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. `seed` makes a sampled completion reproducible per request."""
+    """temperature 0 is greedy. `seed` makes a sampled completion reproducible per request.
+
+    Raises SamplingParamsError (a ConfigError) naming the first value out of range.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -20,15 +43,20 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        t = self.temperature
+        _check(self.max_tokens >= 1, "max_tokens", "at least 1", self.max_tokens)
+        _check(
+            t == 0 or (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+            "temperature", f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]", t,
+        )  # fmt: skip
+        _check(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"in [0, {MAX_TOP_K}] (0: no cut)", self.top_k)
+        _check(self.seed is None or 0 <= self.seed <= MAX_SEED, "seed", "in [0, 2**64 - 1]", self.seed)
+        num_stop = len(self.stop_token_ids)
+        _check(num_stop <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", num_stop)
+        bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
+        _check(bad is None, "stop_token_ids", "token ids >= 0", bad)
 
     @property
     def is_greedy(self) -> bool:

@@ -16,6 +16,9 @@ Policy (first come, first served):
 * Waiting requests are admitted while the budget, `max_num_seqs` and the blocks allow and nothing
   was preempted this step. Admission takes the local prefix-cache hit, then asks the connector
   for external tokens (`kvbridge/engine/scheduler_connector.py` holds that side).
+* A request whose admission raises (a connector hook failed for it) or whose sampling failed
+  (`ModelRunnerOutput.request_errors`) finishes with FINISHED_ERROR and the reason; the others
+  are not affected. See engine/faults.py for what ends the engine instead.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.conn = ConnectorState(connector, self, load_failure_policy)
         self._finished_req_ids: set[str] = set()  # since the last schedule()
+        self._failed: list[RequestUpdate] = []  # failed at admission; reported by update_from_output
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -98,6 +102,11 @@ class Scheduler:
         self.stats.num_finished_requests += 1
         params = self.conn.release_blocks(request)
         return RequestUpdate(request, params)
+
+    def take_failed(self) -> list[RequestUpdate]:
+        """Requests that failed at admission since the last call (update_from_output reports them)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -143,7 +152,11 @@ class Scheduler:
         skipped: deque[Request] = deque()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            num_new = self._admit(request, budget)
+            try:
+                num_new = self._admit(request, budget)
+            except Exception as exc:  # noqa: BLE001 - a connector hook failed for this request: it alone ends
+                self._fail_admission(request, exc)
+                continue
             if num_new is None:  # not now: connector undecided, or parked for an async load
                 if request.status == RequestStatus.WAITING:
                     skipped.append(request)
@@ -192,6 +205,11 @@ class Scheduler:
             return None
         return num_new
 
+    def _fail_admission(self, request: Request, exc: Exception) -> None:
+        logger.warning("request %s failed at admission", request.request_id, exc_info=exc)
+        reason = f"request {request.request_id} failed at admission: {type(exc).__name__}: {exc}"
+        self._failed.append(self.finish_request(request, RequestStatus.FINISHED_ERROR, reason))
+
     def _fits_unchunked(self, request: Request, num_tokens_after: int) -> bool:
         """With chunked prefill off, a request is computed whole, unless it could never fit the budget
         (a preempted request whose outputs made it longer than the budget)."""
@@ -238,7 +256,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Record what the step computed and sampled; finish requests; apply the connector's report."""
         kv_output = runner_output.kv_connector_output
-        updates: list[RequestUpdate] = []
+        updates = self.take_failed()
         self.stats.num_computed_tokens += output.num_scheduled_tokens
         spoiled = self.conn.begin_update(kv_output, updates)  # load errors: rolled back or failed
         for scheduled in output.scheduled:
@@ -247,6 +265,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
+            error = runner_output.request_errors.get(request.request_id)
+            if error is not None:
+                updates.append(self.finish_request(request, RequestStatus.FINISHED_ERROR, error))
+                continue
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue

@@ -57,6 +57,10 @@ class ConnectorState:
         """Requests this scheduler waits on a transfer for (parked loads, held blocks)."""
         return frozenset(self._parked) | self._send_hold | self._recv_hold
 
+    def parked_requests(self) -> list[Request]:
+        """Requests waiting for an async KV load, in the order they were parked."""
+        return list(self._parked.values())
+
     def block_owners(self) -> set[str]:
         """Finished requests whose blocks are still held for a transfer."""
         return self._send_hold | self._recv_hold
@@ -168,7 +172,12 @@ class ConnectorState:
         request_id = request.request_id
         delay, params = False, None
         if self.connector is not None:
-            delay, params = self.connector.request_finished(request, list(self._sched.kv.block_ids(request_id)))
+            try:
+                delay, params = self.connector.request_finished(request, list(self._sched.kv.block_ids(request_id)))
+            except Exception as exc:  # noqa: BLE001 - this request ends in error; its blocks are freed as usual
+                logger.warning("request_finished failed for %s", request_id, exc_info=exc)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = f"request {request_id} failed: the connector's request_finished raised {type(exc).__name__}: {exc}"
         if self._parked.pop(request_id, None) is not None:
             self._parked_tokens.pop(request_id, None)
             self._failed_loads.pop(request_id, None)

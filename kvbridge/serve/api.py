@@ -29,7 +29,7 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.errors import InvalidRequestError
 from kvbridge.serve import protocol
 from kvbridge.serve.admin import AdminAPI, AdminAuth
-from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError
+from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -87,16 +87,17 @@ class CompletionsAPI:
 
     async def _parse(self, request: web.Request) -> tuple[protocol.CompletionRequest, list[int]] | web.Response:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
-        try:
-            req = protocol.parse_completion_request(body)
+            req = protocol.parse_completion_request(protocol.decode_body(await request.read()))
         except InvalidRequestError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error(413, f"the request body is too large: {exc.text}", "invalid_request_error")
         if req.model is not None and req.model != self.model_name:
             return _error(404, f"model {req.model!r} is not served here; use {self.model_name!r}", "model_not_found")
-        prompt_ids = req.prompt_token_ids or list(self.engine.engine.tokenizer.encode(req.prompt_text))
+        try:
+            prompt_ids = req.prompt_token_ids or list(self.engine.engine.tokenizer.encode(req.prompt_text))
+        except ValueError as exc:  # UnicodeEncodeError: JSON may carry a lone surrogate ("\ud800")
+            return _error(400, f"'prompt' cannot be tokenized: {exc}", "invalid_request_error", "prompt")
         if not prompt_ids:
             return _error(400, "the prompt encodes to no tokens", "invalid_request_error", "prompt")
         return req, prompt_ids
@@ -119,6 +120,9 @@ class CompletionsAPI:
                 except ValueError as exc:  # the engine rejected the input
                     run.outcome = "bad_request"
                     return _error(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+                except RequestFailedError as exc:
+                    run.outcome = "error"
+                    return _error(500, str(exc), "engine_error")
                 except EngineDeadError as exc:
                     run.outcome = "error"
                     return _error(503, str(exc), "service_unavailable")

@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(KVBridgeError):
-    """The engine thread stopped (start-up failed, a step raised, or the server is shutting down)."""
+    """The engine thread stopped (start-up failed, a step raised an engine fault, or the server is
+    shutting down)."""
+
+
+class RequestFailedError(KVBridgeError):
+    """One request failed inside the engine for a reason other than its input; the engine serves on."""
 
 
 class _Stream:
@@ -128,7 +133,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until one is `finished`.
 
-        Raises ValueError (e.g. a duplicate id or an input the engine rejects) or EngineDeadError.
+        Raises ValueError (e.g. a duplicate id or an input the engine rejects), RequestFailedError
+        (add_request failed otherwise) or EngineDeadError. A request that fails later ends with an
+        output whose `error` says why (`EngineCore.step` isolates per-request faults).
         Closing the generator early (client gone, task cancelled) aborts the request.
         """
         stream = _Stream(asyncio.get_running_loop())
@@ -200,7 +207,8 @@ class AsyncEngine:
             with self._cond:
                 stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.put(exc if isinstance(exc, ValueError) else EngineDeadError(f"add_request failed: {exc}"))
+                failed = RequestFailedError(f"request {request_id} failed in add_request: {type(exc).__name__}: {exc}")
+                stream.put(exc if isinstance(exc, ValueError) else failed)
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -265,7 +273,7 @@ class AsyncEngine:
                 # No output: requests are parked (remote KV, held blocks); poll instead of spinning.
                 computed = outputs or not getattr(self.engine, "is_idle", False)
                 idle_wait = None if not self._has_work() else (0.0 if computed else self._poll_interval_s)
-        except BaseException as exc:  # noqa: BLE001 - a step failure kills the engine, loudly
+        except BaseException as exc:  # noqa: BLE001 - step() raises only engine faults: they end it, loudly
             logger.exception("engine step failed; the engine is stopped")
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine failed: {exc}"))

@@ -8,22 +8,34 @@ Non-standard fields, all optional for clients:
   request: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, `kv_transfer_params`;
   response: `choices[i].token_ids`, top-level `kv_transfer_params`, and a `kvbridge` dict with
   per-request cache and transfer figures (see `kvbridge_stats`).
+
+Every value is range-checked here or in `SamplingParams` (400 naming the field); what needs the
+model (token ids < vocabulary size, lengths within max_model_len) is checked by the engine's
+`add_request`, also as a 400. The limits are listed in docs/serving.md.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.connectors.nixl.params import parse_remote_prefill
 from kvbridge.engine.outputs import RequestOutput
-from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.errors import ConfigError, InvalidRequestError
+from kvbridge.engine.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams
+from kvbridge.errors import InvalidRequestError, SamplingParamsError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default
 # Fields OpenAI defines that this server cannot honour: a truthy value is rejected, not ignored.
 UNSUPPORTED_FIELDS = ("logprobs", "echo", "best_of", "suffix", "logit_bias", "stop")
+# A body is at most 3 levels deep (object, prompt list, token-id list); kv_transfer_params a few more.
+MAX_JSON_DEPTH = 32
+
+# Values quoted in error messages are cut short: a client's 8 MB list is not sent back to it.
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 2, 6, 4, 60, 60, 40
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,46 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # Never math.isfinite(an int): past float range it raises OverflowError.
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float range: the range check refuses it, naming the field
+        return math.inf
+
+
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_TOKEN_ID
+
+
+def _nests_deeper_than(value: Any, limit: int) -> bool:
+    """Iterative, so a deep value cannot exhaust the stack of what checks it."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def decode_body(raw: bytes) -> Any:
+    """Decode a request body (UTF-8, -16 or -32 JSON). Raises InvalidRequestError for anything else,
+    including numbers of over 4,300 digits and nesting deeper than MAX_JSON_DEPTH."""
+    too_deep = f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _fail(too_deep) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int past Python's digit limit
+        raise _fail(f"the request body is not valid JSON: {_BRIEF.repr(str(exc))}") from None
+    if isinstance(body, (dict, list)) and _nests_deeper_than(body, MAX_JSON_DEPTH):
+        raise _fail(too_deep)
+    return body
 
 
 def _parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
@@ -58,13 +109,13 @@ def _parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
         if not prompt:
             raise _fail("'prompt' is empty; send at least one character or token id", "prompt")
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
         return None, list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise _fail(f"'prompt' holds {len(prompt)} prompts; send one prompt per request", "prompt")
     raise _fail(
         "'prompt' must be a non-empty string, a list of one string, or a non-empty list of "
-        "non-negative token ids",
+        "token ids (integers from 0 to the vocabulary size - 1)",
         "prompt",
     )
 
@@ -74,8 +125,13 @@ def _get(body: dict, name: str, check, expected: str, default: Any) -> Any:
     if value is None:
         return default
     if not check(value):
-        raise _fail(f"'{name}' must be {expected}, got {value!r}", name)
+        raise _fail(f"'{name}' must be {expected}, got {_BRIEF.repr(value)}", name)
     return value
+
+
+def _is_token_id_list(value: Any) -> bool:
+    # Count first: checking 4M entries one by one is the cost the bound exists to avoid.
+    return isinstance(value, list) and len(value) <= MAX_STOP_TOKEN_IDS and all(_is_token_id(t) for t in value)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -88,18 +144,18 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         if body.get(name):
             hint = "; use 'stop_token_ids'" if name == "stop" else ""
             raise _fail(f"'{name}' is not supported by kvbridge{hint}", name)
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise _fail("'n' must be 1: kvbridge returns one completion per request", "n")
     prompt_text, prompt_token_ids = _parse_prompt(body["prompt"])
 
     model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
     max_tokens = _get(body, "max_tokens", _is_int, "an integer >= 1", DEFAULT_MAX_TOKENS)
-    temperature = _get(body, "temperature", _is_number, "a number >= 0", 1.0)
+    temperature = _get(body, "temperature", _is_number, "0 or a number in [0.01, 100]", 1.0)
     top_p = _get(body, "top_p", _is_number, "a number in (0, 1]", 1.0)
-    top_k = _get(body, "top_k", _is_int, "an integer >= 0 (or -1 for no cut)", 0)
-    seed = _get(body, "seed", _is_int, "an integer", None)
+    top_k = _get(body, "top_k", _is_int, "an integer >= 0 (0 or -1 for no cut)", 0)
+    seed = _get(body, "seed", _is_int, "an integer in [0, 2**64 - 1]", None)
     stop_token_ids = _get(
-        body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of token ids", []
+        body, "stop_token_ids", _is_token_id_list, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", []
     )
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
@@ -111,15 +167,15 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
+            temperature=_float(temperature),
+            top_p=_float(top_p),
             top_k=0 if top_k == -1 else top_k,
             seed=seed,
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos,
         )
-    except ConfigError as exc:
-        raise _fail(str(exc).replace("SamplingParams.", "")) from exc
+    except SamplingParamsError as exc:
+        raise _fail(str(exc).replace("SamplingParams.", ""), exc.field) from None
     return CompletionRequest(model, prompt_text, prompt_token_ids, params, stream, kv_transfer_params)
 
 
