@@ -1,6 +1,8 @@
 """The proxy strands no prefill blocks: it refuses what a node would refuse before the prefill leg,
 and when the decode leg fails after it, the prefill node frees the blocks at once, not at the end
-of their lease. Black-box: prefill node, decode node and proxy processes on loopback, plain HTTP.
+of their lease. Black-box: prefill node, decode node and proxy processes on loopback, plain HTTP;
+and, for the failures that are hard to cause in real nodes (a 5xx, a silent decode node, a client
+that hangs up mid-stream), the proxy over in-process fake nodes, with the releases recorded.
 
 The decode node serves a shorter context than the prefill node (a misconfiguration the proxy
 cannot see), so a long prompt is accepted by the prefill node and refused by the decode node.
@@ -10,19 +12,22 @@ come from the proxy's release.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import tempfile
+import threading
 import time
 
 import pytest
+from serve_fakes import FakeEngineCore
+from test_proxy import _cluster, _run
 
+import kvbridge.serve.proxy as proxy_mod
+import kvbridge.serve.proxy_release as release_mod
 from kvbridge.serve.launcher import http_json, start_node, start_proxy, wait_healthy
 
-pytestmark = [
-    pytest.mark.nixl,
-    pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="needs NIXL"),
-]
+needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="needs NIXL")
 
 LEASE_S = 60.0
 COMMON = ["--num-threads", "1", "--num-blocks", "64", "--kv-connector-extra", json.dumps({"lease_s": LEASE_S})]
@@ -31,6 +36,89 @@ DECODE_ARGS = [*COMMON, "--max-model-len", "128"]
 SHORT = {"prompt": "Blocks are held only for a reader that will come. " * 2, "max_tokens": 4, "temperature": 0}
 LONG = {**SHORT, "prompt": "x" * 300}  # 18 full blocks on the prefill node; too long for the decode node
 RELEASE_DEADLINE_S = 20.0  # a hang detector, far below the lease
+
+
+# ------------------------------------------------------------------ in-process: every way a decode leg fails
+
+
+@pytest.fixture
+def releases(monkeypatch) -> list[dict]:
+    """The params of every release the proxy sends (nothing is sent: the fake prefill holds nothing)."""
+    sent: list[dict] = []
+    lock = threading.Lock()
+
+    def record(kv_transfer_params, secret):
+        with lock:
+            sent.append(kv_transfer_params)
+        return True
+
+    monkeypatch.setattr(release_mod, "_release", record)
+    return sent
+
+
+async def _wait_for(releases: list, n: int) -> None:
+    for _ in range(500):  # a hang detector: the release is sent right after the failure
+        if len(releases) >= n:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _one_release_of_the_prefill(releases: list[dict]) -> None:
+    assert len(releases) == 1, releases
+    assert releases[0]["remote_engine_id"] == "p" and releases[0]["remote_block_ids"], releases
+
+
+def test_no_release_after_a_decode_leg_that_succeeded(releases):
+    async def main():
+        async with _cluster([FakeEngineCore("p"), FakeEngineCore("d")], [0], [1]) as (client, _):
+            for stream in (False, True):
+                resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3, "stream": stream})
+                assert resp.status == 200 and (await resp.read())
+            await asyncio.sleep(0.2)
+
+    _run(main())
+    assert releases == []
+
+
+def test_a_decode_5xx_releases(releases, monkeypatch):
+    monkeypatch.setattr(proxy_mod, "decode_body", lambda body, kv: {**body, "kv_transfer_params": {"fake_error": "boom"}})
+
+    async def main():
+        async with _cluster([FakeEngineCore("p"), FakeEngineCore("d")], [0], [1]) as (client, _):
+            resp = await client.post("/v1/completions", json={"prompt": "a"})
+            await _wait_for(releases, 1)
+            return resp.status
+
+    assert _run(main()) == 502
+    _one_release_of_the_prefill(releases)
+
+
+def test_a_silent_decode_node_releases(releases):
+    async def main():
+        slow = FakeEngineCore("d", step_delay_s=1.0)
+        async with _cluster([FakeEngineCore("p"), slow], [0], [1], timeout_s=0.3) as (client, _):
+            resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            await _wait_for(releases, 1)
+            return resp.status
+
+    assert _run(main()) == 504
+    _one_release_of_the_prefill(releases)
+
+
+def test_a_client_that_hangs_up_mid_stream_releases(releases):
+    async def main():
+        decode = FakeEngineCore("d", step_delay_s=0.002)
+        async with _cluster([FakeEngineCore("p"), decode], [0], [1]) as (client, _):
+            resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 100_000, "stream": True})
+            await resp.content.readline()
+            resp.close()
+            await _wait_for(releases, 1)
+
+    _run(main())
+    _one_release_of_the_prefill(releases)
+
+
+# ------------------------------------------------------------------ real nodes
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +166,8 @@ def _wait_no_held_blocks(node) -> dict:
         ({"stream": "yes"}, "stream"),
     ],
 )
+@pytest.mark.nixl
+@needs_nixl
 def test_requests_a_node_would_refuse_get_a_400_from_the_proxy_before_any_leg(cluster, change, param):
     prefill, _, proxy = cluster
     admissions = _stats(prefill)["num_admissions"]
@@ -89,6 +179,8 @@ def test_requests_a_node_would_refuse_get_a_400_from_the_proxy_before_any_leg(cl
     assert stats["num_admissions"] == admissions and stats["num_used_blocks"] == 0, stats
 
 
+@pytest.mark.nixl
+@needs_nixl
 def test_a_body_that_is_no_object_is_a_400_too(cluster):
     prefill, _, proxy = cluster
     admissions = _stats(prefill)["num_admissions"]
@@ -98,6 +190,8 @@ def test_a_body_that_is_no_object_is_a_400_too(cluster):
     assert _stats(prefill)["num_admissions"] == admissions
 
 
+@pytest.mark.nixl
+@needs_nixl
 def test_a_decode_node_that_refuses_the_request_releases_the_prefill_blocks(cluster):
     prefill, _, proxy = cluster
     status, ok = http_json(f"{proxy.url}/v1/completions", SHORT)  # the cluster works
@@ -113,6 +207,8 @@ def test_a_decode_node_that_refuses_the_request_releases_the_prefill_blocks(clus
     assert health["num_kv_releases"] >= 3 and health["num_kv_release_failures"] == 0, health
 
 
+@pytest.mark.nixl
+@needs_nixl
 def test_an_unreachable_decode_node_releases_the_prefill_blocks(cluster):
     prefill, decode, proxy = cluster
     decode.stop()  # last: the module's other tests ran with it
