@@ -4,7 +4,7 @@ Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
 
     python peer_process.py '{"engine_id": "p", "model_id": "m", "num_blocks": 64, ..., "seed": 1}'
 
-prints {"address": ...} once serving, then answers one JSON line per command line:
+prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then answers one JSON line per command line:
     {"cmd": "notifs"}                 -> {"notifs": [[agent_name, type, req_ids], ...]}
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
     {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
@@ -85,6 +85,7 @@ def main() -> int:
         spec["engine_id"], spec["model_id"], kv, layout, message_handler=on_message,
         secret=secret.encode() if secret else None,
         descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True),
+        port=spec.get("port", 0),
     )
     reply({"address": ep.address, "engine_id": ep.engine_id, "incarnation": ep.incarnation})
     for line in sys.stdin:

@@ -53,7 +53,8 @@ class Peer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             env={**os.environ, **(env or {})},
         )
-        self.address = self._read(60)["address"]
+        hello = self._read(60)
+        self.address, self.incarnation = hello["address"], hello["incarnation"]
 
     def _read(self, timeout_s: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
@@ -353,3 +354,61 @@ def test_an_unknown_descriptor_mode_is_refused_before_anything_is_registered():
 
     with pytest.raises(ConfigError, match="descriptor_mode='bogus'"):
         _local_endpoint("decode-bogus", descriptor_mode="bogus")
+
+
+def _restart_on_the_same_port(tmp_path, device: str):
+    """An owner killed and restarted on its address with other bytes: the reader, which cached the
+    first instance (and, on GPUs, mapped its memory), never serves the new instance's blocks for the
+    old instance's lease, and reads the new instance through a fresh handshake (and mapping)."""
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    spec = {"engine_id": "owner", "device": device, "cuda_ipc": True}
+    first = Peer(tmp_path, seed=7, **spec)
+    port = int(first.address.rsplit(":", 1)[1])
+    layout = make_layout(GEOMETRY)
+    kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device=device)
+    ep = KVEndpoint("reader", MODEL, kv, layout, secret=None, ipc_min_runs=1, transfer_timeout_s=10)
+    second = None
+    rng = np.random.default_rng(3)
+    local_ids = rng.permutation(64)[:20].tolist()  # scattered: the mapping path on GPUs
+    remote_ids = rng.permutation(64)[:20].tolist()
+    expected = {seed: torch.empty(layout.shape, dtype=torch.bfloat16) for seed in (7, 9)}
+    for seed, t in expected.items():
+        fill_kv(t, seed)
+    try:
+        old = ("owner", first.incarnation)
+        assert _wait_final(ep, _read(ep, "one", first.address, local_ids, remote_ids, old)).is_ok
+        assert torch.equal(kv[local_ids].cpu().view(torch.uint8), expected[7][remote_ids].view(torch.uint8))
+        first.kill()
+        second = Peer(tmp_path, seed=9, port=port, **spec)
+        assert second.address == first.address and second.incarnation != first.incarnation
+        new = ("owner", second.incarnation)  # params the new instance returned: a fresh handshake (and mapping)
+        assert _wait_final(ep, _read(ep, "fresh", first.address, local_ids, remote_ids, new)).is_ok
+        assert torch.equal(kv[local_ids].cpu().view(torch.uint8), expected[9][remote_ids].view(torch.uint8))
+        kv.zero_()
+        rec = _wait_final(ep, _read(ep, "stale", first.address, local_ids, remote_ids, old))  # the dead one's params
+        assert rec.state is TransferState.FAILED and "not the instance" in rec.error, rec.error
+        assert not kv.view(torch.uint8).any(), "a read meant for the dead instance wrote the new instance's blocks"
+        forged = ("someone-else", second.incarnation)  # params naming another engine at that address
+        assert _wait_final(ep, _read(ep, "forged", first.address, local_ids, remote_ids, forged)).state is TransferState.FAILED
+        return ep.get_stats()
+    finally:
+        ep.close()
+        first.kill()
+        if second is not None:
+            second.quit()
+
+
+def _read(ep, req_id, address, local_ids, remote_ids, expect) -> str:
+    ep.read_blocks(req_id, address, local_ids, remote_ids, expect=expect)
+    return req_id
+
+
+def test_a_restarted_owner_is_never_read_for_its_predecessors_lease(tmp_path):
+    _restart_on_the_same_port(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_a_restarted_gpu_owner_is_never_read_through_its_predecessors_mapping(tmp_path):
+    stats = _restart_on_the_same_port(tmp_path, "cuda:0")
+    assert stats["num_ipc_copies"] == 2  # both good reads went through a CUDA IPC mapping, the second a fresh one

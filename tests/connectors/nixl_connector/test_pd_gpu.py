@@ -76,3 +76,38 @@ def test_cuda_engine_cycles_return_device_memory(with_nixl: bool):
         if prefill_dev != decode_dev:
             used = wait_for_device_memory(before.cuda_used + 8 * MiB, timeout_s=10, device=device)
             print(f"device used: before {before.cuda_used / MiB:.1f} MiB, after {used / MiB:.1f} MiB")
+
+
+def test_a_restarted_gpu_prefill_is_never_read_for_its_predecessors_leases():
+    """The decode engine mapped the first prefill's KV through CUDA IPC; the prefill is killed and a
+    new one starts on the same side-channel address with other prompts in its blocks. Params of the
+    dead instance are never served (the completion is recomputed), and the new instance is pulled from."""
+    from kvbridge.serve.launcher import free_ports
+
+    prefill_dev, decode_dev = devices()
+    (port,) = free_ports(1)
+    prefill = dict(device=prefill_dev, num_blocks=256, kv={"side_channel_port": port})
+    other = [{"prompt_token_ids": [(i * 13 + n) % 250 + 3 for i in range(n)]} for n in (1000, 300, 64, 40)]
+    with LLM(device=decode_dev, num_blocks=256) as ref:
+        want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, GREEDY)]
+        want_other = [o.outputs[0].token_ids for o in ref.generate(other, GREEDY)]
+    decode = engine_kwargs("gpu-decode-restart", "kv_consumer", device=decode_dev, num_blocks=256,
+                           kv={"extra": {"ipc_min_runs": 1, "handshake_timeout_s": 2.0, "transfer_timeout_s": 10.0}})
+    with LLM(**decode) as dec:
+        with prefill_node(**engine_kwargs("gpu-prefill-restart", "kv_producer", **prefill)) as first:
+            outs = dec.generate(PROMPTS, GREEDY, kv_transfer_params=first.prefill(PROMPTS))
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert dec.get_stats()["connector"]["worker"]["num_failures"] == 0
+            stale = first.prefill(PROMPTS)  # leased, never read: the process dies holding them
+            first.kill()
+        with prefill_node(**engine_kwargs("gpu-prefill-restart", "kv_producer", **prefill)) as second:
+            second.prefill(other)  # the new instance's blocks hold other prompts now
+            second.wait_until(lambda s: s["num_used_blocks"] > 0, timeout_s=5)
+            outs = dec.generate(PROMPTS, GREEDY, kv_transfer_params=stale)
+            assert [o.outputs[0].token_ids for o in outs] == want  # recomputed, never the other prompts' KV
+            worker = dec.get_stats()["connector"]["worker"]
+            assert worker["num_failures"] >= 1 and worker["num_load_errors"] > 0, worker
+            fresh = dec.generate(other, GREEDY, kv_transfer_params=second.prefill(other))  # not cached here yet
+            assert [o.outputs[0].token_ids for o in fresh] == want_other
+            assert all(o.num_external_tokens > 0 for o in fresh)  # pulled from the new instance again
+            second.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=30)
