@@ -1,9 +1,10 @@
 """A decode node is handed kv_transfer_params that do not prove the blocks are this prompt's.
 
-Stale params whose blocks the prefill has since reused, params with the block hash stripped, and
-params whose hash is right (the attacker's own prompt) but whose block ids are a victim's lease.
-Each must end in the correct tokens (recomputed) or a clear error, never in another prompt's KV;
-and a stripped hash is refused outright with a 400 naming `remote_block_hash`.
+Stale params whose blocks the prefill has since reused, a victim's params with the block hash (or
+the lease's incarnation or token) stripped, and params whose hash is right (the attacker's own
+prompt) but whose block ids are a victim's lease. Each must end in the correct tokens (recomputed)
+or a clear error, never in another prompt's KV; a stripped field is refused outright with a 400
+naming it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from chaos_harness import (
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 STALE = prompt("stale-A", 170)
-HASHLESS_VICTIM, HASHLESS_ATTACKER = prompt("hashless-victim", 200), prompt("hashless-attacker", 200)
+# What proves that remote blocks are a prompt's: the hash of its tokens, and the lease (instance, token).
+PROOF_FIELDS = ("remote_block_hash", "remote_incarnation", "remote_lease_token")
+MISSING = {f: (prompt(f"missing-{f}-victim", 200), prompt(f"missing-{f}-attacker", 200)) for f in PROOF_FIELDS}
 FORGED_VICTIM, FORGED_ATTACKER = prompt("forged-victim", 200), prompt("forged-attacker", 150)
 
 
@@ -36,7 +39,7 @@ def cluster():
     with NodeSet() as nodes:
         nodes.start("prefill", "prefill")
         nodes.start("decode", "decode")
-        nodes.refs = references([STALE, HASHLESS_VICTIM, HASHLESS_ATTACKER, FORGED_VICTIM, FORGED_ATTACKER])
+        nodes.refs = references([STALE, *sum(MISSING.values(), ()), FORGED_VICTIM, FORGED_ATTACKER])
         nodes.wait()
         yield nodes
 
@@ -60,19 +63,21 @@ def test_stale_params_after_the_prefill_reused_the_blocks(cluster):
     assert_clean(p, d)
 
 
-def test_params_without_block_hash_are_refused(cluster):
+@pytest.mark.parametrize("field", PROOF_FIELDS)
+def test_params_missing_a_proof_field_are_refused(cluster, field):
     p, d = cluster.url("prefill"), cluster.url("decode")
-    victim = prefill(p, HASHLESS_VICTIM)
-    stripped = {k: v for k, v in victim.items() if k != "remote_block_hash"}
-    status, body = complete(d, HASHLESS_ATTACKER, stripped)
-    print("hashless:", status, body)
-    assert_correct(status, body, cluster.refs[HASHLESS_ATTACKER])
-    assert_refused(status, body, "remote_block_hash")
+    victim_text, attacker_text = MISSING[field]
+    victim = prefill(p, victim_text)
+    stripped = {k: v for k, v in victim.items() if k != field}
+    status, body = complete(d, attacker_text, stripped)
+    print(f"without {field}:", status, body)
+    assert_correct(status, body, cluster.refs[attacker_text])
+    assert_refused(status, body, field)
 
-    status, body = complete(d, HASHLESS_VICTIM, victim)  # the victim's own read is untouched
-    assert_correct(status, body, cluster.refs[HASHLESS_VICTIM], allow_error=False)
-    status, body = complete(d, HASHLESS_ATTACKER)  # and the decode node's cache holds no foreign KV
-    assert_correct(status, body, cluster.refs[HASHLESS_ATTACKER], allow_error=False)
+    status, body = complete(d, victim_text, victim)  # the victim's own read is untouched
+    assert_correct(status, body, cluster.refs[victim_text], allow_error=False)
+    status, body = complete(d, attacker_text)  # and the decode node's cache holds no foreign KV
+    assert_correct(status, body, cluster.refs[attacker_text], allow_error=False)
     assert_clean(p, d)
 
 
