@@ -187,6 +187,18 @@ def external_tokens(body: Any) -> int:
     return body["kvbridge"]["num_external_tokens"]
 
 
+def assert_no_remote_kv(status: int, body: Any) -> None:
+    """A 200 for params that cannot prove the blocks are this prompt's used no remote KV at all.
+
+    Stronger than the tokens alone: a tiny random model often falls into the same few tokens, so
+    another prompt's KV can happen to give the right ones.
+    """
+    if status == 200:
+        assert external_tokens(body) == 0, (
+            f"served {external_tokens(body)} tokens of remote KV that nothing proves is this prompt's"
+        )
+
+
 def state(url: str) -> dict[str, Any]:
     status, body = request(url, "/v1/kvbridge/state", timeout_s=30)
     assert status == 200, body

@@ -14,6 +14,7 @@ from chaos_harness import (
     NodeSet,
     assert_clean,
     assert_correct,
+    assert_no_remote_kv,
     assert_refused,
     churn,
     complete,
@@ -32,6 +33,7 @@ STALE = prompt("stale-A", 170)
 PROOF_FIELDS = ("remote_block_hash", "remote_incarnation", "remote_lease_token")
 MISSING = {f: (prompt(f"missing-{f}-victim", 200), prompt(f"missing-{f}-attacker", 200)) for f in PROOF_FIELDS}
 FORGED_VICTIM, FORGED_ATTACKER = prompt("forged-victim", 200), prompt("forged-attacker", 150)
+SIZE_VICTIM, SIZE_ATTACKER = prompt("block-size-victim", 200), prompt("block-size-attacker", 200)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def cluster():
     with NodeSet() as nodes:
         nodes.start("prefill", "prefill")
         nodes.start("decode", "decode")
-        nodes.refs = references([STALE, *sum(MISSING.values(), ()), FORGED_VICTIM, FORGED_ATTACKER])
+        nodes.refs = references([STALE, *sum(MISSING.values(), ()), FORGED_VICTIM, FORGED_ATTACKER, SIZE_VICTIM, SIZE_ATTACKER])
         nodes.wait()
         yield nodes
 
@@ -58,6 +60,7 @@ def test_stale_params_after_the_prefill_reused_the_blocks(cluster):
     status, body = complete(d, STALE, params)  # the same, old params
     print("stale replay:", status, body)
     assert_correct(status, body, expected)
+    assert_no_remote_kv(status, body)
     if status == 200:
         assert load_errors(d) > errors_before, "the read of released blocks was not counted as a load error"
     assert_clean(p, d)
@@ -91,6 +94,7 @@ def test_own_block_hash_with_a_victims_block_ids(cluster):
     status, body = complete(d, FORGED_ATTACKER, forged)
     print("forged:", status, body)
     assert_correct(status, body, cluster.refs[FORGED_ATTACKER])
+    assert_no_remote_kv(status, body)
 
     status, body = complete(d, FORGED_VICTIM, victim)
     assert_correct(status, body, cluster.refs[FORGED_VICTIM], allow_error=False)
@@ -98,4 +102,19 @@ def test_own_block_hash_with_a_victims_block_ids(cluster):
     assert_correct(status, body, cluster.refs[FORGED_ATTACKER], allow_error=False)
     status, body = complete(d, FORGED_ATTACKER)  # no foreign KV cached under the attacker's prompt
     assert_correct(status, body, cluster.refs[FORGED_ATTACKER], allow_error=False)
+    assert_clean(p, d)
+
+
+def test_victims_params_claiming_another_block_size(cluster):
+    p, d = cluster.url("prefill"), cluster.url("decode")
+    victim = prefill(p, SIZE_VICTIM)
+    status, body = complete(d, SIZE_ATTACKER, {**victim, "remote_block_size": 32})  # hashes of other blocks
+    print("other block size:", status, body)
+    assert_correct(status, body, cluster.refs[SIZE_ATTACKER])
+    assert_no_remote_kv(status, body)
+
+    status, body = complete(d, SIZE_VICTIM, victim)
+    assert_correct(status, body, cluster.refs[SIZE_VICTIM], allow_error=False)
+    status, body = complete(d, SIZE_ATTACKER)
+    assert_correct(status, body, cluster.refs[SIZE_ATTACKER], allow_error=False)
     assert_clean(p, d)

@@ -18,6 +18,7 @@ from chaos_harness import (
     TcpListener,
     assert_clean,
     assert_correct,
+    assert_no_remote_kv,
     complete,
     external_tokens,
     num_threads,
@@ -60,6 +61,7 @@ def test_requests_naming_many_peers_do_not_grow_threads_without_bound(cluster):
         answers = list(pool.map(lambda port: complete(d, BURST, {**honest, "remote_port": port}), ports))
     for status, body in answers:
         assert_correct(status, body, cluster.refs[BURST])
+        assert_no_remote_kv(status, body)
     print("answers:", {s: sum(1 for a in answers if a[0] == s) for s in {a[0] for a in answers}})
     status, body = complete(d, BURST, honest)  # releases the real lease
     assert_correct(status, body, cluster.refs[BURST], allow_error=False)
@@ -83,6 +85,7 @@ def test_peer_outside_the_allow_list_is_never_contacted(cluster):
         status, body = complete(d, OUTSIDE, {**honest, "remote_host": "127.0.0.2", "remote_port": listener.port})
         print("outside the allow-list:", status, body)
         assert_correct(status, body, cluster.refs[OUTSIDE])
+        assert_no_remote_kv(status, body)
         status, body = complete(d, OUTSIDE, honest)
         assert_correct(status, body, cluster.refs[OUTSIDE], allow_error=False)
         assert listener.num_connections == 0, f"the decode node connected to 127.0.0.2 {listener.num_connections} times"

@@ -16,6 +16,7 @@ from chaos_harness import (
     NodeSet,
     assert_clean,
     assert_correct,
+    assert_no_remote_kv,
     churn,
     complete,
     external_tokens,
@@ -65,6 +66,7 @@ def test_old_processes_params_are_never_served_from_the_new_process(cluster, old
         status, body = complete(cluster.url(name), OLD, old_params)
         print(f"{name} with the old process's params:", status, body)
         assert_correct(status, body, cluster.refs[OLD])
+        assert_no_remote_kv(status, body)
     assert_clean(cluster.url("prefill"), *(cluster.url(n) for n in DECODES))
 
 

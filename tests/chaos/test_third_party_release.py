@@ -16,6 +16,7 @@ from chaos_harness import (
     NodeSet,
     assert_clean,
     assert_correct,
+    assert_no_remote_kv,
     churn,
     complete,
     external_tokens,
@@ -106,6 +107,7 @@ def test_decode_request_naming_a_victims_lease_does_not_release_it(secret_cluste
     status, body = complete(d, HTTP_ATTACKER, attack)
     print("attacker:", status, body)
     assert_correct(status, body, secret_cluster.refs[HTTP_ATTACKER])
+    assert_no_remote_kv(status, body)
     churn(p, "http", NUM_BLOCKS)  # a released lease's blocks would be reused now
 
     status, body = complete(d, HTTP_VICTIM, victim)
