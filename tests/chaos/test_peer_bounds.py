@@ -2,7 +2,8 @@
 reach only the peers the operator allowed.
 
 200 requests naming 200 ports nobody listens on must not leave the decode node with hundreds of
-threads; a request naming a host outside the `allowed_peers` option must not open a connection.
+threads, nor lock a real prefill engine that it meets afterwards out of P/D; a request naming a
+host outside the `allowed_peers` option must not open a connection.
 """
 
 from __future__ import annotations
@@ -36,19 +37,21 @@ MAX_EXTRA_THREADS = 20
 THREADS_TIMEOUT_S = 60.0  # idle peers are forgotten well inside it
 DECODE_OPTIONS = {**FAST_FAIL, "allowed_peers": ["127.0.0.1"]}
 WARM, BURST, OUTSIDE = prompt("bounds-warm", 80), prompt("bounds-burst", 60), prompt("bounds-outside", 80)
+LATE = prompt("bounds-late-prefill", 80)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     with NodeSet() as nodes:
         nodes.start("prefill", "prefill")
+        nodes.start("late-prefill", "prefill")  # first read by the decode node after the burst
         nodes.start("decode", "decode", ["--kv-connector-extra", json.dumps(DECODE_OPTIONS)])
-        nodes.refs = references([WARM, BURST, OUTSIDE])
+        nodes.refs = references([WARM, BURST, OUTSIDE, LATE])
         nodes.wait()
         yield nodes
 
 
-def test_requests_naming_many_peers_do_not_grow_threads_without_bound(cluster):
+def test_requests_naming_many_peers_grow_no_threads_and_lock_no_prefill_out(cluster):
     p, d = cluster.url("prefill"), cluster.url("decode")
     status, body = complete(d, WARM, prefill(p, WARM))  # every thread an honest P/D read needs exists now
     assert_correct(status, body, cluster.refs[WARM], allow_error=False)
@@ -74,7 +77,12 @@ def test_requests_naming_many_peers_do_not_grow_threads_without_bound(cluster):
         f"peers (baseline {baseline}): per-peer state is not bounded or never expires"
     )
     print(f"threads: baseline {baseline}, after the burst {threads}")
-    assert_clean(p, d)
+
+    late = cluster.url("late-prefill")  # a prefill engine this decode node never talked to
+    status, body = complete(d, LATE, prefill(late, LATE))
+    assert_correct(status, body, cluster.refs[LATE], allow_error=False)
+    assert external_tokens(body) > 0, "requests naming made-up peers locked a real prefill engine out of P/D"
+    assert_clean(p, late, d)
 
 
 def test_peer_outside_the_allow_list_is_never_contacted(cluster):
