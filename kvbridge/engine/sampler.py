@@ -33,8 +33,10 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    # Drop a token when the tokens before it already reach top_p; the most likely always stays.
+    # Drop a token when the tokens before it already reach top_p; the most likely always stays
+    # (explicitly: a top_p below float32's range, e.g. 1e-300, compares as 0 and would drop it too).
     drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+    drop_sorted[0] = False
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
