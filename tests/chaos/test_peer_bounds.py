@@ -16,7 +16,6 @@ import pytest
 from chaos_harness import (
     FAST_FAIL,
     NodeSet,
-    TcpListener,
     assert_clean,
     assert_correct,
     assert_no_remote_kv,
@@ -27,6 +26,7 @@ from chaos_harness import (
     prompt,
     references,
 )
+from chaos_sockets import TcpListener
 
 from kvbridge.serve.launcher import free_ports
 

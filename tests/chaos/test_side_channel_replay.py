@@ -15,17 +15,15 @@ import time
 
 import pytest
 from chaos_harness import (
-    FrameRelay,
     NodeSet,
     assert_clean,
     assert_correct,
     complete,
-    message_type,
     prefill,
     prompt,
     references,
-    side_channel_send,
 )
+from chaos_sockets import FrameRelay, message_type, side_channel_send
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -23,9 +23,8 @@ from chaos_harness import (
     prefill,
     prompt,
     references,
-    side_channel_address,
-    side_channel_message,
 )
+from chaos_sockets import side_channel_address, side_channel_message
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
