@@ -32,6 +32,9 @@ FAST_FAIL = {"handshake_timeout_s": 1.0, "handshake_retries": 0, "transfer_timeo
 REQUEST_TIMEOUT_S = 60.0  # a deadline that detects a hang, never a performance bound
 CLEAN_TIMEOUT_S = 45.0  # leases of 30 s (the default) expire well inside it
 STARTUP_TIMEOUT_S = 120.0
+# What a scenario does not set itself is off, whatever the shell running the tests exports: open
+# admin endpoints (the suite resets caches and reads state) and no side-channel secret.
+NODE_ENV = {"KVBRIDGE_ADMIN_TOKEN": "", "KVBRIDGE_SIDE_CHANNEL_SECRET": ""}
 
 _WORDS = (
     "amber basalt cobalt delta ember fjord garnet harbor indigo jasper kelp lagoon meadow nickel "
@@ -83,6 +86,7 @@ class NodeSet:
     def start(self, name: str, role: str, extra: list[str] = (), env: dict[str, str] | None = None,
               ports: tuple[int, int] | None = None) -> ManagedProcess:  # fmt: skip
         ports = ports or tuple(free_ports(2))
+        env = {**NODE_ENV, **(env or {})}
         proc = start_node(name, role, self.log_dir, "tiny", [*NODE_ARGS, *extra], env, ports=ports)
         self.procs[name], self._ports[name] = proc, ports
         self._all.append(proc)
