@@ -78,6 +78,22 @@ def test_duplicate_ids_and_bad_prompts(engine):
     engine.add_request("a", [1, 2], GREEDY)  # a finished id may be reused
 
 
+def test_add_request_refuses_what_the_model_cannot_serve_and_the_engine_serves_on(engine):
+    vocab_size = engine.runner.model.args.vocab_size
+    for prompt, params, param in [
+        ([1, vocab_size], GREEDY, "prompt"),  # once an IndexError in the embedding that killed the engine
+        ([1, 2**64], GREEDY, "prompt"),  # once an overflow building the input tensor
+        ([1], SamplingParams(max_tokens=engine.scheduler.max_model_len + 1), "max_tokens"),
+        ([1], SamplingParams(stop_token_ids=(vocab_size,)), "stop_token_ids"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request("bad", prompt, params)
+        assert info.value.param == param
+    assert not engine.has_unfinished_requests()
+    engine.add_request("a", [1, 2], GREEDY)
+    assert drain(engine)[-1].outputs[0].token_ids == dense_greedy(engine.runner.model, [1, 2], 6)
+
+
 def test_chunked_prefill_off_rejects_prompts_over_the_budget():
     engine = make_engine(max_num_batched_tokens=16, enable_chunked_prefill=False)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvbridge.engine import sampler
@@ -69,3 +70,31 @@ def test_temperature_sampling_follows_the_distribution():
     # A low temperature sharpens the distribution towards the most likely token.
     cold = SamplingParams(temperature=0.1)
     assert all(sampler.sample_one(probs.log(), cold, gen) == 0 for _ in range(50))
+
+
+def test_top_p_below_float32_range_keeps_the_most_likely_token():
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
+    params = SamplingParams(temperature=1.0, top_p=1e-300)
+    assert all(sampler.sample_one(logits, params, None) == 1 for _ in range(20))
+
+
+def test_a_row_that_cannot_be_sampled_yields_its_error_and_the_others_their_tokens():
+    logits = torch.tensor([[0.1, 3.0, -1.0], [math.nan, math.nan, math.nan], [5.0, 4.9, 0.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1)]
+    first, bad, last = sampler.sample(logits, params, [None] * 3)
+    assert first == 1 and last == 0
+    assert isinstance(bad, ValueError) and "not finite" in str(bad)
+
+
+def test_a_device_fault_while_sampling_is_raised(monkeypatch):
+    def lost_device(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sampler, "sample_one", lost_device)
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        sampler.sample(torch.zeros(1, 4), [SamplingParams(temperature=1.0)], [None])
+
+
+def test_the_largest_seed_is_accepted_by_torch():
+    generator = sampler.make_generator(2**64 - 1, torch.device("cpu"))
+    assert generator.initial_seed() == 2**64 - 1

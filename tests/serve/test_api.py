@@ -111,6 +111,44 @@ def test_bad_input_gets_a_json_error(payload, status, param):
         assert body["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    "payload, status, param",
+    [
+        (json.dumps({"prompt": "a\ud800b"}).encode(), 400, "prompt"),  # a lone surrogate: UTF-8 cannot encode it
+        (b"[" * 100_000 + b"]" * 100_000, 400, None),  # json.loads raises RecursionError
+        (json.dumps({"prompt": "a", "temperature": 1e-300}).encode(), 400, "temperature"),
+        (b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", 400, None),  # past Python's int digit limit
+        (b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}', 413, None),  # past client_max_size
+    ],
+)
+def test_hostile_bodies_get_a_json_4xx_never_a_500(payload, status, param):
+    async def scenario(client, fake, engine):
+        resp = await client.post("/v1/completions", data=payload, headers={"Content-Type": "application/json"})
+        follow_up = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        return resp.status, await resp.json(), follow_up.status
+
+    got_status, body, follow_up = _serve(scenario)
+    assert got_status == status and body["error"]["code"] == status and body["error"]["param"] == param, body
+    assert follow_up == 200
+
+
+def test_add_request_failure_is_a_500_naming_the_reason_and_the_engine_serves_on():
+    class FailingAdd(FakeEngineCore):
+        def add_request(self, request_id, prompt_token_ids, *args, **kwargs):
+            if prompt_token_ids == [ord("!")]:
+                raise RuntimeError("injected add_request failure")
+            super().add_request(request_id, prompt_token_ids, *args, **kwargs)
+
+    async def scenario(client, fake, engine):
+        resp = await client.post("/v1/completions", json={"prompt": "!"})
+        health = await client.get("/health")
+        return resp.status, await resp.json(), health.status
+
+    status, body, health = _serve(scenario, FailingAdd())
+    assert status == 500 and body["error"]["type"] == "engine_error" and "injected" in body["error"]["message"]
+    assert health == 200
+
+
 def test_engine_error_is_a_500_with_the_reason():
     async def scenario(client, fake, engine):
         resp = await client.post("/v1/completions", json={"prompt": "a", "kv_transfer_params": {"fake_error": "KV gone"}})

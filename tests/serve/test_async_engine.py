@@ -10,7 +10,7 @@ import pytest
 from serve_fakes import FakeEngineCore
 
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError
+from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -74,6 +74,22 @@ def test_rejected_input_raises_value_error_and_engine_lives_on():
         return [o async for o in engine.generate("good", [1], GREEDY)][-1].finished
 
     assert _run(scenario) is True
+
+
+def test_add_request_failing_otherwise_fails_that_request_and_the_engine_lives_on():
+    class FailingAdd(FakeEngineCore):
+        def add_request(self, request_id, *args, **kwargs):
+            if request_id == "bad":
+                raise RuntimeError("injected add_request failure")
+            super().add_request(request_id, *args, **kwargs)
+
+    async def scenario(engine, fake):
+        with pytest.raises(RequestFailedError, match="bad failed in add_request: RuntimeError: injected"):
+            [o async for o in engine.generate("bad", [1], GREEDY)]
+        assert engine.is_ready
+        return [o async for o in engine.generate("good", [1], GREEDY)][-1].finished
+
+    assert _run(scenario, FailingAdd()) is True
 
 
 def test_duplicate_running_id_is_rejected():

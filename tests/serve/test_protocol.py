@@ -79,10 +79,57 @@ def test_bad_fields_name_the_param(body, param):
         assert param in str(info.value)
 
 
-@pytest.mark.parametrize("body", [{"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_p": 0}])
-def test_sampling_range_errors_become_invalid_request(body):
-    with pytest.raises(InvalidRequestError, match="max_tokens|top_p"):
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "top_p": 0}, "top_p"),
+        ({"prompt": "a", "top_p": 10**400}, "top_p"),  # an int past float range: not an OverflowError
+        ({"prompt": "a", "temperature": 1e-300}, "temperature"),
+        ({"prompt": "a", "temperature": 10**400}, "temperature"),
+        ({"prompt": "a", "temperature": float("nan")}, "temperature"),  # json.loads accepts NaN
+        ({"prompt": "a", "top_k": -2}, "top_k"),
+        ({"prompt": "a", "seed": 2**64}, "seed"),
+        ({"prompt": "a", "seed": -1}, "seed"),
+        ({"prompt": "a", "stop_token_ids": [1] * 4_000_000}, "stop_token_ids"),
+        ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": [1, 2**63]}, "prompt"),
+    ],
+)
+def test_out_of_range_values_are_invalid_requests_naming_the_field(body, param):
+    with pytest.raises(InvalidRequestError) as info:
         protocol.parse_completion_request(body)
+    assert info.value.param == param and param in str(info.value)
+    assert len(str(info.value)) < 500  # a client's 4M-entry list is not quoted back in full
+
+
+def test_largest_values_in_range_are_accepted():
+    body = {"prompt": [0, 2**63 - 1], "temperature": 100, "seed": 2**64 - 1, "stop_token_ids": [0] * 1024, "n": None}
+    req = protocol.parse_completion_request(body)
+    assert req.sampling_params.seed == 2**64 - 1 and len(req.sampling_params.stop_token_ids) == 1024
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (b"", "not valid JSON"),
+        (b"{not json", "not valid JSON"),
+        (b'{"prompt": "\xff"}', "not valid JSON"),  # not UTF-8
+        (b'{"prompt": "a", "seed": ' + b"7" * 10_000 + b"}", "not valid JSON"),  # Python's int digit limit
+        (b"[" * 100_000 + b"]" * 100_000, "levels deep"),  # RecursionError in json.loads
+        (b"[" * 40 + b"]" * 40, "levels deep"),  # parses, but deeper than MAX_JSON_DEPTH
+        (b'{"prompt": "a", "kv_transfer_params": ' + b'{"x": ' * 40 + b"1" + b"}" * 40 + b"}", "levels deep"),
+    ],
+)
+def test_bodies_that_are_not_acceptable_json_are_invalid_requests(raw, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        protocol.decode_body(raw)
+
+
+def test_json_within_the_depth_limit_decodes():
+    nested = b'{"prompt": "a", "kv_transfer_params": ' + b'{"x": ' * 20 + b"1" + b"}" * 20 + b"}"
+    assert protocol.decode_body(nested)["prompt"] == "a"
+    assert protocol.decode_body('{"prompt": "é"}'.encode("utf-16")) == {"prompt": "é"}
 
 
 def _output(**kw) -> RequestOutput:
