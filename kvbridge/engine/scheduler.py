@@ -206,9 +206,12 @@ class Scheduler:
         return num_new
 
     def _fail_admission(self, request: Request, exc: Exception) -> None:
+        """End a request whose admission raised. Its blocks may have been half taken: if the books no
+        longer balance after releasing them, check_integrity's AssertionError ends the engine."""
         logger.warning("request %s failed at admission", request.request_id, exc_info=exc)
         reason = f"request {request.request_id} failed at admission: {type(exc).__name__}: {exc}"
         self._failed.append(self.finish_request(request, RequestStatus.FINISHED_ERROR, reason))
+        self.check_integrity()
 
     def _fits_unchunked(self, request: Request, num_tokens_after: int) -> bool:
         """With chunked prefill off, a request is computed whole, unless it could never fit the budget

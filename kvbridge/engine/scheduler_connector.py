@@ -177,7 +177,8 @@ class ConnectorState:
             except Exception as exc:  # noqa: BLE001 - this request ends in error; its blocks are freed as usual
                 logger.warning("request_finished failed for %s", request_id, exc_info=exc)
                 request.status = RequestStatus.FINISHED_ERROR
-                request.error = f"request {request_id} failed: the connector's request_finished raised {type(exc).__name__}: {exc}"
+                raised = f"{type(exc).__name__}: {exc}"
+                request.error = f"request {request_id} failed: the connector's request_finished raised {raised}"
         if self._parked.pop(request_id, None) is not None:
             self._parked_tokens.pop(request_id, None)
             self._failed_loads.pop(request_id, None)

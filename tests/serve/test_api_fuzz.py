@@ -44,8 +44,8 @@ MAX_CHEAP_TOKENS = 3  # valid bodies generate at most this many tokens, so thous
 
 # ---------------------------------------------------------------------- strategies
 
-ABSURD_INTS = [0, 1, -1, 2, VOCAB_SIZE - 1, VOCAB_SIZE, MAX_MODEL_LEN, MAX_MODEL_LEN + 1, 2**31 - 1, 2**31,
-               2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30, -(10**30), 10**300]  # fmt: skip
+ABSURD_INTS = [0, 1, -1, 2, VOCAB_SIZE - 1, VOCAB_SIZE, MAX_MODEL_LEN, MAX_MODEL_LEN + 1, 2**31 - 1, 2**31, 2**53 + 1,
+               2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30, -(10**30), 10**300]  # fmt: skip
 ABSURD_FLOATS = [0.0, -0.0, 1e-300, 5e-324, 0.009, 0.01, 0.5, 1.0, 1.0000001, 2.0, 100.0, 100.5, 1e308, -1.0,
                  math.nan, math.inf, -math.inf]  # fmt: skip
 
@@ -135,7 +135,8 @@ def valid_fields() -> dict[str, st.SearchStrategy]:
 @st.composite
 def mutated_valid_bodies(draw, valid: dict, wild: dict) -> dict:
     """A valid body with up to two fields set to anything (most often one; none in a fifth of the draws)."""
-    prompt = st.one_of(st.text(min_size=1, max_size=16), st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=16))
+    token_ids = st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=16)
+    prompt = st.one_of(st.text(min_size=1, max_size=16), token_ids)
     body = {"prompt": draw(prompt), "max_tokens": draw(st.integers(1, MAX_CHEAP_TOKENS))}
     for name in draw(st.lists(st.sampled_from(sorted(valid)), max_size=5, unique=True)):
         body[name] = draw(valid[name])
@@ -169,7 +170,7 @@ def payloads(side_channel_port: int) -> st.SearchStrategy[bytes]:
         "not JSON": st.binary(max_size=48),
         "truncated": mutated_valid_bodies(valid_fields(), strategies).map(lambda body: as_json(body)[:-1]),
         "deep": depth.map(lambda d: b"[" * d + b"]" * d),
-        "deep field": depth.map(lambda d: b'{"prompt": "a", "kv_transfer_params": ' + b'{"x": ' * d + b"1" + b"}" * d + b"}"),
+        "deep field": depth.map(lambda d: b'{"prompt": "a", "kv_transfer_params": ' + b'{"x": ' * d + b"1}" + b"}" * d),
     }
     weighted = ["mutated"] * 12 + sorted(kinds)
     return st.sampled_from(weighted).flatmap(lambda kind: kinds[kind])
