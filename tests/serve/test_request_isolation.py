@@ -30,12 +30,14 @@ from live_node import (
 
 from kvbridge.serve.launcher import http_json
 
+
 def needs_nixl(test):
     """The `node` fixture runs the default NixlConnector."""
     skip = pytest.mark.skipif(
         importlib.util.find_spec("kvbridge.connectors.nixl.connector") is None, reason="needs the NixlConnector"
     )
     return pytest.mark.nixl(skip(test))
+
 
 # What a prefill node returns, complete but for one block id past int64.
 HUGE_BLOCK_ID_PARAMS = {
@@ -101,6 +103,14 @@ def test_malformed_json_gets_a_400_not_a_500(node, case):
     status, answer = post_raw(f"{node.url}/v1/completions", data)
     assert_openai_error(status, answer, 400, param)
     assert_serves_correctly(node)
+
+
+@needs_nixl
+def test_top_p_below_float32_range_samples_the_most_likely_token(node):
+    # Found by the fuzz test: top_p 1e-300 compared as 0 and dropped every token (NaN probabilities).
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 1.0, "top_p": 1e-300}
+    status, answer = http_json(f"{node.url}/v1/completions", body, timeout_s=60)
+    assert status == 200 and answer["choices"][0]["token_ids"] == node.expected_token_ids[:3], answer
 
 
 # ---------------------------------------------------------------------- fault isolation
