@@ -153,7 +153,7 @@ class KVEndpoint:
             case m.HandshakeRequest():
                 return answer_handshake(msg, self._me)
             case m.Ping():
-                return m.Pong(engine_id=self.engine_id)
+                return m.Pong(engine_id=self.engine_id, incarnation=self.incarnation)
             case _ if self._message_handler is not None:
                 return self._message_handler(msg)
             case _:

@@ -182,8 +182,11 @@ class Ping(_Message, tag="ping"):
 
 
 class Pong(_Message, tag="pong"):
+    """Answer to `Ping`: who answers, so a client can address its next requests (auth.audience_of)."""
+
     engine_id: str
     protocol_version: int = PROTOCOL_VERSION
+    incarnation: str = ""
 
 
 class ErrorCode:

@@ -14,9 +14,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvbridge.errors import TransferError
+from kvbridge.errors import HandshakeError, TransferError
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
+from kvbridge.transfer.auth import audience_of
 from kvbridge.transfer.cuda_ipc import IpcMapping, can_map
 from kvbridge.transfer.descriptors import block_descs
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, make_request, peer_from_response
@@ -141,12 +142,23 @@ class PeerDirectory:
         return SideChannelClient(address, self._secret, self._timeout_s, self._retries)
 
     def _fetch(self, address: str) -> PeerInfo:  # may run on the helper thread: no NIXL here
+        """Ping (who answers there now?), then a handshake addressed to that very instance.
+
+        Addressed, a signed handshake captured on the network cannot be replayed to another node or
+        to a restarted one; the ping it costs is a millisecond on a handshake done once per peer.
+        """
         client = self._new_client(address)
         try:
-            resp = client.request(make_request(self._me))
+            pong = client.request(m.Ping(engine_id=self._me.engine_id))
+            if not isinstance(pong, m.Pong) or not pong.incarnation:
+                raise HandshakeError(f"peer {address} answered a ping with {type(pong).__name__} and no incarnation")
+            resp = client.request(make_request(self._me), audience=audience_of(pong.engine_id, pong.incarnation))
         finally:
             client.close()
-        return peer_from_response(resp, address, self._me.compat_hash, self._me.layout)
+        info = peer_from_response(resp, address, self._me.compat_hash, self._me.layout)
+        if (info.engine_id, info.incarnation) != (pong.engine_id, pong.incarnation):
+            raise HandshakeError(f"peer {address} changed between its ping and its handshake (it restarted)")
+        return info
 
     def _connect(self, info: PeerInfo) -> None:
         known = self._peers.get(info.address)

@@ -105,7 +105,7 @@ class SideChannelServer:
         """Bind `tcp://host:port` (port 0: a free port) or `address` (e.g. "ipc:///tmp/x") and start serving.
 
         `audience` (auth.audience_of) is this server's engine instance: with a secret, signed requests
-        must name it, except handshakes and pings, which change nothing and may name nobody (b"").
+        must name it, except pings, which may name nobody (b"") and are answered with who answers.
         """
         if handler is None:
             raise TypeError("SideChannelServer needs a handler(msg) -> reply")
@@ -178,9 +178,9 @@ class SideChannelServer:
             frame = m.decode_frame(body[0])
             corr_id = frame.corr_id
             msg = m.decode(frame.payload)
-            # Only requests that change nothing may be sent before the client knows who answers.
-            is_read_only = isinstance(msg, (m.HandshakeRequest, m.Ping))
-            self._signer.verify(frame, (self._audience, b"") if is_read_only else (self._audience,))
+            # Only a ping, which says who answers, may name nobody: every other request is bound to
+            # this very engine instance, handshakes included (their answers hold NIXL metadata).
+            self._signer.verify(frame, (self._audience, b"") if isinstance(msg, m.Ping) else (self._audience,))
             reply = self._handler(msg) or m.Ack()
             self.num_requests += 1
         except AuthenticationError as e:

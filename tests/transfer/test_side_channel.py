@@ -314,8 +314,11 @@ def test_signed_requests_are_bound_to_their_destination_instance(addressed_serve
         reply = _send_raw(addressed_server.address, signer.seal(2, m.encode(_done("r")), audience))
         assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH, audience
         assert "another node" in reply.message
-    # handshakes and pings change nothing: a client that does not know the instance yet may send them
+    # a ping may name nobody: it only says who answers, so that a client can address what follows
     assert _send_raw(addressed_server.address, signer.seal(3, m.encode(m.Ping(engine_id="p")))) == m.Pong(engine_id="p")
+    handshake = m.HandshakeRequest(protocol_version=2, engine_id="d", compat_hash="h")
+    reply = _send_raw(addressed_server.address, signer.seal(4, m.encode(handshake)))  # unaddressed: refused
+    assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH
     client = _client(addressed_server.address, SECRET)
     try:
         assert client.request(_done("a"), audience=AUDIENCE) == m.Ack(count=1)

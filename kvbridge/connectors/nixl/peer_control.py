@@ -7,12 +7,14 @@ being read (`LeaseRenew`) per prefill engine, runs them on a small shared thread
 step never waits on the network, and turns the answers into one verdict per request:
 
     confirm(...) --TransferDone--> "released" ------------------------> CONFIRMED
-                                   "pending" (lease not granted yet) --> asked again, until the deadline
+                                   "pending" (lease not granted yet) --> asked again, for PENDING_GRACE_S
                                    "unknown", error, deadline ---------> REFUSED (a load error)
 
-Per-peer state is bounded: at most `max_peers` engines at once (`admits` says whether one more
-fits), and a peer with nothing in flight for `idle_s` is dropped (`drop_idle`), so requests naming
-many made-up addresses cannot grow threads or sockets.
+Per-peer state is bounded: at most `max_peers` side-channel addresses at once (every incarnation
+and engine id that params name at one address counts once). `admits` makes room for a new address
+by dropping the least recently active peer with nothing in flight, and says no only when every peer
+is busy; a peer with nothing in flight for `idle_s` is dropped (`drop_idle`). Requests naming many
+made-up peers can therefore neither grow threads or sockets nor lock real prefill engines out.
 
 Engine thread only, except the pool's jobs, which only call `send`.
 """
@@ -33,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 NUM_THREADS = 4  # side-channel requests in flight at once, over all peers
 RETRY_PENDING_S = 0.02  # a "pending" lease is usually granted at the prefill's next step
+# A lease is granted at the prefill engine's next step after the request finished there, so a real
+# one is "pending" for a step at most. An id the prefill never handed out is "pending" forever (the
+# prefill cannot tell it from one it is about to grant): give up on it after this long.
+PENDING_GRACE_S = 5.0
 
 
 class Verdict(enum.Enum):
@@ -50,6 +56,7 @@ class Outcome(NamedTuple):
 class _Confirm:
     lease: m.LeaseRef
     deadline: float
+    pending_since: float | None = None  # first "pending" answer
 
 
 @dataclass
@@ -89,8 +96,22 @@ class PeerControls:
     def addresses(self) -> set[str]:
         return {remote.address for remote in self._peers}
 
-    def admits(self, remote: RemoteEngine) -> bool:
-        return remote in self._peers or len(self._peers) < self._max_peers
+    def admits(self, remote: RemoteEngine, busy: set[RemoteEngine]) -> bool:
+        """Whether `remote` may be talked to, making room if its address is new and the table full.
+
+        `busy` are the peers with reads in flight (the caller's); they are never dropped.
+        """
+        addresses = self.addresses()
+        if remote.address in addresses or len(addresses) < self._max_peers:
+            return True
+        idle = [p for r, p in self._peers.items() if r not in busy and not p.is_busy]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda p: p.last_active)
+        for r in [r for r in self._peers if r.address == oldest.remote.address]:
+            if r not in busy and not self._peers[r].is_busy:
+                del self._peers[r]
+        return len(self.addresses()) < self._max_peers
 
     def _peer(self, remote: RemoteEngine) -> _Peer:
         peer = self._peers.get(remote)
@@ -118,7 +139,7 @@ class PeerControls:
         return outcomes
 
     def drop_idle(self, busy: set[RemoteEngine]) -> list[RemoteEngine]:
-        """Forget peers with nothing in flight for idle_s (or at once, past max_peers); return them."""
+        """Forget peers with nothing in flight for idle_s; return them."""
         now = self._clock()
         idle = [
             r for r, p in self._peers.items() if r not in busy and not p.is_busy and now - p.last_active >= self._idle_s
@@ -144,16 +165,22 @@ class PeerControls:
         for req_id, item in sent.items():
             if reply is not None and error is None and req_id_in(item, reply.released):
                 outcomes.append(Outcome(req_id, Verdict.CONFIRMED, ""))
-            elif reply is not None and error is None and req_id_in(item, reply.pending) and now < item.deadline:
+            elif reply is not None and error is None and req_id_in(item, reply.pending) and self._may_wait(item, now):
                 peer.to_confirm.setdefault(req_id, item)  # not granted yet: ask again shortly
                 peer.retry_at = now + RETRY_PENDING_S
             else:
                 reason = error or (
-                    "its lease was never granted before the deadline" if req_id_in(item, reply.pending)
+                    "its lease was never granted (an id the prefill did not hand out?)" if req_id_in(item, reply.pending)
                     else "no lease matches (expired, released, made up, or granted by another instance)"
                 )  # fmt: skip
                 outcomes.append(Outcome(req_id, Verdict.REFUSED, f"the prefill engine did not confirm the read: {reason}"))
         return outcomes
+
+    @staticmethod
+    def _may_wait(item: _Confirm, now: float) -> bool:
+        if item.pending_since is None:
+            item.pending_since = now
+        return now < min(item.deadline, item.pending_since + PENDING_GRACE_S)
 
     def _send_release(self, peer: _Peer, now: float) -> None:
         if peer.in_flight is not None or now < peer.retry_at or not (peer.to_confirm or peer.to_abandon):

@@ -134,9 +134,9 @@ class NixlWorker:
         remote = job.remote
         if not self._policy.allows(remote.host):  # the scheduler half refuses these first
             return self._refuse(job, f"prefill host {remote.host!r} is not in the NixlConnector option allowed_peers")
-        if not self._peers.admits(remote):
+        if not self._peers.admits(remote, busy={j.remote for j in self._recvs.values() if j is not job}):
             return self._refuse(
-                job, f"this node already talks to {self.options.max_peers} prefill engines (NixlConnector option max_peers)"
+                job, f"this node is reading from {self.options.max_peers} prefill addresses already (NixlConnector option max_peers)"
             )
         if not job.local_block_ids:  # everything hit locally: only release the prefill's blocks
             self._peers.abandon(remote, job.lease)

@@ -75,15 +75,18 @@ def test_only_an_exact_release_confirms_a_read():
 
 def test_pending_is_asked_again_until_granted_or_the_deadline():
     now = [0.0]
-    prefill = FakePrefill(held=[lease("late")], pending={"late", "never"})
+    prefill = FakePrefill(held=[lease("late")], pending={"late", "never", "made-up"})
     controls = make(prefill, now)
     controls.confirm(PREFILL, "a", lease("late"), deadline=100)
     controls.confirm(PREFILL, "b", lease("never"), deadline=0.5)
+    controls.confirm(PREFILL, "c", lease("made-up"), deadline=100)  # never handed out: pending for ever
     verdicts = run(controls, now, steps=20)
     assert verdicts == {}  # asked again, nothing decided before the deadline
     prefill.pending.discard("late")  # the prefill's next step granted it
     verdicts = run(controls, now, steps=100)
     assert verdicts == {"a": Verdict.CONFIRMED, "b": Verdict.REFUSED}
+    verdicts = run(controls, now, steps=600)  # 6 s: past the grace, far before the deadline
+    assert verdicts == {"c": Verdict.REFUSED}
     controls.close()
 
 
@@ -95,19 +98,28 @@ def test_an_unreachable_prefill_confirms_nothing():
     controls.close()
 
 
-def test_peers_are_capped_and_idle_ones_dropped():
+def test_peers_are_capped_by_address_and_idle_ones_make_room():
     now = [0.0]
     controls = make(FakePrefill(held=[]), now, max_peers=2, idle_s=5.0)
     others = [RemoteEngine("e", "127.0.0.1", 6000 + i, "i") for i in range(3)]
-    assert controls.admits(others[0])
-    controls.abandon(others[0], lease("a"))
+    made_up = [RemoteEngine(f"fake-{i}", "127.0.0.1", 6000, f"inc-{i}") for i in range(50)]
+    for remote in made_up:  # many incarnations at one address take one place
+        assert controls.admits(remote, busy=set())
+        controls.abandon(remote, lease("a"))
+    assert controls.addresses() == {others[0].address}
     controls.abandon(others[1], lease("b"))
-    assert len(controls) == 2 and not controls.admits(others[2]) and controls.admits(others[0])
+    # Full, and every peer busy: no room.
+    assert not controls.admits(others[2], busy=set(made_up) | {others[1]})
+    run(controls, now, steps=10)  # the releases were answered: nothing in flight any more
+    now[0] += 1
+    controls.abandon(others[1], lease("c"))
     run(controls, now, steps=10)
+    # Full, but the least recently active address is idle: it makes room at once.
+    assert controls.admits(others[2], busy=set())
+    assert controls.addresses() == {others[1].address}
     assert controls.drop_idle(busy=set()) == []  # not idle long enough
     now[0] += 10
-    assert controls.drop_idle(busy={others[1]}) == [others[0]]  # a peer with reads in flight stays
-    assert controls.admits(others[2])
+    assert controls.drop_idle(busy=set()) == [others[1]]
     controls.close()
 
 
