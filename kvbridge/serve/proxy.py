@@ -32,6 +32,7 @@ from aiohttp import web
 
 from kvbridge import env
 from kvbridge.errors import InvalidRequestError
+from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.protocol import error_body, parse_completion_request
 from kvbridge.serve.proxy_release import LeaseReleaser
 
@@ -121,11 +122,8 @@ class PDProxy:
         return NodeFailure(error_response(status, message, "upstream_error"))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
         try:  # the client's kv_transfer_params are replaced on both legs: not theirs to get wrong
+            body = protocol_decode_body(await request.read())
             parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
         except InvalidRequestError as exc:
             return error_response(400, str(exc), "invalid_request_error", exc.param)

@@ -7,6 +7,8 @@ import contextlib
 import json
 import socket
 
+import pytest
+
 from aiohttp.test_utils import TestClient, TestServer
 from serve_fakes import FakeEngineCore
 
@@ -166,3 +168,15 @@ def test_client_hang_up_aborts_on_the_decode_node():
             return decode.num_aborted
 
     assert _run(main()) == 1
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": [' + b"9" * 10_000 + b"]}", b"\xff\xfe{"])
+def test_bodies_json_cannot_take_are_a_400_from_the_proxy_too(raw):
+    async def go():
+        app = create_proxy_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])  # never reached
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+            return resp.status, await resp.json()
+
+    status, body = asyncio.run(go())
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
