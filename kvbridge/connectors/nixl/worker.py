@@ -176,7 +176,8 @@ class NixlWorker:
                 self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
-                self._peers.abandon(job.remote, job.lease)
+                if job.remote.address in self._endpoint.peers:  # it answered: let it free the blocks now
+                    self._peers.abandon(job.remote, job.lease)
                 self._finish_recv(rec.req_id)
         for outcome in self._peers.progress(self._reading()):
             job = self._recvs[outcome.req_id]
