@@ -33,7 +33,11 @@ from kvbridge.transfer import messages as m
 
 logger = logging.getLogger(__name__)
 
-NUM_THREADS = 4  # side-channel requests in flight at once, over all peers
+NUM_THREADS = 4  # confirmations and renewals in flight at once, over all peers
+# Releases of failed or release-only reads go to any address a request named, reachable or not: on
+# a pool of their own, at most MAX_COURTESY queued, so they never delay a confirmation.
+NUM_COURTESY_THREADS = 2
+MAX_COURTESY = 64
 RETRY_PENDING_S = 0.02  # a "pending" lease is usually granted at the prefill's next step
 # A lease is granted at the prefill engine's next step after the request finished there, so a real
 # one is "pending" for a step at most. An id the prefill never handed out is "pending" forever (the
@@ -72,7 +76,9 @@ class _Peer:
 
     @property
     def is_busy(self) -> bool:
-        return bool(self.to_confirm or self.to_abandon or self.in_flight or self.renewing)
+        """Owes a verdict: a confirmation queued or in flight. Releases of failed reads and renewals
+        are best-effort (the lease expires anyway): a peer with only those may be dropped."""
+        return bool(self.to_confirm or (self.in_flight is not None and self.in_flight[1]))
 
 
 Send = Callable[[RemoteEngine, m.Message], m.Message]
@@ -88,6 +94,9 @@ class PeerControls:
         self._max_peers, self._idle_s, self._renew_interval_s = max_peers, idle_s, renew_interval_s
         self._clock = clock
         self._pool = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="kvbridge-nixl-ctl")
+        self._courtesy_pool = ThreadPoolExecutor(NUM_COURTESY_THREADS, thread_name_prefix="kvbridge-nixl-release")
+        self._courtesy: set[Future] = set()  # best-effort releases not finished yet
+        self.num_courtesy_dropped = 0
         self._peers: dict[RemoteEngine, _Peer] = {}
 
     def __len__(self) -> int:
@@ -201,8 +210,18 @@ class PeerControls:
             leases=[item.lease for item in sent.values()],
             failed_leases=abandoned,
         )
-        peer.in_flight = (self._pool.submit(self._send, peer.remote, msg), sent)
         peer.last_active = now
+        if sent:
+            peer.in_flight = (self._pool.submit(self._send, peer.remote, msg), sent)
+        else:
+            self._send_courtesy(peer.remote, msg)
+
+    def _send_courtesy(self, remote: RemoteEngine, msg: m.TransferDone) -> None:
+        self._courtesy = {f for f in self._courtesy if not f.done()}
+        if len(self._courtesy) >= MAX_COURTESY:
+            self.num_courtesy_dropped += 1  # the prefill frees the blocks when the lease expires
+            return
+        self._courtesy.add(self._courtesy_pool.submit(self._send, remote, msg))
 
     def _renew(self, peer: _Peer, leases: list[m.LeaseRef], now: float) -> None:
         if not leases or peer.renewing is not None:
@@ -217,6 +236,7 @@ class PeerControls:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._courtesy_pool.shutdown(wait=False, cancel_futures=True)
         self._peers.clear()
 
 

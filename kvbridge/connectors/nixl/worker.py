@@ -192,10 +192,15 @@ class NixlWorker:
             self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
 
     def _reading(self) -> dict[RemoteEngine, list[m.LeaseRef]]:
-        """Leases of reads still in flight, by prefill engine: renewed while the read lasts."""
+        """Leases of reads still in flight, by prefill engine: renewed while the read lasts.
+
+        Only engines that answered a handshake: side-channel requests to an address that never
+        answered would only queue on the shared pool behind their timeouts.
+        """
         reading: dict[RemoteEngine, list[m.LeaseRef]] = {}
+        peers = self._endpoint.peers
         for req_id, job in self._recvs.items():
-            if job.local_block_ids and self._endpoint.tracker.get(req_id) is not None:
+            if job.local_block_ids and job.remote.address in peers and self._endpoint.tracker.get(req_id) is not None:
                 reading.setdefault(job.remote, []).append(job.lease)
         return reading
 

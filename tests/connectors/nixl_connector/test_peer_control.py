@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvbridge.connectors.nixl.metadata import RemoteEngine
-from kvbridge.connectors.nixl.peer_control import PeerControls, Verdict
+from kvbridge.connectors.nixl.peer_control import MAX_COURTESY, PeerControls, Verdict
 from kvbridge.errors import PeerUnreachableError
 from kvbridge.transfer import messages as m
 
@@ -131,3 +131,34 @@ def test_leases_being_read_are_renewed_every_interval():
     renewals = [msg for msg in prefill.sent if isinstance(msg, m.LeaseRenew)]
     assert 1 <= len(renewals) <= 3 and renewals[0].incarnation == "inc-1" and renewals[0].leases == [lease("r")]
     controls.close()
+
+
+def test_releases_to_silent_addresses_neither_delay_confirmations_nor_pile_up():
+    """Requests naming addresses that never answer queue best-effort releases: bounded, on their own
+    threads, and a real prefill's confirmation goes through meanwhile."""
+    now = [0.0]
+    prefill = FakePrefill(held=[lease("real")])
+    release_started = threading.Event()
+    stop = threading.Event()
+
+    def send(remote: RemoteEngine, msg: m.Message) -> m.Message:
+        if remote.port != PREFILL.port:  # a made-up address: hangs until the test ends
+            release_started.set()
+            stop.wait(10)
+            raise PeerUnreachableError("no reply")
+        return prefill(remote, msg)
+
+    controls = make(send, now, max_peers=500)
+    silent = [RemoteEngine("e", "127.0.0.1", 7000 + i, "i") for i in range(200)]
+    for remote in silent:
+        controls.abandon(remote, lease("gone"))
+    try:
+        run(controls, now, steps=5)
+        assert release_started.wait(5)
+        assert controls.num_courtesy_dropped == len(silent) - MAX_COURTESY
+        assert not any(controls.admits(r, busy=set()) is False for r in silent[:3])  # best-effort: never busy
+        controls.confirm(PREFILL, "local-real", lease("real"), deadline=100)
+        assert run(controls, now, steps=100) == {"local-real": Verdict.CONFIRMED}
+    finally:
+        stop.set()
+        controls.close()
