@@ -280,6 +280,7 @@ class KVEndpoint:
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
             self._release(rec)
+        self.peers.drop_handshakes({r.peer for r in self.tracker.live() if r.state is TransferState.HANDSHAKING})
 
     def _finish_handshakes(self) -> None:
         for address, error in self.peers.finish_handshakes().items():

@@ -90,6 +90,13 @@ class PeerDirectory:
     def is_handshaking(self, address: str) -> bool:
         return address in self._pending
 
+    def drop_handshakes(self, wanted: set[str]) -> None:
+        """Cancel queued handshakes with addresses no transfer waits for any more: requests naming
+        many silent addresses must not leave a queue of doomed handshakes ahead of a real peer's."""
+        for address, future in list(self._pending.items()):
+            if address not in wanted and future.cancel():
+                del self._pending[address]
+
     def finish_handshakes(self) -> dict[str, Exception]:
         """Connect every peer whose handshake completed; return the failures by address."""
         failures = {}

@@ -24,6 +24,7 @@ from chaos_harness import (
     num_threads,
     prefill,
     prompt,
+    state,
     references,
 )
 from chaos_sockets import TcpListener
@@ -81,7 +82,8 @@ def test_requests_naming_many_peers_grow_no_threads_and_lock_no_prefill_out(clus
     late = cluster.url("late-prefill")  # a prefill engine this decode node never talked to
     status, body = complete(d, LATE, prefill(late, LATE))
     assert_correct(status, body, cluster.refs[LATE], allow_error=False)
-    assert external_tokens(body) > 0, "requests naming made-up peers locked a real prefill engine out of P/D"
+    worker = state(d)["stats"]["connector"]["worker"]
+    assert external_tokens(body) > 0, f"requests naming made-up peers locked a real prefill engine out of P/D: {worker}"
     assert_clean(p, late, d)
 
 

@@ -412,3 +412,37 @@ def test_a_restarted_owner_is_never_read_for_its_predecessors_lease(tmp_path):
 def test_a_restarted_gpu_owner_is_never_read_through_its_predecessors_mapping(tmp_path):
     stats = _restart_on_the_same_port(tmp_path, "cuda:0")
     assert stats["num_ipc_copies"] == 2  # both good reads went through a CUDA IPC mapping, the second a fresh one
+
+
+def test_handshakes_nobody_waits_for_are_dropped_not_queued_ahead_of_a_real_peer(peer):
+    """Reads naming silent addresses expire; their queued handshakes must not delay a real peer's."""
+    ep, kv = _local_endpoint("decode-queue", handshake_timeout_s=1.0, handshake_retries=0)
+    silent = [f"tcp://127.0.0.1:{port}" for port in _closed_ports(40)]
+    try:
+        for i, address in enumerate(silent):  # 40 x 1 s of handshakes on a pool of two threads
+            ep.read_blocks(f"silent-{i}", address, [i], [i], timeout_s=0.5)
+        finals, deadline = {}, time.monotonic() + 30
+        while len(finals) < len(silent) and time.monotonic() < deadline:
+            finals.update((rec.req_id, rec) for rec in ep.poll())
+            time.sleep(0.01)
+        assert len(finals) == len(silent)
+        assert all(rec.state in (TransferState.EXPIRED, TransferState.FAILED) for rec in finals.values())
+        rec = _wait_final(ep, _read(ep, "real", peer.address, [50], [5], None), timeout_s=30)
+        assert rec.is_ok, rec.error
+        assert rec.finished_at - rec.created_at < 5.0, "the real peer's handshake waited behind the doomed ones"
+    finally:
+        ep.close()
+
+
+def _closed_ports(count: int) -> list[int]:
+    """Ports that were free a moment ago: nobody answers there."""
+    import socket
+
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
