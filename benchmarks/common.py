@@ -1,4 +1,4 @@
-"""What every benchmark reports about the machine and the software it ran on (BENCHMARKS.md)."""
+"""What every benchmark reports about the machine and the software it ran on (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

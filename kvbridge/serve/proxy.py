@@ -2,7 +2,7 @@
 
     kvbridge proxy --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 http://10.0.0.3:8200
 
-Per request (ARCHITECTURE.md, "P/D flow"):
+Per request (docs/pd-disaggregation.md):
 0. Validate the body as a node would (`parse_completion_request`): a request the decode node would
    refuse gets its 400 here, before a prefill node computes and holds anything for it.
 1. POST the body to the next prefill node (round-robin) with `max_tokens=1`, `stream=false` and

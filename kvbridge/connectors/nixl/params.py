@@ -1,6 +1,6 @@
 """The `kv_transfer_params` that P/D requests carry, parsed and validated in one place.
 
-Flow (ARCHITECTURE.md, "P/D flow"):
+Flow (docs/pd-disaggregation.md):
 
     client/proxy -> prefill: {"do_remote_decode": true}
     prefill -> client/proxy: RemotePrefillParams as a dict (returned by `request_finished`)
