@@ -133,6 +133,7 @@ class KVEndpoint:
             self.agent, self._me, secret=self._secret, timeout_s=handshake_timeout_s, retries=handshake_retries,
             cache_block_lists=descriptor_mode == "blocks",
             ipc_device=kv_cache.device if use_ipc else None,
+            before_unmap=self._sync_ipc_copies,  # nothing may use a mapping once it is closed
         )
         self._ipc = IpcCopier(kv_cache, layout, ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
         self._closed = False
@@ -167,7 +168,6 @@ class KVEndpoint:
 
     def forget_peer(self, address: str) -> None:
         """Drop a peer's metadata and cached lists; the next transfer to it handshakes again."""
-        self._sync_ipc_copies()  # nothing may use its mapping once it is closed
         self.peers.forget(address)
 
     def request(self, address: str, msg: m.Message, audience: tuple[str, str] | None = None) -> m.Message:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvbridge.errors import HandshakeError, TransferError
 from kvbridge.transfer import messages as m
@@ -40,8 +40,10 @@ class PeerDirectory:
         retries: int,
         cache_block_lists: bool,
         ipc_device: torch.device | None = None,
+        before_unmap: Callable[[], None] = lambda: None,
     ) -> None:
         self._agent, self._me = agent, me
+        self._before_unmap = before_unmap  # waits for the copies in flight through any mapping
         self._secret, self._timeout_s, self._retries = secret, timeout_s, retries
         self._cache_block_lists = cache_block_lists
         self._ipc_device = ipc_device  # the GPU of a local KV cache that maps same-host peers' caches
@@ -119,7 +121,8 @@ class PeerDirectory:
         info = self._peers.pop(address, None)
         self._block_lists.pop(address, None)  # released by remove_peer below
         mapping = self._mappings.pop(address, None)
-        if mapping is not None:  # the endpoint synchronized its reads through it
+        if mapping is not None:  # forgotten after a failure, at close, or replaced by a restarted peer
+            self._before_unmap()
             mapping.close()
         if info is not None:
             self._agent.remove_peer(info.agent_name)
