@@ -207,8 +207,6 @@ class KVEndpoint:
         if local.shape != remote.shape:
             raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
         self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
-        if len(remote) and remote.min() < 0:
-            raise ValueError("a remote block id is negative")
         payload = notif if isinstance(notif, bytes) else m.encode(notif)
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
         rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload, expect))

@@ -93,7 +93,7 @@ class LeaseTable:
                 if lease is None:
                     continue
                 if lease.state is LeaseState.ACTIVE and now >= lease.deadline:
-                    self._expire(ref.req_id, lease)
+                    self._expire(lease)
                 if lease.state is LeaseState.EXPIRED:
                     self._refuse(ref, answer)
                     continue
@@ -124,7 +124,7 @@ class LeaseTable:
         self.num_refused += 1
         answer.unknown.append(ref.req_id)
 
-    def _expire(self, req_id: str, lease: _Lease) -> None:
+    def _expire(self, lease: _Lease) -> None:
         lease.state = LeaseState.EXPIRED
         self.num_expired += 1
 
@@ -134,7 +134,7 @@ class LeaseTable:
         with self._lock:
             for req_id, lease in list(self._leases.items()):
                 if lease.state is LeaseState.ACTIVE and now >= lease.deadline:
-                    self._expire(req_id, lease)
+                    self._expire(lease)
                 if lease.state is not LeaseState.ACTIVE:
                     del self._leases[req_id]
                     self._ended[req_id] = None

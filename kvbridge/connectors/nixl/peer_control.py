@@ -22,7 +22,6 @@ Engine thread only, except the pool's jobs, which only call `send`.
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,8 +29,6 @@ from typing import NamedTuple
 
 from kvbridge.connectors.nixl.metadata import RemoteEngine
 from kvbridge.transfer import messages as m
-
-logger = logging.getLogger(__name__)
 
 NUM_THREADS = 4  # confirmations and renewals in flight at once, over all peers
 # Releases of failed or release-only reads go to any address a request named, reachable or not: on
@@ -167,19 +164,21 @@ class PeerControls:
         try:
             reply = future.result()
         except Exception as e:  # the prefill engine is gone or refuses: nothing is vouched for
-            reply, error = None, f"{type(e).__name__}: {e}"
+            reply, error = m.TransferDoneReply(), f"{type(e).__name__}: {e}"
         else:
             error = None if isinstance(reply, m.TransferDoneReply) else f"answered {type(reply).__name__}"
+        released, pending = (set(reply.released), set(reply.pending)) if error is None else (set(), set())
         outcomes = []
         for req_id, item in sent.items():
-            if reply is not None and error is None and req_id_in(item, reply.released):
+            remote_id = item.lease.req_id
+            if remote_id in released:
                 outcomes.append(Outcome(req_id, Verdict.CONFIRMED, ""))
-            elif reply is not None and error is None and req_id_in(item, reply.pending) and self._may_wait(item, now):
+            elif remote_id in pending and self._may_wait(item, now):
                 peer.to_confirm.setdefault(req_id, item)  # not granted yet: ask again shortly
                 peer.retry_at = now + RETRY_PENDING_S
             else:
                 reason = error or (
-                    "its lease was never granted (an id the prefill did not hand out?)" if req_id_in(item, reply.pending)
+                    "its lease was never granted (an id the prefill did not hand out?)" if remote_id in pending
                     else "no lease matches (expired, released, made up, or granted by another instance)"
                 )  # fmt: skip
                 outcomes.append(Outcome(req_id, Verdict.REFUSED, f"the prefill engine did not confirm the read: {reason}"))
@@ -238,7 +237,3 @@ class PeerControls:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._courtesy_pool.shutdown(wait=False, cancel_futures=True)
         self._peers.clear()
-
-
-def req_id_in(item: _Confirm, req_ids: list[str]) -> bool:
-    return item.lease.req_id in req_ids
