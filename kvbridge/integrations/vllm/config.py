@@ -1,0 +1,94 @@
+"""vLLM's configuration -> the kvbridge connector config and context it describes.
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+                           "kv_connector_module_path": "kvbridge.integrations.vllm",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"connector": "NixlConnector", "lease_s": 30}}'
+
+`kv_connector_extra_config["connector"]` names any kvbridge connector (a built-in, a plugin, or a
+`module:Class` path); `side_channel_host`, `side_channel_port` and `flush_timeout_s` there are
+`KVTransferConfig` fields; every other key is that connector's own option (its `extra`). The role
+and the engine id are vLLM's, and so is the load failure policy (`kv_load_failure_policy`): vLLM
+applies it, kvbridge's own would never be consulted.
+
+Pure Python; vLLM's config objects are read by attribute only.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.config import KVTransferConfig
+from kvbridge.errors import ConfigError
+
+# Keys of kv_connector_extra_config that are KVTransferConfig fields rather than connector options.
+_CONFIG_FIELDS = ("side_channel_host", "side_channel_port", "flush_timeout_s")
+# Fields vLLM owns: set in vLLM's own config, never in the extra config.
+_VLLM_OWNED = {
+    "role": "kv_role",
+    "engine_id": "engine_id",
+    "load_failure_policy": "kv_load_failure_policy",
+}
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """Everything the adapter derives from vLLM's config, on either side."""
+
+    transfer: KVTransferConfig
+    model_id: str  # identity of the weights; also the namespace of the chained block hashes
+    block_size: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> AdapterConfig:
+        kv = vllm_config.kv_transfer_config
+        extra = dict(kv.kv_connector_extra_config or {})
+        connector = extra.pop("connector", None)
+        if not connector or not isinstance(connector, str):
+            raise ConfigError(
+                "KVBridgeConnector needs kv_connector_extra_config.connector: the kvbridge connector to run, "
+                'e.g. {"connector": "NixlConnector"} or {"connector": "OffloadingConnector", "host_capacity_gb": 4}'
+            )
+        for ours, theirs in _VLLM_OWNED.items():
+            if ours in extra:
+                raise ConfigError(
+                    f"kv_connector_extra_config.{ours} is vLLM's to set: use --kv-transfer-config's {theirs!r} instead"
+                )
+        fields = {name: extra.pop(name) for name in _CONFIG_FIELDS if name in extra}
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"KVBridgeConnector runs with one worker per engine (tensor and pipeline parallel size 1); this engine has "
+                f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}"
+            )
+        try:
+            transfer = KVTransferConfig(
+                connector=connector,
+                role=kv.kv_role or "kv_both",
+                engine_id=str(kv.engine_id),
+                load_failure_policy=kv.kv_load_failure_policy,
+                extra=extra,
+                **fields,
+            )
+        except TypeError as exc:
+            raise ConfigError(f"KVBridgeConnector: invalid kv_connector_extra_config: {exc}") from exc
+        return cls(transfer, model_identity(vllm_config.model_config), vllm_config.cache_config.block_size)
+
+
+def model_identity(model_config: Any) -> str:
+    """The checkpoint's identity, as kvbridge's own engine names it, so both share prefix and P/D KV.
+
+    A local checkpoint directory is identified by its content (config.json and the safetensors
+    files, see `kvbridge.engine.checkpoint_id`); a hub name by the name and revision.
+    """
+    path = model_config.model
+    config_path = os.path.join(path, "config.json")
+    weights = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if os.path.isfile(config_path) and weights:
+        from kvbridge.engine.checkpoint_id import checkpoint_id
+
+        return checkpoint_id(config_path, weights)
+    return f"hf:{path}@{getattr(model_config, 'revision', None) or 'main'}"

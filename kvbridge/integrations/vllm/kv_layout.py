@@ -1,0 +1,124 @@
+"""vLLM's KV cache -> kvbridge's `KVCacheLayout` and one strided tensor over it, without a copy.
+
+vLLM 0.32 allocates one backing buffer per KV cache group and describes it with `KVCacheTensor`:
+the page of layer `l` for block `b` (all of that layer's K and V for `block_size` tokens, one
+contiguous run of `page_size_bytes`) starts at `offset + l * layer_stride + b * block_stride`.
+kvbridge's layout speaks the same language (`KVCacheLayout.layer_stride`/`block_stride`), so the
+adapter hands kvbridge's connectors a view `[num_blocks, num_layers, *page_shape]` over vLLM's
+own memory with those strides: NIXL registers vLLM's buffer, offload copies index it, and every
+descriptor is computed from the strides (one per run of blocks per layer when layers are
+outermost, as on CPU; one per run of blocks when blocks are outermost).
+
+Supported: one KV cache group of full attention (no sliding window, MLA or hybrid models), one
+`KVCacheTensor` holding every layer, unpadded pages. The page interior is named per attention
+backend (`page_format`) so that only engines whose pages hold the same bytes exchange them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout import KVCacheLayout
+
+# vLLM attention backend -> kvbridge page format (what one page of one layer holds, in order).
+# vLLM's CPU backend keeps a page as [kv_heads, K|V, block_size, head_dim].
+PAGE_FORMATS = {"CPU_ATTN": "H2ND"}
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(kv_cache_config: Any, page_format: str) -> tuple[KVCacheLayout, list[str]]:
+    """The kvbridge layout of vLLM's KV cache, and the layer names in layer order.
+
+    Raises ConfigError naming what is unsupported (several groups, non-full attention, padding).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVBridgeConnector supports models with one KV cache group (full attention in every layer); "
+            f"this model has {len(groups)} (sliding-window, hybrid or encoder layers)"
+        )
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind != "FullAttentionSpec" or spec.head_size_v != spec.head_size:
+        raise ConfigError(f"KVBridgeConnector supports full attention KV caches; this model's is {kind}")
+    tensors = [t for t in kv_cache_config.kv_cache_tensors if set(t.layers) & set(groups[0].layer_names)]
+    if len(tensors) != 1:
+        raise ConfigError(
+            f"KVBridgeConnector needs every layer's KV in one vLLM KVCacheTensor; this engine has {len(tensors)}"
+        )
+    tensor = tensors[0]
+    layout = KVCacheLayout(
+        num_blocks=kv_cache_config.num_blocks,
+        num_layers=len(tensor.layers),
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=_dtype_name(spec.dtype),
+        page_format=page_format,
+        layer_stride=tensor.layer_stride,
+        block_stride=tensor.block_stride,
+    )
+    if spec.page_size_bytes != layout.page_nbytes:
+        raise ConfigError(
+            f"vLLM's KV pages are {spec.page_size_bytes} B but {layout.page_nbytes} B of K and V "
+            "(padded or packed pages); KVBridgeConnector supports dense pages only"
+        )
+    return layout, list(tensor.layers)
+
+
+def page_format_of(backend_name: str | None) -> str:
+    """kvbridge's page format for a vLLM attention backend; ConfigError for one we have not verified."""
+    fmt = PAGE_FORMATS.get(backend_name or "")
+    if fmt is None:
+        raise ConfigError(
+            f"KVBridgeConnector does not know the KV page layout of vLLM's {backend_name} attention backend "
+            f"(known: {', '.join(PAGE_FORMATS)}); see docs/vllm.md"
+        )
+    return fmt
+
+
+def strided_view(kv_caches: dict[str, Any], layer_names: list[str], layout: KVCacheLayout):
+    """One tensor `[num_blocks, num_layers, *page_shape]` over vLLM's per-layer KV tensors.
+
+    Checks that vLLM's tensors are where the layout says (layer l's block 0 at layer_stride * l
+    from layer 0's, each page contiguous), so a change in vLLM's allocation is an error here, not
+    KV written to the wrong bytes.
+    """
+    import torch
+
+    missing = [name for name in layer_names if name not in kv_caches]
+    if missing:
+        raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:3]}")
+    first = kv_caches[layer_names[0]]
+    elt = first.element_size()
+    if _dtype_name(first.dtype) != layout.dtype:
+        raise ConfigError(f"vLLM's KV tensors are {first.dtype}, its KV cache spec says {layout.dtype}")
+    base = first.data_ptr()
+    for i, name in enumerate(layer_names):
+        tensor = kv_caches[name]
+        if tensor.data_ptr() != base + i * layout.layer_stride_bytes or tensor.shape[0] != layout.num_blocks:
+            raise ConfigError(
+                f"vLLM's KV tensor of layer {name} is not where its KVCacheTensor says (layer {i}); "
+                "this vLLM version allocates KV differently from what KVBridgeConnector supports"
+            )
+        if tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            raise ConfigError(f"vLLM's KV tensor of layer {name} is not in the same buffer as layer 0's")
+    page_strides = _dense_strides(layout.page_shape)  # a page is dense, row-major in page_format order
+    return torch.as_strided(
+        first,
+        (layout.num_blocks, layout.num_layers, *layout.page_shape),
+        (layout.block_stride_bytes // elt, layout.layer_stride_bytes // elt, *page_strides),
+        first.storage_offset(),
+    )
+
+
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))

@@ -1,0 +1,142 @@
+"""vLLM's scheduler objects seen through kvbridge's connector API, without copying KV or tokens.
+
+kvbridge's scheduler halves read a request's id, token counts, `kv_transfer_params`, status and
+the chained block hashes (`kvbridge.engine.block_hash`: the identity of KV in every kvbridge
+engine, so a vLLM node and a kvbridge node agree on which blocks hold which prompt). vLLM's
+`Request` has all of it but the hashes, which `RequestView` computes from the token ids, a block
+at a time as the request grows. `step_output` turns vLLM's `SchedulerOutput` into kvbridge's.
+
+Pure bookkeeping: no torch, and vLLM's objects are only read (duck-typed, so the tests can drive
+it without an engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
+from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
+from kvbridge.engine.request import RequestStatus
+
+# vLLM's finished statuses -> kvbridge's (vLLM's RequestStatus is an IntEnum; compared by name so
+# that this module does not import vLLM). Anything not listed and not finished is RUNNING enough
+# for a connector: connectors only tell "finished normally" from the rest.
+_FINISHED = {
+    "FINISHED_STOPPED": RequestStatus.FINISHED_STOPPED,
+    "FINISHED_LENGTH_CAPPED": RequestStatus.FINISHED_LENGTH,
+    "FINISHED_REPETITION": RequestStatus.FINISHED_STOPPED,
+    "FINISHED_ABORTED": RequestStatus.FINISHED_ABORTED,
+    "FINISHED_IGNORED": RequestStatus.FINISHED_ABORTED,
+    "FINISHED_ERROR": RequestStatus.FINISHED_ERROR,
+}
+_UNFINISHED = {
+    "WAITING": RequestStatus.WAITING,
+    "WAITING_FOR_REMOTE_KVS": RequestStatus.WAITING_FOR_REMOTE_KVS,
+    "PREEMPTED": RequestStatus.PREEMPTED,
+}
+
+
+class RequestView:
+    """One vLLM request as a kvbridge `Request` (the attributes connectors read)."""
+
+    __slots__ = ("_req", "block_size", "hash_namespace", "_hashes")
+
+    def __init__(self, vllm_request: Any, block_size: int, hash_namespace: str) -> None:
+        self._req = vllm_request
+        self.block_size = block_size
+        self.hash_namespace = hash_namespace
+        self._hashes: list[BlockHash] = []
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return self._req.kv_transfer_params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._req.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self._req.num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._req.num_computed_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return list(self._req.all_token_ids)
+
+    @property
+    def status(self) -> RequestStatus:
+        name = self._req.status.name
+        return _FINISHED.get(name) or _UNFINISHED.get(name, RequestStatus.RUNNING)
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Chained hashes of every full block of the request's tokens so far, computed once each."""
+        num_full = self._req.num_tokens // self.block_size
+        if len(self._hashes) < num_full:
+            tokens = self._req.all_token_ids[: num_full * self.block_size]
+            self._hashes = hash_full_blocks(tokens, self.block_size, self._hashes, self.hash_namespace)
+        return self._hashes
+
+    def __repr__(self) -> str:
+        return f"RequestView({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+
+
+class RequestViews:
+    """The view of every request the scheduler half knows, by id, made on first sight."""
+
+    def __init__(self, block_size: int, hash_namespace: str) -> None:
+        self.block_size = block_size
+        self.hash_namespace = hash_namespace
+        self._views: dict[str, RequestView] = {}
+
+    def of(self, vllm_request: Any) -> RequestView:
+        view = self._views.get(vllm_request.request_id)
+        if view is None or view._req is not vllm_request:  # a new request object under a reused id
+            view = RequestView(vllm_request, self.block_size, self.hash_namespace)
+            self._views[vllm_request.request_id] = view
+        return view
+
+    def get(self, request_id: str) -> RequestView | None:
+        return self._views.get(request_id)
+
+    def drop(self, request_id: str) -> None:
+        self._views.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+def first_group(block_ids: Any) -> list[int]:
+    """vLLM's block ids are one list per KV cache group; kvbridge connectors run with exactly one."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids[0])
+    return list(block_ids or ())
+
+
+def step_output(vllm_output: Any, views: RequestViews) -> SchedulerOutput:
+    """kvbridge's `SchedulerOutput` for one vLLM step: every scheduled request with its progress
+    and its whole block table, and the finished and preempted ids."""
+    block_state = vllm_output.kv_connector_block_state
+    start_of: dict[str, int] = {new.req_id: new.num_computed_tokens for new in vllm_output.scheduled_new_reqs}
+    cached = vllm_output.scheduled_cached_reqs
+    start_of.update(zip(cached.req_ids, cached.num_computed_tokens))
+    scheduled = []
+    for req_id, num_new_tokens in vllm_output.num_scheduled_tokens.items():
+        view = views.get(req_id)
+        if view is None:  # never offered to the connector (vLLM skips it for some requests): nothing to plan
+            continue
+        block_ids = first_group(block_state.get_block_ids(req_id)) if block_state is not None else []
+        scheduled.append(ScheduledRequest(view, start_of.get(req_id, view.num_computed_tokens), num_new_tokens, block_ids))
+    return SchedulerOutput(
+        scheduled=scheduled,
+        finished_req_ids=set(vllm_output.finished_req_ids),
+        preempted_req_ids=set(vllm_output.preempted_req_ids or ()),
+    )

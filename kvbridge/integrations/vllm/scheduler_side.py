@@ -1,0 +1,159 @@
+"""The adapter's scheduler half: vLLM's scheduler calls -> a kvbridge connector's scheduler half.
+
+Pure bookkeeping, on vLLM's engine-core thread. Besides translating objects (`requests.py`), it
+keeps the two promises vLLM makes its connectors keep and kvbridge's own engine does not ask for:
+
+* a request is reported in `finished_sending` only after `request_finished` delayed its blocks
+  (vLLM frees a request's blocks, even a running one's, on the first report). A kvbridge
+  connector that finishes a send before the request finishes has its report held back and
+  delivered in the step after `request_finished`, or its delay dropped when it was already sent;
+* `finished_recving` names only requests this half started an async load for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from kvbridge.connectors.factory import create_connector
+from kvbridge.engine.outputs import KVConnectorOutput
+from kvbridge.integrations.vllm.config import AdapterConfig
+from kvbridge.integrations.vllm.requests import RequestViews, first_group, step_output
+from kvbridge.layout import KVCacheLayout
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    def __init__(self, setup: AdapterConfig, layout: KVCacheLayout | None) -> None:
+        self.setup = setup
+        self.layout = layout
+        self.views = RequestViews(setup.block_size, setup.model_id)
+        self._inner: KVConnectorBase | None = None
+        self._delayed: dict[str, Any] = {}  # finished, blocks held for a send: req id -> vLLM request
+        self._matched_async: dict[str, bool] = {}  # last match answer: an async load?
+        self._loading: set[str] = set()  # async loads started
+        self._sent_early: set[str] = set()  # sends reported before the request finished
+        self._redeliver: set[str] = set()  # early sends to report in the next step
+        self._drained: set[str] = set()  # sends a drain applied already; vLLM hears of them in the next step
+
+    # ------------------------------------------------------------------ building
+
+    def start(self, incarnation: str | None, step_stats: dict[str, Any]) -> None:
+        """Build the kvbridge half with the worker's incarnation (from vLLM's handshake metadata)."""
+        context = ConnectorContext(
+            model_id=self.setup.model_id,
+            block_size=self.setup.block_size,
+            device="cpu",  # the scheduler half touches no device
+            hash_namespace=self.setup.model_id,
+            layout=self.layout,
+            **({"incarnation": incarnation} if incarnation else {}),
+        )
+        self._inner = create_connector(self.setup.transfer, KVConnectorRole.SCHEDULER, context)
+        if step_stats:
+            self._inner.update_connector_output(KVConnectorOutput(stats=dict(step_stats)))
+
+    @property
+    def inner(self) -> KVConnectorBase:
+        if self._inner is None:  # vLLM delivered no handshake metadata: this engine's workers are elsewhere
+            logger.warning(
+                "KVBridgeConnector: no start-up metadata from the worker; the scheduler half runs with its own "
+                "engine incarnation, so P/D peers may refuse this engine's leases"
+            )
+            self.start(None, {})
+        return self._inner
+
+    # ------------------------------------------------------------------ admission
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        view = self.views.of(request)
+        num_external, load_async = self.inner.get_num_new_matched_tokens(view, num_computed_tokens)
+        if num_external is None:
+            return None, False
+        num_external = max(0, min(num_external, request.num_tokens - num_computed_tokens))
+        is_async = bool(load_async and num_external)
+        self._matched_async[request.request_id] = is_async
+        return num_external, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        view = self.views.of(request)
+        self.inner.update_state_after_alloc(view, first_group(blocks.get_block_ids()), num_external_tokens)
+        if self._matched_async.pop(request.request_id, False) and num_external_tokens:
+            self._loading.add(request.request_id)  # vLLM parks it until finished_recving names it
+
+    def build_connector_meta(self, vllm_output: Any):
+        return self.inner.build_connector_meta(step_output(vllm_output, self.views))
+
+    # ------------------------------------------------------------------ worker reports
+
+    def update_connector_output(self, vllm_output: Any) -> None:
+        sending = set(vllm_output.finished_sending or ())
+        recving = set(vllm_output.finished_recving or ()) & self._loading
+        self._loading -= recving
+        self._sent_early |= {r for r in sending - self._delayed.keys() - self._drained if self.views.get(r) is not None}
+        to_vllm = (sending & (self._delayed.keys() | self._drained)) | self._redeliver
+        to_inner = to_vllm - self._drained
+        self._drained -= to_vllm
+        self._redeliver = set()
+        self._release(to_vllm)
+        worker_meta = getattr(vllm_output, "kv_connector_worker_meta", None)
+        self.inner.update_connector_output(
+            KVConnectorOutput(
+                finished_sending=to_inner,
+                finished_recving=recving,
+                invalid_block_ids=set(vllm_output.invalid_block_ids or ()),
+                stats=dict(getattr(worker_meta, "stats", None) or {}),
+            )
+        )
+        vllm_output.finished_sending = to_vllm or None
+        vllm_output.finished_recving = recving or None
+
+    def apply_drained(self, sent: set[str]) -> set[str]:
+        """Sends a drain finished outside a step: the kvbridge half learns of them now (so a prompt
+        stored to a tier is found by the next request), vLLM in the next step. Returns the held ones."""
+        held = sent & self._delayed.keys()
+        if held:
+            self.inner.update_connector_output(KVConnectorOutput(finished_sending=set(held)))
+            self._drained |= held
+            self._release(held)
+        return held
+
+    def _release(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._delayed.pop(req_id, None)
+            self.views.drop(req_id)
+
+    # ------------------------------------------------------------------ finishing
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        view = self.views.of(request)
+        delay, params = self.inner.request_finished(view, list(block_ids))
+        self._matched_async.pop(req_id, None)  # a load in flight stays in _loading: vLLM frees its blocks on the report
+        if delay and req_id in self._sent_early:
+            self._redeliver.add(req_id)  # the kvbridge half learns it was sent; vLLM frees the blocks then
+            self._delayed[req_id] = request
+        elif delay:
+            self._delayed[req_id] = request
+        else:
+            self.views.drop(req_id)
+        self._sent_early.discard(req_id)
+        return delay, params
+
+    def plan_drain(self):
+        """The kvbridge half's plan for a connector-only step before a reset: what it planned since the
+        last step (e.g. the leases of requests that just finished) and the finished requests held."""
+        from kvbridge.engine.outputs import SchedulerOutput
+
+        return self.inner.build_connector_meta(SchedulerOutput(finished_req_ids=set(self._delayed)))
+
+    def held_requests(self) -> dict[str, Any]:
+        """Finished requests whose blocks wait for a send, by id (vLLM's request objects)."""
+        return dict(self._delayed)
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._delayed or self._loading) or self.inner.has_pending_transfers()
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.inner.get_stats()
