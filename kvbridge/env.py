@@ -55,6 +55,15 @@ def flush_timeout_s() -> float:
     return _get_float("KVBRIDGE_FLUSH_TIMEOUT_S", 30.0)
 
 
+def nixl_progress_delay_us() -> float:
+    """KVBRIDGE_NIXL_PROGRESS_DELAY_US: pause of NIXL's progress thread between rounds when it has no
+    work (default 100 us). 0 spins, as NIXL's Python wrapper does: a whole core per idle agent."""
+    value = _get_float("KVBRIDGE_NIXL_PROGRESS_DELAY_US", 100.0)
+    if value < 0:
+        raise ValueError(f"KVBRIDGE_NIXL_PROGRESS_DELAY_US={value} must be >= 0")
+    return value
+
+
 def nixl_backend() -> str:
     """KVBRIDGE_NIXL_BACKEND: NIXL backend plugin to create (default UCX)."""
     return _get_str("KVBRIDGE_NIXL_BACKEND", "UCX") or "UCX"

@@ -33,6 +33,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _log_like_vllm() -> None:
+    """kvbridge's log records go where vLLM's go (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
 def _backend_name(vllm_config: Any) -> str:
     from vllm.platforms import current_platform
 
@@ -42,6 +52,7 @@ def _backend_name(vllm_config: Any) -> str:
 class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         self.setup = AdapterConfig.from_vllm(vllm_config)
         page_format = page_format_of(_backend_name(vllm_config))
         self._scheduler: SchedulerSide | None = None
