@@ -4,9 +4,11 @@ NIXL/UCX (cuda_ipc) pays ~15 µs per descriptor: on 2 × H200 a read of 202 scat
 ran at ~0.25-0.38 of a raw peer copy (docs/benchmarks.md). When both engines' KV caches are on
 GPUs of one host, the owner exports its KV tensor's CUDA IPC handle in the handshake and the
 reader maps it once, in the context of its own GPU (the owner's GPU need not be visible to it,
-e.g. under per-process CUDA_VISIBLE_DEVICES). A transfer of at least `min_runs` runs of blocks is
-then a copy per run, enqueued with `cuMemcpyBatchAsync` (CUDA ≥ 12.8 drivers; one `cuMemcpyAsync`
-per run before) in batches of 16, 32, 64... on a dedicated stream, and completed by a CUDA event.
+e.g. under per-process CUDA_VISIBLE_DEVICES). A transfer of at least `min_runs` copies is then a
+copy per byte range `descriptors.coalesce_blocks` gives (a run of blocks between block-major
+caches; per layer or per page with strided ones), enqueued with `cuMemcpyBatchAsync` (CUDA ≥ 12.8
+drivers; one `cuMemcpyAsync` per copy before) in batches of 16, 32, 64... on a dedicated stream,
+and completed by a CUDA event.
 Copy engines move the bytes: no SM is taken from the model.
 
 Measured on 2 × H200, 202 runs of 2 MiB (benchmarks/ipc_copy_methods.py, transfer_bw.py): the
@@ -34,7 +36,7 @@ import numpy as np
 
 from kvbridge.errors import TransferError
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.descriptors import run_starts
+from kvbridge.transfer.descriptors import coalesce_blocks
 from kvbridge.transfer.messages import IpcExport
 
 if TYPE_CHECKING:
@@ -238,7 +240,7 @@ class IpcCopy:
 
     def __init__(self, event: torch.cuda.Event, num_runs: int) -> None:
         self.event = event
-        self.num_runs = num_runs
+        self.num_runs = num_runs  # copies enqueued: byte ranges adjacent on both sides
 
     def is_done(self) -> bool:
         return self.event.query()
@@ -253,17 +255,15 @@ def copy_plan(
     remote_layout: KVCacheLayout,
     remote_ids: np.ndarray,  # [n] int64
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dsts, srcs, sizes) [R] uint64: one copy per run of blocks adjacent on both sides, READ
+    """(dsts, srcs, sizes) [R] uint64: one copy per byte range adjacent on both sides
+    (`descriptors.coalesce_blocks`: a run of blocks between block-major caches), READ
     (remote -> local) or WRITE (local -> remote). Raises IndexError for an id outside a layout."""
     if op not in ("READ", "WRITE"):
         raise ValueError(f"op must be 'READ' or 'WRITE', got {op!r}")
-    for ids, layout in ((local_ids, local_layout), (remote_ids, remote_layout)):
-        if len(ids) and (ids.min() < 0 or ids.max() >= layout.num_blocks):
-            layout.block_offsets(ids)  # raises the IndexError naming the bad id
-    starts = run_starts(local_ids, remote_ids)  # [R]
-    sizes = np.diff(starts, append=len(local_ids)).astype(np.uint64) * np.uint64(local_layout.block_nbytes)
-    local = np.uint64(local_addr) + local_ids[starts].astype(np.uint64) * np.uint64(local_layout.block_nbytes)
-    remote = np.uint64(remote_addr) + remote_ids[starts].astype(np.uint64) * np.uint64(remote_layout.block_nbytes)
+    ranges = coalesce_blocks(local_ids, remote_ids, local_layout, remote_layout)
+    sizes = ranges.nbytes.astype(np.uint64)
+    local = np.uint64(local_addr) + ranges.local_offsets.astype(np.uint64)
+    remote = np.uint64(remote_addr) + ranges.remote_offsets.astype(np.uint64)
     return (local, remote, sizes) if op == "READ" else (remote, local, sizes)
 
 
@@ -284,7 +284,7 @@ class IpcCopier:
     ) -> IpcCopy | None:
         """Enqueue READ (peer -> local) or WRITE (local -> peer) of the paired blocks, after all work
         already queued on this device's current stream; None (nothing enqueued) for fewer than
-        `min_runs` runs of blocks."""
+        `min_runs` copies (runs of blocks between block-major caches)."""
         import torch
 
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)

@@ -2,15 +2,21 @@
 
 Descriptor count is what limits transfer speed (see docs/transfer.md), so:
 - `coalesce_blocks` turns a (local block ids, remote block ids) pairing into byte ranges, merging
-  runs that are adjacent on BOTH sides into one range and splitting ranges longer than
-  `max_nbytes`. All arithmetic is vectorized; byte offsets come from `KVCacheLayout`.
+  units adjacent on BOTH sides into one range and splitting ranges longer than `max_nbytes`.
+  All arithmetic is vectorized; byte offsets come from `KVCacheLayout`.
+- A unit is what both layouts keep as one byte range: a whole block when each block is
+  contiguous on both sides (`Unit.BLOCK`: runs of blocks merge in block-major caches), else one
+  page (`Unit.PAGE`, layer by layer: a layer's pages of a run merge where its blocks' pages are
+  adjacent on both sides, e.g. between two layer-outermost caches).
 - `take_contiguous` is for allocators: it picks block ids from a free set so that they form as
   few runs as possible (ideally one), which is what makes coalescing pay off.
-- `range_descs` / `block_descs` turn offsets into NIXL's [N, 3] (addr, nbytes, device_id) arrays.
+- `range_descs` / `block_descs` turn offsets into NIXL's [N, 3] (addr, nbytes, device_id) arrays;
+  `unit_indices` names a transfer's entries of a `block_descs` list.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import numpy as np
@@ -34,12 +40,57 @@ class BlockRanges(NamedTuple):
         return int(self.nbytes.sum())
 
 
-def run_starts(local_ids: np.ndarray, remote_ids: np.ndarray) -> np.ndarray:
-    """Indices where a run adjacent on both sides begins. [num_runs] int64; empty input -> empty."""
-    if len(local_ids) == 0:
+class Unit(enum.Enum):
+    """What one entry of a transfer covers before merging."""
+
+    BLOCK = "block"  # every page of one block: one byte range on both sides
+    PAGE = "page"  # one layer's page of one block
+
+
+def transfer_unit(local_layout: KVCacheLayout, remote_layout: KVCacheLayout) -> Unit:
+    """BLOCK when every block is one byte range in both layouts, else PAGE."""
+    return Unit.BLOCK if local_layout.is_block_contiguous and remote_layout.is_block_contiguous else Unit.PAGE
+
+
+def unit_nbytes(layout: KVCacheLayout, unit: Unit) -> int:
+    return layout.block_nbytes if unit is Unit.BLOCK else layout.page_nbytes
+
+
+def unit_offsets(layout: KVCacheLayout, block_ids, unit: Unit) -> np.ndarray:
+    """Byte offsets of the units of `block_ids`, in transfer order. BLOCK: [n], one per block.
+    PAGE: [num_layers * n], layer by layer and in block order within a layer, so that pages of
+    consecutive blocks of one layer follow each other. Raises IndexError for an id outside the layout."""
+    if unit is Unit.BLOCK:
+        return layout.block_offsets(block_ids)
+    return layout.page_offsets(block_ids).T.reshape(-1)  # [n, L] -> [L * n]
+
+
+def unit_indices(layout: KVCacheLayout, block_ids, unit: Unit) -> np.ndarray:
+    """Indices into `block_descs(layout, ..., unit)` of the units of `block_ids`, in `unit_offsets` order."""
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if unit is Unit.BLOCK:
+        return ids
+    layers = np.arange(layout.num_layers, dtype=np.int64)[:, None]  # [L, 1]
+    return (layers * layout.num_blocks + ids).reshape(-1)  # [L * n]: page (l, b) is entry l * num_blocks + b
+
+
+def run_starts(local: np.ndarray, remote: np.ndarray, step: int = 1) -> np.ndarray:
+    """Indices where a run adjacent on both sides begins: consecutive entries whose values both grow
+    by `step` (1 for block ids, a unit's bytes for offsets) are one run. [num_runs] int64."""
+    if len(local) == 0:
         return np.zeros(0, dtype=np.int64)
-    breaks = (np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)
+    breaks = (np.diff(local) != step) | (np.diff(remote) != step)
     return np.flatnonzero(np.concatenate(([True], breaks)))
+
+
+def check_same_pages(local_layout: KVCacheLayout, remote_layout: KVCacheLayout) -> None:
+    """ValueError unless blocks and pages have the same sizes on both sides."""
+    if local_layout.block_nbytes != remote_layout.block_nbytes:
+        raise ValueError(
+            f"block sizes differ: local {local_layout.block_nbytes} B, remote {remote_layout.block_nbytes} B"
+        )
+    if local_layout.page_nbytes != remote_layout.page_nbytes:
+        raise ValueError(f"page sizes differ: local {local_layout.page_nbytes} B, remote {remote_layout.page_nbytes} B")
 
 
 def coalesce_blocks(
@@ -51,33 +102,30 @@ def coalesce_blocks(
 ) -> BlockRanges:
     """Byte ranges that copy remote block remote_ids[i] <-> local block local_ids[i], for every i.
 
-    Consecutive pairs whose ids both grow by one merge into one range; a range never exceeds
-    `max_nbytes` (rounded down to whole blocks, at least one block). Raises IndexError for an id
-    outside a layout and ValueError for mismatched inputs.
+    The pairs become units (see `transfer_unit`); consecutive units adjacent on both sides merge
+    into one range, and a range never exceeds `max_nbytes` (rounded down to whole units, at least
+    one unit). Block-major on both sides: one range per run of blocks adjacent on both sides.
+    Raises IndexError for an id outside a layout and ValueError for mismatched inputs.
     """
     remote_layout = remote_layout or local_layout
-    if local_layout.block_nbytes != remote_layout.block_nbytes:
-        raise ValueError(
-            f"block sizes differ: local {local_layout.block_nbytes} B, remote {remote_layout.block_nbytes} B"
-        )
+    check_same_pages(local_layout, remote_layout)
     local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
     remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
     if local.shape != remote.shape:
         raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
-    block_nbytes = local_layout.block_nbytes
-    starts = run_starts(local, remote)  # [R]
-    lengths = np.diff(np.append(starts, len(local)))  # [R] blocks per run
-    max_blocks = len(local) + 1 if max_nbytes is None else max(1, max_nbytes // block_nbytes)
-    pieces = -(-lengths // max_blocks)  # [R] ranges per run after splitting
+    unit = transfer_unit(local_layout, remote_layout)
+    nbytes = unit_nbytes(local_layout, unit)
+    local_offsets = unit_offsets(local_layout, local, unit)  # [M]
+    remote_offsets = unit_offsets(remote_layout, remote, unit)  # [M]
+    starts = run_starts(local_offsets, remote_offsets, nbytes)  # [R]
+    lengths = np.diff(np.append(starts, len(local_offsets)))  # [R] units per run
+    max_units = len(local_offsets) + 1 if max_nbytes is None else max(1, max_nbytes // nbytes)
+    pieces = -(-lengths // max_units)  # [R] ranges per run after splitting
     run_of = np.repeat(np.arange(len(starts)), pieces)  # [P] run index of each range
     nth = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # [P] piece within run
-    first = starts[run_of] + nth * max_blocks  # [P] index into the id arrays
-    num_blocks = np.minimum(max_blocks, lengths[run_of] - nth * max_blocks)  # [P]
-    return BlockRanges(
-        local_layout.block_offsets(local[first]),
-        remote_layout.block_offsets(remote[first]),
-        num_blocks * block_nbytes,
-    )
+    first = starts[run_of] + nth * max_units  # [P] index into the unit arrays
+    num_units = np.minimum(max_units, lengths[run_of] - nth * max_units)  # [P]
+    return BlockRanges(local_offsets[first], remote_offsets[first], num_units * nbytes)
 
 
 def range_descs(offsets: np.ndarray, nbytes: np.ndarray, base_addr: int, device_id: int) -> np.ndarray:
@@ -89,10 +137,12 @@ def range_descs(offsets: np.ndarray, nbytes: np.ndarray, base_addr: int, device_
     return out
 
 
-def block_descs(layout: KVCacheLayout, base_addr: int, device_id: int) -> np.ndarray:
-    """One NIXL descriptor per block of a region: [num_blocks, 3] uint64 (for cached, indexed lists)."""
-    offsets = layout.block_offsets(np.arange(layout.num_blocks))
-    return range_descs(offsets, np.full(layout.num_blocks, layout.block_nbytes), base_addr, device_id)
+def block_descs(layout: KVCacheLayout, base_addr: int, device_id: int, unit: Unit = Unit.BLOCK) -> np.ndarray:
+    """One NIXL descriptor per unit of a whole region, for cached lists posted by `unit_indices`:
+    BLOCK: [num_blocks, 3], entry b = block b; PAGE: [num_layers * num_blocks, 3], entry
+    l * num_blocks + b = page (l, b)."""
+    offsets = unit_offsets(layout, np.arange(layout.num_blocks), unit)
+    return range_descs(offsets, np.full(len(offsets), unit_nbytes(layout, unit)), base_addr, device_id)
 
 
 def contiguous_runs(sorted_ids) -> tuple[np.ndarray, np.ndarray]:

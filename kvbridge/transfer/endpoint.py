@@ -73,6 +73,19 @@ class _Op(NamedTuple):
     expect: tuple[str, str] | None  # (engine_id, incarnation) the peer must be; None: whoever answers
 
 
+def check_kv_view(kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+    """ConfigError unless `kv_cache` is the (num_blocks, num_layers, *page_shape) view `layout` describes."""
+    shape, strides = tuple(kv_cache.shape), tuple(kv_cache.stride())
+    # a dimension of size 1 is never stepped over: its stride does not matter
+    placed = all(n == 1 or s == want for n, s, want in zip(layout.shape, strides, layout.strides))
+    if shape != layout.shape or kv_cache.element_size() != layout.element_size or not placed:
+        raise ConfigError(
+            f"KV tensor of shape {shape}, strides {strides} and {kv_cache.element_size()}-byte elements is not the "
+            f"view of layout {layout}: shape {layout.shape}, strides {layout.strides}, {layout.element_size}-byte "
+            "elements; build it with torch.as_strided(buffer, layout.shape, layout.strides)"
+        )
+
+
 class KVEndpoint:
     """One engine's registered KV tensor, its side channel, and its transfers.
 
@@ -84,7 +97,7 @@ class KVEndpoint:
         self,
         engine_id: str,
         model_id: str,
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, *page_shape], strided as `layout` says
         layout: KVCacheLayout,
         *,
         host: str = "127.0.0.1",
@@ -104,10 +117,7 @@ class KVEndpoint:
         clock: Callable[[], float] = time.monotonic,
         incarnation: str | None = None,  # default: a fresh random one
     ) -> None:
-        if kv_cache.numel() * kv_cache.element_size() != layout.total_nbytes or not kv_cache.is_contiguous():
-            raise ConfigError(
-                f"KV tensor {tuple(kv_cache.shape)} is not a contiguous tensor of layout {layout.shape}"
-            )
+        check_kv_view(kv_cache, layout)
         check_descriptor_mode(descriptor_mode)  # before anything is registered
         self.engine_id = engine_id
         self.incarnation = incarnation or secrets.token_hex(16)
@@ -118,7 +128,10 @@ class KVEndpoint:
         self._message_handler = message_handler
         self._kv = kv_cache
         self.agent = NixlAgent(engine_id, backend, backend_params=backend_params)
-        reg = self.agent.register_tensor(kv_cache)
+        # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
+        # as one contiguous tensor (as_strided refuses a view that outruns the storage)
+        region = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,))
+        reg = self.agent.register_tensor(region)
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
@@ -126,7 +139,7 @@ class KVEndpoint:
         use_ipc = cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
-            cuda_ipc=cuda_ipc_export(kv_cache) if use_ipc else None,
+            cuda_ipc=cuda_ipc_export(region) if use_ipc else None,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(

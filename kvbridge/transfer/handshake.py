@@ -10,9 +10,10 @@ answer and turns it into a `PeerInfo`: everything needed to build descriptors fo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from kvbridge.errors import HandshakeError, IncompatiblePeerError
+from kvbridge.errors import ConfigError, HandshakeError, IncompatiblePeerError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 
@@ -42,7 +43,7 @@ class PeerInfo:
     agent_metadata: bytes
     protocol_version: int
     region: m.KVRegion
-    layout: KVCacheLayout  # the local geometry with the peer's block count
+    layout: KVCacheLayout  # the local geometry with the peer's block count and strides
     cuda_ipc: m.IpcExport | None = None  # the peer's CUDA IPC export, if it offered one
 
     def is_instance(self, expect: tuple[str, str] | None) -> bool:
@@ -69,6 +70,11 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
             f"{me.compat_hash}: the model, dtype or KV block geometry differ; run the same model and "
             "cache config on both"
         )
+    if version < m.STRIDED_LAYOUT_VERSION and not me.layout.is_contiguous:
+        raise IncompatiblePeerError(
+            f"engine {req.engine_id!r} speaks kvbridge protocol {version}, which cannot describe the strided KV "
+            f"layout of engine {me.engine_id!r}; upgrade it to protocol {m.STRIDED_LAYOUT_VERSION} or later"
+        )
     return m.HandshakeResponse(
         protocol_version=version,
         engine_id=me.engine_id,
@@ -80,6 +86,9 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
         num_blocks=me.layout.num_blocks,
         block_nbytes=me.layout.block_nbytes,
         cuda_ipc=me.cuda_ipc,
+        page_format=me.layout.page_format,
+        layer_stride=me.layout.layer_stride,
+        block_stride=me.layout.block_stride,
     )
 
 
@@ -99,12 +108,18 @@ def peer_from_response(
         raise IncompatiblePeerError(
             f"peer {address} has {resp.block_nbytes}-byte blocks, ours are {local_layout.block_nbytes}"
         )
+    if resp.page_format != local_layout.page_format:
+        raise IncompatiblePeerError(
+            f"peer {address} has {resp.page_format!r} KV pages, ours are {local_layout.page_format!r}"
+        )
     if len(resp.regions) != 1:
         raise HandshakeError(f"peer {address} sent {len(resp.regions)} KV regions; this build expects exactly one")
     region = resp.regions[0]
-    if resp.num_blocks <= 0 or region.nbytes < resp.num_blocks * resp.block_nbytes:
+    layout = _peer_layout(resp, address, local_layout)
+    if region.nbytes < layout.region_nbytes:
         raise HandshakeError(
-            f"peer {address} claims {resp.num_blocks} blocks of {resp.block_nbytes} B in a {region.nbytes}-byte region"
+            f"peer {address} claims {resp.num_blocks} blocks of {resp.block_nbytes} B spanning {layout.region_nbytes} B "
+            f"in a {region.nbytes}-byte region"
         )
     if not resp.agent_name or not resp.agent_metadata:
         raise HandshakeError(f"peer {address} sent no NIXL agent name or metadata")
@@ -118,6 +133,18 @@ def peer_from_response(
         agent_metadata=resp.agent_metadata,
         protocol_version=version,
         region=region,
-        layout=local_layout.with_num_blocks(resp.num_blocks),
+        layout=layout,
         cuda_ipc=resp.cuda_ipc,
     )
+
+
+def _peer_layout(resp: m.HandshakeResponse, address: str, local_layout: KVCacheLayout) -> KVCacheLayout:
+    """Our geometry with the peer's block count and strides, or HandshakeError when they are invalid."""
+    if resp.num_blocks <= 0:
+        raise HandshakeError(f"peer {address} claims {resp.num_blocks} blocks")
+    try:
+        return dataclasses.replace(
+            local_layout, num_blocks=resp.num_blocks, layer_stride=resp.layer_stride, block_stride=resp.block_stride
+        )
+    except ConfigError as e:
+        raise HandshakeError(f"peer {address} described an invalid KV layout: {e}") from None

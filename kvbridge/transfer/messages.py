@@ -33,8 +33,12 @@ from kvbridge.errors import IncompatiblePeerError, MalformedMessageError
 # 2: leases are named by (request id, token, block ids, block hash) under the owner's incarnation;
 # the handshake carries the incarnation. Version 1 named leases by request id alone, which any
 # peer could guess: it is no longer spoken.
-PROTOCOL_VERSION = 2  # what this build speaks
+# 3: the handshake answer carries the owner's page format and strides (strided KV layouts such as
+# vLLM's). A version 2 reader would ignore them and place block b at b * block_nbytes, so an owner
+# whose layout is not block-major refuses version 2; block-major owners still speak it.
+PROTOCOL_VERSION = 3  # what this build speaks
 MIN_PROTOCOL_VERSION = 2  # the oldest version this build still understands
+STRIDED_LAYOUT_VERSION = 3  # the first version that can describe a layout that is not block-major
 
 
 class _Message(msgspec.Struct, tag_field="type", kw_only=True):
@@ -42,10 +46,11 @@ class _Message(msgspec.Struct, tag_field="type", kw_only=True):
 
 
 class KVRegion(msgspec.Struct, frozen=True, kw_only=True):
-    """One registered KV memory region of an engine (its whole block-major KV tensor).
+    """One registered KV memory region of an engine: every page of its KV cache.
 
-    Block `b` of the region lives at `base_addr + b * block_nbytes` (the handshake's block size).
-    `mem_type` is NIXL's name: "DRAM" (host memory) or "VRAM" (GPU memory).
+    Page (layer l, block b) lives at `base_addr + l * layer_stride + b * block_stride`, with the
+    handshake's strides (block-major by default: block b is `block_nbytes` bytes at
+    `base_addr + b * block_nbytes`). `mem_type` is NIXL's name: "DRAM" (host) or "VRAM" (GPU).
     """
 
     base_addr: int
@@ -101,6 +106,11 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     # The KV tensor's CUDA IPC export when it is on a GPU and the owner offers it: readers on the
     # same host may map it instead of going through NIXL. Added with a default: old peers ignore it.
     cuda_ipc: IpcExport | None = None
+    # The owner's KVCacheLayout.page_format, layer_stride and block_stride (bytes; 0 and 0:
+    # block-major). Added in version 3; the defaults describe every version 2 owner.
+    page_format: str = "2NHD"
+    layer_stride: int = 0
+    block_stride: int = 0
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,8 +1,9 @@
 """`NixlPoster`: how one transfer of block pairs becomes a NIXL post, in a descriptor mode.
 
-- "blocks" (default): one prepared list per side with a descriptor per block, made once (the
-  peer's by `PeerDirectory`, cached per peer; ours here, on first use), posted by block index;
-  NIXL merges entries adjacent on both sides.
+- "blocks" (default): one prepared list per side with a descriptor per unit (a block, or a page
+  when either side's blocks are not one byte range: `descriptors.transfer_unit`), made once (the
+  peer's by `PeerDirectory`, cached per peer; ours here, on first use, per unit), posted by unit
+  index; NIXL merges entries adjacent on both sides.
 - "ranges": `descriptors.coalesce_blocks` turns the pairing into byte ranges, split at
   `max_descriptor_nbytes`; both lists are prepared per transfer and released with it.
 
@@ -19,7 +20,7 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
-from kvbridge.transfer.descriptors import block_descs, coalesce_blocks, range_descs, run_starts
+from kvbridge.transfer.descriptors import Unit, block_descs, coalesce_blocks, range_descs, transfer_unit, unit_indices
 from kvbridge.transfer.handshake import PeerInfo
 
 DESCRIPTOR_MODES = ("blocks", "ranges")
@@ -33,7 +34,7 @@ def check_descriptor_mode(mode: str) -> None:
 class NixlPost(NamedTuple):
     xfer: object  # NIXL transfer handle, for NixlAgent.poll
     dlists: tuple  # per-transfer lists ("ranges" mode), released with the transfer
-    num_descriptors: int  # runs adjacent on both sides ("blocks"), or ranges posted
+    num_descriptors: int  # ranges after NIXL's merging ("blocks"), or ranges posted
 
 
 class NixlPoster:
@@ -49,21 +50,25 @@ class NixlPoster:
         self._agent, self._layout, self._region = agent, layout, region
         self.mode = mode
         self.max_descriptor_nbytes = max_descriptor_nbytes
-        self._local_block_list: object | None = None
+        self._local_lists: dict[Unit, object] = {}  # "blocks" mode: our prepared list per unit
 
     def post(
         self, op: str, local_ids: np.ndarray, remote_ids: np.ndarray, notif: bytes, peer: PeerInfo,
-        remote_block_list: object | None,  # the peer's per-block list ("blocks" mode)
+        remote_block_list: object | None,  # the peer's per-unit list ("blocks" mode, PeerDirectory.block_list)
     ) -> NixlPost:
         """Post READ or WRITE of the paired blocks, `notif` to follow on completion. Raises
         TransferError when NIXL refuses (nothing is left prepared then)."""
         mine = self._region
         if self.mode == "blocks":
-            if self._local_block_list is None:
-                descs = block_descs(self._layout, mine.base_addr, mine.device_id)
-                self._local_block_list = self._agent.prep_local(descs, mine.mem_type)
-            xfer = self._agent.post(op, self._local_block_list, local_ids, remote_block_list, remote_ids, notif)
-            return NixlPost(xfer, (), len(run_starts(local_ids, remote_ids)))
+            unit = transfer_unit(self._layout, peer.layout)  # the unit the peer's list was made with
+            if unit not in self._local_lists:
+                descs = block_descs(self._layout, mine.base_addr, mine.device_id, unit)
+                self._local_lists[unit] = self._agent.prep_local(descs, mine.mem_type)
+            local_idx = unit_indices(self._layout, local_ids, unit)
+            remote_idx = unit_indices(peer.layout, remote_ids, unit)
+            xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx, notif)
+            # NIXL merges entries adjacent on both sides, in posting order: what coalesce_blocks counts
+            return NixlPost(xfer, (), coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout).num_descriptors)
         r = peer.region
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
         local_list = self._agent.prep_local(
@@ -92,5 +97,5 @@ class NixlPoster:
             self._agent.release_dlist(dlist)
 
     def close(self) -> None:
-        """Forget the local list; `NixlAgent.close` releases it."""
-        self._local_block_list = None
+        """Forget the local lists; `NixlAgent.close` releases them."""
+        self._local_lists.clear()

@@ -1,7 +1,8 @@
 """`PeerDirectory`: the remote engines one `KVEndpoint` talks to, by side-channel address.
 
 It runs handshakes (blocking, or on a helper thread that touches only the network), loads a
-peer's NIXL metadata and caches its prepared per-block descriptor list on the owner's thread,
+peer's NIXL metadata and caches its prepared descriptor list (one entry per block, or per page
+when either side's blocks are not one byte range) on the owner's thread,
 maps a same-host GPU peer's KV tensor through CUDA IPC when it offers one (see cuda_ipc.py),
 forgets peers (releasing what was cached), and keeps one side-channel client per address for
 `request`. Only `request` may be called from other threads.
@@ -19,7 +20,7 @@ from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
 from kvbridge.transfer.auth import audience_of
 from kvbridge.transfer.cuda_ipc import IpcMapping, can_map
-from kvbridge.transfer.descriptors import block_descs
+from kvbridge.transfer.descriptors import block_descs, transfer_unit
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, make_request, peer_from_response
 from kvbridge.transfer.side_channel import SideChannelClient
 
@@ -49,7 +50,7 @@ class PeerDirectory:
         self._ipc_device = ipc_device  # the GPU of a local KV cache that maps same-host peers' caches
         self._mappings: dict[str, IpcMapping] = {}  # address -> the peer's KV mapped through CUDA IPC
         self._peers: dict[str, PeerInfo] = {}
-        self._block_lists: dict[str, object] = {}  # address -> prepared per-block remote list
+        self._block_lists: dict[str, object] = {}  # address -> prepared per-unit remote list
         self._pending: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-handshake-{me.engine_id}")
         self._clients: dict[str, SideChannelClient] = {}  # guarded by _clients_lock
@@ -70,7 +71,8 @@ class PeerDirectory:
         return self._mappings.get(address)
 
     def block_list(self, address: str) -> object:
-        """The peer's prepared list with one descriptor per block (only with cache_block_lists)."""
+        """The peer's prepared list with one descriptor per `transfer_unit(ours, its)` (only with
+        cache_block_lists), entries named by `descriptors.unit_indices`."""
         return self._block_lists[address]
 
     def handshake(self, address: str) -> PeerInfo:
@@ -184,17 +186,17 @@ class PeerDirectory:
         self._peers[info.address] = info
         if self._cache_block_lists:
             r = info.region
-            descs = block_descs(info.layout, r.base_addr, r.device_id)
+            descs = block_descs(info.layout, r.base_addr, r.device_id, transfer_unit(self._me.layout, info.layout))
             self._block_lists[info.address] = self._agent.prep_remote(info.agent_name, descs, r.mem_type)
         if self._ipc_device is not None and can_map(info.cuda_ipc):
             self._map(info)
 
     def _map(self, info: PeerInfo) -> None:
         export = info.cuda_ipc
-        if export.nbytes != info.layout.total_nbytes or not 0 <= export.offset < 1 << 56 or len(export.handle) != 64:
+        if export.nbytes != info.layout.region_nbytes or not 0 <= export.offset < 1 << 56 or len(export.handle) != 64:
             logger.warning(
-                "peer %s exports %d bytes at offset %d through CUDA IPC, but its layout is %d bytes; its transfers "
-                "go through NIXL", info.address, export.nbytes, export.offset, info.layout.total_nbytes,
+                "peer %s exports %d bytes at offset %d through CUDA IPC, but its layout spans %d bytes; its transfers "
+                "go through NIXL", info.address, export.nbytes, export.offset, info.layout.region_nbytes,
             )  # fmt: skip
             return
         try:

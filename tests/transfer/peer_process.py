@@ -4,6 +4,8 @@ Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
 
     python peer_process.py '{"engine_id": "p", "model_id": "m", "num_blocks": 64, ..., "seed": 1}'
 
+(optional layout keys: "page_format", "layer_major": true for vLLM's CPU placement, "block_padding": bytes)
+
 prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then answers one JSON line per command line:
     {"cmd": "notifs"}                 -> {"notifs": [[agent_name, type, req_ids], ...]}
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
@@ -21,21 +23,41 @@ import threading
 
 
 def fill_kv(kv, seed: int) -> None:
-    """Deterministic bytes for a KV tensor: the test side recomputes them to verify every byte."""
+    """Deterministic bytes for a KV tensor: the test side recomputes them to verify every byte.
+
+    They follow the logical [block, layer, *page] order, so a strided cache filled with a seed holds
+    the same pages as a block-major one filled with it."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    raw = kv.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, (raw.numel(),), generator=gen, dtype=torch.uint8))
+    raw = kv.view(torch.uint8)  # [..., head_dim * element size]: the strides stay, in bytes
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
 def make_layout(spec: dict):
+    import dataclasses
+
     from kvbridge.layout import KVCacheLayout
 
-    return KVCacheLayout(
+    layout = KVCacheLayout(
         spec["num_blocks"], spec["num_layers"], spec["block_size"], spec["num_kv_heads"], spec["head_dim"],
-        spec.get("dtype", "bfloat16"),
+        spec.get("dtype", "bfloat16"), page_format=spec.get("page_format", "2NHD"),
     )
+    page = layout.page_nbytes
+    if spec.get("layer_major"):  # vLLM's CPU backend: layer by layer, every block's page in each
+        return dataclasses.replace(layout, layer_stride=layout.num_blocks * page, block_stride=page)
+    if spec.get("block_padding"):  # block-outermost with a gap after each block
+        return dataclasses.replace(layout, layer_stride=page, block_stride=layout.block_nbytes + spec["block_padding"])
+    return layout
+
+
+def allocate_kv(layout, device="cpu", fill: int = 0):
+    """A KV tensor of `layout`: the [num_blocks, num_layers, *page_shape] view of a buffer of
+    `region_nbytes` bytes set to `fill` (its padding keeps that value)."""
+    import torch
+
+    buffer = torch.full((layout.region_nbytes,), fill, dtype=torch.uint8, device=device).view(getattr(torch, layout.dtype))
+    return buffer.as_strided(layout.shape, layout.strides)
 
 
 def blocks_digest(kv, ids) -> str:
@@ -67,11 +89,13 @@ def main() -> int:
 
     spec = json.loads(sys.argv[1])
     layout = make_layout(spec)
-    dtype = getattr(torch, layout.dtype)
-    kv = torch.zeros(layout.shape, dtype=dtype)
+    device = spec.get("device", "cpu")
+    kv = allocate_kv(layout, device)
     if spec.get("seed") is not None:
-        fill_kv(kv, spec["seed"])  # on CPU, so that a GPU peer holds the same bytes
-    kv = kv.to(spec.get("device", "cpu"))
+        filled = kv if device == "cpu" else allocate_kv(layout)
+        fill_kv(filled, spec["seed"])  # on CPU, so that a GPU peer holds the same bytes
+        if filled is not kv:
+            kv.copy_(filled)
     received: list[list] = []
     lock = threading.Lock()
 

@@ -60,6 +60,25 @@ def test_copy_plan_is_one_copy_per_run_adjacent_on_both_sides():
         cuda_ipc.copy_plan("MOVE", 0, local_layout, local_ids, 0, remote_layout, remote_ids)
 
 
+def test_copy_plan_with_a_layer_major_peer_copies_layer_runs_or_pages():
+    """vLLM-like layer-outermost caches: a run of blocks is one copy per layer between two of them,
+    one copy per page against a block-major cache."""
+    block_major = KVCacheLayout(16, 2, 4, 2, 8, "float16")
+    page = block_major.page_nbytes
+    layer_major = KVCacheLayout(32, 2, 4, 2, 8, "float16", layer_stride=32 * page, block_stride=page)
+    local_ids, remote_ids = np.array([3, 4, 9]), np.array([7, 8, 20])
+    dsts, srcs, sizes = cuda_ipc.copy_plan("READ", 0, layer_major, local_ids, 1 << 30, layer_major, remote_ids)
+    assert sorted(zip(dsts.tolist(), srcs.tolist(), sizes.tolist())) == sorted([
+        (3 * page, (1 << 30) + 7 * page, 2 * page), (32 * page + 3 * page, (1 << 30) + 32 * page + 7 * page, 2 * page),
+        (9 * page, (1 << 30) + 20 * page, page), (32 * page + 9 * page, (1 << 30) + 32 * page + 20 * page, page),
+    ])
+    dsts, srcs, sizes = cuda_ipc.copy_plan("READ", 0, block_major, local_ids, 1 << 30, layer_major, remote_ids)
+    assert len(sizes) == 3 * 2 and (sizes == page).all()
+    assert sorted(dsts.tolist()) == sorted(b * 2 * page + layer * page for b in (3, 4, 9) for layer in (0, 1))
+    with pytest.raises(IndexError, match="block id 32"):
+        cuda_ipc.copy_plan("READ", 0, block_major, np.array([0]), 0, layer_major, np.array([32]))
+
+
 def test_handles_keep_every_byte():
     raw = bytes([0, 1, 0, 2] * 16)  # NULs inside: a C-string round trip would cut them off
     assert cuda_ipc._IpcHandle.from_bytes(raw).to_bytes() == raw

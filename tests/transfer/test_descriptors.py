@@ -9,11 +9,16 @@ import pytest
 
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.descriptors import (
+    Unit,
     block_descs,
     coalesce_blocks,
     contiguous_runs,
     range_descs,
+    run_starts,
     take_contiguous,
+    transfer_unit,
+    unit_indices,
+    unit_offsets,
 )
 
 LAYOUT = KVCacheLayout(num_blocks=64, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -87,6 +92,162 @@ def test_random_pairings_copy_exactly_the_requested_blocks(trial):
         contiguous = (r.local_offsets[i] + r.nbytes[i] == r.local_offsets[i + 1]
                       and r.remote_offsets[i] + r.nbytes[i] == r.remote_offsets[i + 1])
         assert not contiguous or (max_nbytes is not None and r.nbytes[i] + r.nbytes[i + 1] > max_nbytes)
+
+
+# ---------------------------------------------------------------------- strided page layouts
+
+GEO = dict(num_layers=4, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+P = 2 * 4 * 2 * 8 * 2  # page_nbytes: 256
+
+
+def block_major(num_blocks: int) -> KVCacheLayout:
+    return KVCacheLayout(num_blocks, **GEO)
+
+
+def layer_major(num_blocks: int, spare_blocks: int = 0) -> KVCacheLayout:
+    """Layer-outermost (vLLM's CPU backend); `spare_blocks` of room after each layer's pages."""
+    return KVCacheLayout(num_blocks, **GEO, layer_stride=(num_blocks + spare_blocks) * P, block_stride=P)
+
+
+def padded(num_blocks: int, pad: int = 128) -> KVCacheLayout:
+    """Block-outermost with `pad` bytes after each block (vLLM on GPU can pad its blocks)."""
+    return KVCacheLayout(num_blocks, **GEO, layer_stride=P, block_stride=4 * P + pad)
+
+
+MAKERS = {"block-major": block_major, "layer-major": layer_major, "padded": padded,
+          "layer-major-spare": lambda n: layer_major(n, spare_blocks=3)}  # fmt: skip
+
+
+def _page_pairs(ranges, local_layout, remote_layout):
+    """(local page offset, remote page offset) for every page the ranges copy, checking that each
+    range starts on a page of both layouts and covers whole pages."""
+    local_pages = set(local_layout.page_offsets(range(local_layout.num_blocks)).reshape(-1).tolist())
+    remote_pages = set(remote_layout.page_offsets(range(remote_layout.num_blocks)).reshape(-1).tolist())
+    pairs = []
+    for lo, ro, n in zip(ranges.local_offsets.tolist(), ranges.remote_offsets.tolist(), ranges.nbytes.tolist()):
+        assert n > 0 and n % P == 0, n
+        for k in range(n // P):  # every page inside a range is a real page on both sides: no padding copied
+            assert lo + k * P in local_pages and ro + k * P in remote_pages, (lo, ro, n, k)
+            pairs.append((lo + k * P, ro + k * P))
+    return pairs
+
+
+def _reference_pairs(local_ids, remote_ids, local_layout, remote_layout):
+    """The brute-force truth: page (l, local block) <-> page (l, remote block), one by one."""
+    pairs = []
+    for lid, rid in zip(local_ids, remote_ids):
+        for layer in range(local_layout.num_layers):
+            pairs.append((layer * local_layout.layer_stride_bytes + lid * local_layout.block_stride_bytes,
+                          layer * remote_layout.layer_stride_bytes + rid * remote_layout.block_stride_bytes))
+    return pairs
+
+
+def _nixl_merge(local_descs, local_idx, remote_descs, remote_idx):
+    """What NIXL makes of a post by index: entries adjacent on both sides, in posting order, merge."""
+    out = []
+    for li, ri in zip(local_idx.tolist(), remote_idx.tolist()):
+        (la, ln, _), (ra, rn, _) = local_descs[li].tolist(), remote_descs[ri].tolist()
+        assert ln == rn
+        if out and out[-1][0] + out[-1][2] == la and out[-1][1] + out[-1][2] == ra:
+            out[-1][2] += ln
+        else:
+            out.append([la, ra, ln])
+    return out
+
+
+def test_a_run_of_256_blocks_over_32_layers_costs_one_range_block_major_and_32_layer_major():
+    geo = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")  # 64 KiB pages
+    bm = KVCacheLayout(1024, **geo)
+    page = bm.page_nbytes
+    lm = KVCacheLayout(1024, **geo, layer_stride=1024 * page, block_stride=page)
+    pd = KVCacheLayout(1024, **geo, layer_stride=page, block_stride=32 * page + 4096)
+    local, remote = np.arange(100, 356), np.arange(500, 756)
+    assert coalesce_blocks(local, remote, bm, bm).num_descriptors == 1  # as before strided layouts
+    ranges = coalesce_blocks(local, remote, lm, lm)
+    assert ranges.num_descriptors == 32 and (ranges.nbytes == 256 * page).all()  # one per layer
+    assert coalesce_blocks(local, remote, pd, pd).num_descriptors == 256  # one per block
+    assert coalesce_blocks(local, remote, bm, pd).num_descriptors == 256
+    assert coalesce_blocks(local, remote, lm, bm).num_descriptors == 256 * 32  # one per page
+    assert coalesce_blocks(local, remote, lm, lm, max_nbytes=100 * page).num_descriptors == 32 * 3
+    for pair in ((bm, bm), (lm, lm), (pd, pd), (lm, bm)):
+        assert coalesce_blocks(local, remote, *pair).total_nbytes == 256 * bm.block_nbytes
+
+
+def test_units_are_blocks_only_when_blocks_are_one_byte_range_on_both_sides():
+    assert transfer_unit(block_major(8), padded(8)) is Unit.BLOCK
+    assert transfer_unit(block_major(8), layer_major(8)) is Unit.PAGE
+    assert transfer_unit(layer_major(8), layer_major(8)) is Unit.PAGE
+    # page units go layer by layer: a layer's pages of consecutive blocks follow each other
+    lm = layer_major(8)
+    assert unit_offsets(lm, [2, 3], Unit.PAGE).tolist() == [2 * P, 3 * P, 10 * P, 11 * P, 18 * P, 19 * P, 26 * P, 27 * P]
+    assert unit_indices(lm, [2, 3], Unit.PAGE).tolist() == [2, 3, 10, 11, 18, 19, 26, 27]
+    with pytest.raises(IndexError, match="block id 8"):
+        unit_offsets(lm, [8], Unit.PAGE)
+
+
+def test_pages_of_another_size_are_refused():
+    with pytest.raises(ValueError, match="block sizes differ"):
+        coalesce_blocks([0], [0], layer_major(8), KVCacheLayout(8, **{**GEO, "num_layers": 2}))
+    half_pages = KVCacheLayout(8, **{**GEO, "num_layers": 8, "block_size": 2})  # same block bytes, pages half
+    with pytest.raises(ValueError, match="page sizes differ"):
+        coalesce_blocks([0], [0], block_major(8), half_pages)
+
+
+def test_run_starts_counts_runs_of_ids_or_of_byte_offsets():
+    assert run_starts(np.array([3, 4, 9]), np.array([7, 8, 9])).tolist() == [0, 2]
+    assert run_starts(np.array([0, 256, 512]), np.array([256, 512, 0]), 256).tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_random_strided_pairings_copy_exactly_every_page_of_the_requested_blocks(trial):
+    seed = 5000 + trial
+    rng = random.Random(seed)
+    print(f"seed={seed}")
+    local_kind, remote_kind = rng.choice(sorted(MAKERS)), rng.choice(sorted(MAKERS))
+    local_layout = MAKERS[local_kind](rng.randrange(8, 48))
+    remote_layout = MAKERS[remote_kind](rng.randrange(8, 48))
+    n = rng.randrange(0, min(local_layout.num_blocks, remote_layout.num_blocks) + 1)
+    if rng.random() < 0.5:  # runs: one start per side, broken here and there
+        l0 = rng.randrange(0, local_layout.num_blocks - n + 1)
+        r0 = rng.randrange(0, remote_layout.num_blocks - n + 1)
+        local, remote = list(range(l0, l0 + n)), list(range(r0, r0 + n))
+        if n > 2:
+            i, j = rng.sample(range(n), 2)
+            remote[i], remote[j] = remote[j], remote[i]
+    else:
+        local, remote = rng.sample(range(local_layout.num_blocks), n), rng.sample(range(remote_layout.num_blocks), n)
+    max_nbytes = rng.choice([None, P, 3 * P + 5, 4 * P, 9 * P])
+    ranges = coalesce_blocks(local, remote, local_layout, remote_layout, max_nbytes)
+    got = _page_pairs(ranges, local_layout, remote_layout)
+    expected = _reference_pairs(local, remote, local_layout, remote_layout)
+    assert sorted(got) == sorted(expected), f"seed={seed} {local_kind} <- {remote_kind}"
+    assert len(got) == len(set(got))  # no page twice
+    unit = transfer_unit(local_layout, remote_layout)
+    smallest = local_layout.block_nbytes if unit is Unit.BLOCK else P
+    if max_nbytes is not None:
+        assert (ranges.nbytes <= max(smallest, max_nbytes)).all(), f"seed={seed}"
+    # minimal: no two consecutive ranges could have been merged without exceeding the limit
+    for i in range(ranges.num_descriptors - 1):
+        adjacent = (ranges.local_offsets[i] + ranges.nbytes[i] == ranges.local_offsets[i + 1]
+                    and ranges.remote_offsets[i] + ranges.nbytes[i] == ranges.remote_offsets[i + 1])
+        assert not adjacent or (max_nbytes is not None and ranges.nbytes[i] + ranges.nbytes[i + 1] > max_nbytes)
+    # "blocks" mode: cached lists posted by unit index merge (as NIXL does) into the same ranges
+    local_descs, remote_descs = block_descs(local_layout, 0, 0, unit), block_descs(remote_layout, 0, 0, unit)
+    merged = _nixl_merge(local_descs, unit_indices(local_layout, local, unit),
+                         remote_descs, unit_indices(remote_layout, remote, unit))
+    unsplit = coalesce_blocks(local, remote, local_layout, remote_layout)
+    assert merged == [list(r) for r in zip(*(a.tolist() for a in unsplit))], f"seed={seed}"
+
+
+def test_page_lists_name_page_l_b_at_entry_l_times_num_blocks_plus_b():
+    lm = layer_major(3, spare_blocks=1)
+    descs = block_descs(lm, base_addr=1000, device_id=2, unit=Unit.PAGE)
+    assert descs.shape == (12, 3) and (descs[:, 1] == P).all() and (descs[:, 2] == 2).all()
+    for layer in range(4):
+        for b in range(3):
+            assert descs[layer * 3 + b, 0] == 1000 + layer * 4 * P + b * P
+    pd = padded(3)
+    assert block_descs(pd, 0, 0).tolist() == [[0, 4 * P, 0], [4 * P + 128, 4 * P, 0], [8 * P + 256, 4 * P, 0]]
 
 
 def test_range_and_block_descriptor_arrays():

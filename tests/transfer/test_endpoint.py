@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.nixl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_process import blocks_digest, fill_kv, make_layout  # noqa: E402
+from peer_process import allocate_kv, blocks_digest, fill_kv, make_layout  # noqa: E402
 
 PEER_SCRIPT = Path(__file__).parent / "peer_process.py"
 GEOMETRY = {"num_blocks": 64, "num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
@@ -139,6 +139,99 @@ def test_read_scattered_blocks_verifies_every_byte_and_notifies(peer, mode):
         assert ep.get_stats()["num_done"] == 1
     finally:
         ep.close()
+
+
+VLLM_CPU = {**GEOMETRY, "page_format": "H2ND", "layer_major": True}  # vLLM's CPU backend: layer by layer
+
+
+@pytest.fixture(scope="module")
+def layer_major_peer(tmp_path_factory):
+    """An owner whose KV cache is placed like vLLM's on CPU: pages [H, 2, block_size, D], layer-outermost."""
+    p = Peer(tmp_path_factory.mktemp("peer-layer-major"), engine_id="prefill-vllm-cpu", seed=17, **VLLM_CPU)
+    try:
+        yield p
+    finally:
+        p.quit()
+
+
+def _pages_equal(kv, local_ids, expected, remote_ids) -> None:
+    for lid, rid in zip(local_ids, remote_ids):
+        for layer in range(kv.shape[1]):
+            assert torch.equal(kv[lid, layer].view(torch.uint8), expected[rid, layer].view(torch.uint8)), (lid, rid, layer)
+
+
+# (local placement, descriptors for the pairing below: one per page, or one per layer per run)
+PLACEMENTS = {"block-major": ({}, 5 * 2), "layer-major": ({"layer_major": True}, 3 * 2)}
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("mode", ["blocks", "ranges"])
+def test_pages_move_between_a_layer_major_owner_and_a_reader_of_either_placement(layer_major_peer, placement, mode):
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    extra, num_descriptors = PLACEMENTS[placement]
+    layout = make_layout({**GEOMETRY, "page_format": "H2ND", **extra})
+    kv = allocate_kv(layout)
+    ep = KVEndpoint(f"decode-{placement}-{mode}", MODEL, kv, layout, secret=None, descriptor_mode=mode)
+    try:
+        local_ids, remote_ids = [10, 11, 12, 0, 63], [3, 4, 5, 20, 9]  # a run of three, then two lone blocks
+        rec = _wait_final(ep, ep.read_blocks("lm-read", layer_major_peer.address, local_ids, remote_ids).req_id)
+        assert rec.state is TransferState.DONE, rec.error
+        assert rec.nbytes == 5 * layout.block_nbytes and rec.num_descriptors == num_descriptors
+        assert ep.peers.get(layer_major_peer.address).layout == make_layout(VLLM_CPU)  # strides from the handshake
+        expected = allocate_kv(make_layout(VLLM_CPU))
+        fill_kv(expected, 17)  # the owner's pages
+        _pages_equal(kv, local_ids, expected, remote_ids)
+        untouched = sorted(set(range(64)) - set(local_ids))
+        assert not kv[untouched].view(torch.uint8).any()
+        # and back: our pages into the owner's blocks, checked block by block in [layer, page] order
+        fill_kv(kv, 99)
+        written = {"blocks": [40, 41, 42, 50], "ranges": [44, 45, 46, 51]}[mode] if placement == "block-major" else \
+            {"blocks": [30, 31, 32, 52], "ranges": [34, 35, 36, 53]}[mode]  # distinct per test: one owner for all
+        rec = _wait_final(ep, ep.write_blocks("lm-write", layer_major_peer.address, [1, 2, 3, 30], written).req_id)
+        assert rec.state is TransferState.DONE, rec.error
+        assert layer_major_peer.ask("digest", ids=written)["digest"] == blocks_digest(kv, [1, 2, 3, 30])
+        assert layer_major_peer.ask("digest", ids=[60, 61])["digest"] == blocks_digest(expected, [60, 61])
+        ep.read_blocks("lm-range", layer_major_peer.address, [0], [64])  # the owner has 64 blocks
+        rec = _wait_final(ep, "lm-range")
+        assert rec.state is TransferState.FAILED and "IndexError" in rec.error
+    finally:
+        ep.close()
+
+
+def test_a_padded_block_major_reader_fills_pages_and_leaves_its_padding_alone(peer):
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    layout = make_layout({**GEOMETRY, "block_padding": 96})
+    kv = allocate_kv(layout, fill=0xAB)  # padding and unread blocks keep 0xAB
+    ep = KVEndpoint("decode-padded", MODEL, kv, layout, secret=None, descriptor_mode="ranges")
+    try:
+        local_ids, remote_ids = [5, 6, 7, 20], [11, 12, 13, 2]
+        rec = _wait_final(ep, ep.read_blocks("padded", peer.address, local_ids, remote_ids).req_id)
+        assert rec.state is TransferState.DONE, rec.error
+        assert rec.num_descriptors == 4  # a block is one range on both sides, but not adjacent to the next here
+        expected = torch.empty(make_layout(GEOMETRY).shape, dtype=torch.bfloat16)
+        fill_kv(expected, 7)
+        _pages_equal(kv, local_ids, expected, remote_ids)
+        buffer = kv.as_strided((layout.region_nbytes // 2,), (1,)).view(torch.uint8)
+        written = np.zeros(layout.region_nbytes, dtype=bool)
+        for lid in local_ids:
+            start = layout.block_offset(lid)
+            written[start:start + layout.block_nbytes] = True
+        assert (buffer.numpy()[~written] == 0xAB).all()  # padding and other blocks untouched
+    finally:
+        ep.close()
+
+
+def test_a_kv_tensor_that_is_not_the_layouts_view_is_refused():
+    from kvbridge.errors import ConfigError
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    layout = make_layout(VLLM_CPU)
+    with pytest.raises(ConfigError, match="strides .* is not the view of layout.*torch.as_strided"):
+        KVEndpoint("decode-wrong-view", MODEL, torch.zeros(layout.shape, dtype=torch.bfloat16), layout, secret=None)
+    with pytest.raises(ConfigError, match="is not the view"):
+        KVEndpoint("decode-wrong-shape", MODEL, allocate_kv(layout)[:32], layout, secret=None)
 
 
 def _drain_notifs(peer, want: int, timeout_s: float = 10.0) -> list:

@@ -11,6 +11,10 @@ Two implementations behind one interface:
   the GPU, not the host) for an event recorded on the compute stream, so it reads the blocks the
   forward pass wrote without delaying it. Completion is signalled by CUDA events.
 
+The KV cache may be a strided view (`KVCacheLayout.strides`, e.g. vLLM's layer-outermost buffer);
+the host pool is contiguous. Every copy is torch indexing on [blocks, layers, *page_shape]
+tensors, which follows each tensor's strides: nothing here assumes the KV cache is contiguous.
+
 `before`, when given, runs on a helper thread ahead of the copy (disk reads, barriers, test delays).
 """
 
@@ -91,8 +95,8 @@ class BlockCopier(ABC):
     """Copies blocks `kv[gpu_ids] <-> host[slots]` off the engine thread."""
 
     def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor) -> None:
-        self.kv_cache = kv_cache  # [num_blocks, L, 2, block_size, H, D]
-        self.host_pool = host_pool  # [num_slots, L, 2, block_size, H, D]
+        self.kv_cache = kv_cache  # [num_blocks, L, *page_shape], possibly a strided view
+        self.host_pool = host_pool  # [num_slots, L, *page_shape], contiguous
 
     @abstractmethod
     def store(self, gpu_ids: list[int], slots: list[int], before: Callable[[], None] | None = None) -> CopyHandle:
@@ -178,7 +182,7 @@ class CudaCopier(BlockCopier):
         self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
                          for d in ("store", "load")}  # fmt: skip  (DMA stream, kernel stream)
         half = max(1, staging_blocks // 2)
-        # Two halves per direction: [2, half, L, 2, block_size, H, D] on the device.
+        # Two halves per direction: [2, half, L, *page_shape] on the device, contiguous.
         self._staging = {d: torch.empty((2, half, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
                          for d in ("store", "load")}  # fmt: skip
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-cuda")
@@ -204,7 +208,7 @@ class CudaCopier(BlockCopier):
             for k, (ids, slot0) in enumerate(segments):
                 n, host = len(ids), self.host_pool[slot0 : slot0 + len(ids)]
                 seg_index, offset = index[offset : offset + n], offset + n
-                if is_consecutive(ids):
+                if is_consecutive(ids):  # strided KV: torch stages it on `dma` (a temporary, same cost)
                     with torch.cuda.stream(dma):
                         dev = self.kv_cache[ids[0] : ids[0] + n]
                         (host.copy_(dev, non_blocking=True) if direction == "store" else dev.copy_(host, non_blocking=True))

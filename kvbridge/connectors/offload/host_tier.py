@@ -1,6 +1,9 @@
-"""The host tier's memory: one pool tensor in the KV cache's block-major layout.
+"""The host tier's memory: one pool tensor, block-major in the KV cache's page format.
 
-    pool[num_slots, num_layers, 2, block_size, num_kv_heads, head_dim]
+    pool[num_slots, num_layers, *page_shape]   contiguous, e.g. "2NHD": [.., 2, block_size, H, D]
+
+The KV cache itself may be strided (vLLM's layer-outermost buffer); the pool is kvbridge's own
+memory and always block-major, so a slot is one byte range (`slot_bytes`, disk files).
 
 Owned by the worker side. Which hash lives in which slot, visibility and pins are decided by the
 scheduler side (`host_index.py`); this object only holds the bytes. It is page-locked (pinned)
@@ -17,10 +20,10 @@ from kvbridge.layout import KVCacheLayout
 
 class HostTier:
     def __init__(self, layout: KVCacheLayout, num_slots: int, pin_memory: bool) -> None:
-        self.layout = layout.with_num_blocks(num_slots)
+        self.layout = layout.block_major(num_slots)
         self.num_slots = num_slots
         self.is_pinned = pin_memory
-        # [num_slots, L, 2, block_size, H, D]
+        # [num_slots, L, *page_shape]
         self.pool: torch.Tensor | None = torch.empty(
             self.layout.shape, dtype=getattr(torch, layout.dtype), device="cpu", pin_memory=pin_memory
         )
