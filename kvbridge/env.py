@@ -50,6 +50,12 @@ def log_level() -> str:
     return (_get_str("KVBRIDGE_LOG_LEVEL", "WARNING") or "WARNING").upper()
 
 
+def log_level_override() -> str | None:
+    """KVBRIDGE_LOG_LEVEL when it is set, else None (an engine that hosts kvbridge keeps its own level)."""
+    value = (_get_str("KVBRIDGE_LOG_LEVEL", "") or "").strip().upper()
+    return value or None
+
+
 def flush_timeout_s() -> float:
     """KVBRIDGE_FLUSH_TIMEOUT_S: default bound on reset_prefix_cache/shutdown waiting for transfers."""
     return _get_float("KVBRIDGE_FLUSH_TIMEOUT_S", 30.0)

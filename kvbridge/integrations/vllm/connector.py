@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from kvbridge import env
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.kv_layout import layout_of, page_format_of
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata
@@ -39,7 +40,7 @@ def _log_like_vllm() -> None:
     if not ours.handlers and theirs.handlers:
         for handler in theirs.handlers:
             ours.addHandler(handler)
-        ours.setLevel(theirs.level or logging.INFO)
+        ours.setLevel(env.log_level_override() or theirs.level or logging.INFO)
         ours.propagate = False
 
 
