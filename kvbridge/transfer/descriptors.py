@@ -52,7 +52,7 @@ def transfer_unit(local_layout: KVCacheLayout, remote_layout: KVCacheLayout) -> 
     return Unit.BLOCK if local_layout.is_block_contiguous and remote_layout.is_block_contiguous else Unit.PAGE
 
 
-def unit_nbytes(layout: KVCacheLayout, unit: Unit) -> int:
+def _unit_nbytes(layout: KVCacheLayout, unit: Unit) -> int:
     return layout.block_nbytes if unit is Unit.BLOCK else layout.page_nbytes
 
 
@@ -83,7 +83,7 @@ def run_starts(local: np.ndarray, remote: np.ndarray, step: int = 1) -> np.ndarr
     return np.flatnonzero(np.concatenate(([True], breaks)))
 
 
-def check_same_pages(local_layout: KVCacheLayout, remote_layout: KVCacheLayout) -> None:
+def _check_same_pages(local_layout: KVCacheLayout, remote_layout: KVCacheLayout) -> None:
     """ValueError unless blocks and pages have the same sizes on both sides."""
     if local_layout.block_nbytes != remote_layout.block_nbytes:
         raise ValueError(
@@ -108,13 +108,13 @@ def coalesce_blocks(
     Raises IndexError for an id outside a layout and ValueError for mismatched inputs.
     """
     remote_layout = remote_layout or local_layout
-    check_same_pages(local_layout, remote_layout)
+    _check_same_pages(local_layout, remote_layout)
     local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
     remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
     if local.shape != remote.shape:
         raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
     unit = transfer_unit(local_layout, remote_layout)
-    nbytes = unit_nbytes(local_layout, unit)
+    nbytes = _unit_nbytes(local_layout, unit)
     local_offsets = unit_offsets(local_layout, local, unit)  # [M]
     remote_offsets = unit_offsets(remote_layout, remote, unit)  # [M]
     starts = run_starts(local_offsets, remote_offsets, nbytes)  # [R]
@@ -126,6 +126,17 @@ def coalesce_blocks(
     first = starts[run_of] + nth * max_units  # [P] index into the unit arrays
     num_units = np.minimum(max_units, lengths[run_of] - nth * max_units)  # [P]
     return BlockRanges(local_offsets[first], remote_offsets[first], num_units * nbytes)
+
+
+def num_merged_ranges(local_ids: np.ndarray, remote_ids: np.ndarray, local_layout: KVCacheLayout,
+                      remote_layout: KVCacheLayout) -> int:
+    """How many ranges `coalesce_blocks` gives without a size limit: what NIXL merges a post of
+    `unit_indices` into. Ids are not range-checked here."""
+    if local_layout.is_contiguous and remote_layout.is_contiguous:
+        return len(run_starts(local_ids, remote_ids))  # ids adjacent <=> bytes adjacent: skip the offsets
+    unit = transfer_unit(local_layout, remote_layout)
+    local = unit_offsets(local_layout, local_ids, unit)
+    return len(run_starts(local, unit_offsets(remote_layout, remote_ids, unit), _unit_nbytes(local_layout, unit)))
 
 
 def range_descs(offsets: np.ndarray, nbytes: np.ndarray, base_addr: int, device_id: int) -> np.ndarray:
@@ -142,7 +153,7 @@ def block_descs(layout: KVCacheLayout, base_addr: int, device_id: int, unit: Uni
     BLOCK: [num_blocks, 3], entry b = block b; PAGE: [num_layers * num_blocks, 3], entry
     l * num_blocks + b = page (l, b)."""
     offsets = unit_offsets(layout, np.arange(layout.num_blocks), unit)
-    return range_descs(offsets, np.full(len(offsets), unit_nbytes(layout, unit)), base_addr, device_id)
+    return range_descs(offsets, np.full(len(offsets), _unit_nbytes(layout, unit)), base_addr, device_id)
 
 
 def contiguous_runs(sorted_ids) -> tuple[np.ndarray, np.ndarray]:

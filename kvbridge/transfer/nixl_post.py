@@ -20,7 +20,15 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
-from kvbridge.transfer.descriptors import Unit, block_descs, coalesce_blocks, range_descs, transfer_unit, unit_indices
+from kvbridge.transfer.descriptors import (
+    Unit,
+    block_descs,
+    coalesce_blocks,
+    num_merged_ranges,
+    range_descs,
+    transfer_unit,
+    unit_indices,
+)
 from kvbridge.transfer.handshake import PeerInfo
 
 DESCRIPTOR_MODES = ("blocks", "ranges")
@@ -67,8 +75,7 @@ class NixlPoster:
             local_idx = unit_indices(self._layout, local_ids, unit)
             remote_idx = unit_indices(peer.layout, remote_ids, unit)
             xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx, notif)
-            # NIXL merges entries adjacent on both sides, in posting order: what coalesce_blocks counts
-            return NixlPost(xfer, (), coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout).num_descriptors)
+            return NixlPost(xfer, (), num_merged_ranges(local_ids, remote_ids, self._layout, peer.layout))
         r = peer.region
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
         local_list = self._agent.prep_local(

@@ -13,6 +13,7 @@ from kvbridge.transfer.descriptors import (
     block_descs,
     coalesce_blocks,
     contiguous_runs,
+    num_merged_ranges,
     range_descs,
     run_starts,
     take_contiguous,
@@ -237,6 +238,8 @@ def test_random_strided_pairings_copy_exactly_every_page_of_the_requested_blocks
                          remote_descs, unit_indices(remote_layout, remote, unit))
     unsplit = coalesce_blocks(local, remote, local_layout, remote_layout)
     assert merged == [list(r) for r in zip(*(a.tolist() for a in unsplit))], f"seed={seed}"
+    assert num_merged_ranges(np.array(local, dtype=np.int64), np.array(remote, dtype=np.int64), local_layout,
+                             remote_layout) == len(merged)
 
 
 def test_page_lists_name_page_l_b_at_entry_l_times_num_blocks_plus_b():

@@ -206,7 +206,7 @@ def test_a_padded_block_major_reader_fills_pages_and_leaves_its_padding_alone(pe
     kv = allocate_kv(layout, fill=0xAB)  # padding and unread blocks keep 0xAB
     ep = KVEndpoint("decode-padded", MODEL, kv, layout, secret=None, descriptor_mode="ranges")
     try:
-        local_ids, remote_ids = [5, 6, 7, 20], [11, 12, 13, 2]
+        local_ids, remote_ids = [5, 6, 7, 63], [11, 12, 13, 2]  # 63: the end of the padded region
         rec = _wait_final(ep, ep.read_blocks("padded", peer.address, local_ids, remote_ids).req_id)
         assert rec.state is TransferState.DONE, rec.error
         assert rec.num_descriptors == 4  # a block is one range on both sides, but not adjacent to the next here
