@@ -79,6 +79,38 @@ def test_copy_plan_with_a_layer_major_peer_copies_layer_runs_or_pages():
         cuda_ipc.copy_plan("READ", 0, block_major, np.array([0]), 0, layer_major, np.array([32]))
 
 
+@pytest.mark.gpu
+def test_driver_copies_move_pages_between_a_layer_major_and_a_block_major_cache():
+    """The batched driver copies of the mapping path follow copy_plan's page ranges; a tensor of
+    this process stands in for the peer's mapped cache (same device pointers, no IPC handle)."""
+    block_major = KVCacheLayout(16, 2, 4, 2, 8, "float16")
+    page = block_major.page_nbytes
+    layer_major = KVCacheLayout(32, 2, 4, 2, 8, "float16", layer_stride=32 * page, block_stride=page)
+    owner_buffer = torch.randn(layer_major.region_nbytes // 2, device="cuda").half()
+    owner = owner_buffer.as_strided(layer_major.shape, layer_major.strides)
+    kv = torch.zeros(block_major.shape, dtype=torch.float16, device="cuda")
+    copier = cuda_ipc.IpcCopier(kv, block_major, min_runs=1)
+
+    class Mapped:
+        addr = owner.data_ptr()
+
+    local_ids, remote_ids = np.array([3, 4, 5, 9]), np.array([7, 8, 9, 30])
+    copy = copier.start("READ", Mapped(), layer_major, local_ids, remote_ids)
+    assert copy.num_runs == 4 * 2  # one copy per page: the owner's blocks are not one range
+    copy.event.synchronize()
+    for lid, rid in zip(local_ids.tolist(), remote_ids.tolist()):
+        for layer in range(2):
+            assert torch.equal(kv[lid, layer], owner[rid, layer]), (lid, rid, layer)
+    assert not kv[[0, 1, 2, 6, 7, 8, 10, 11, 12, 13, 14, 15]].any()
+    before = owner_buffer.clone()
+    copy = copier.start("WRITE", Mapped(), layer_major, np.array([3, 4]), np.array([0, 1]))
+    copy.event.synchronize()
+    assert torch.equal(owner[0], kv[3]) and torch.equal(owner[1], kv[4])
+    changed = (owner_buffer != before).nonzero().flatten().cpu()
+    written = set(((layer_major.page_offsets([0, 1]).reshape(-1) // 2)[:, None] + np.arange(page // 2)).reshape(-1).tolist())
+    assert set(changed.tolist()) <= written
+
+
 def test_handles_keep_every_byte():
     raw = bytes([0, 1, 0, 2] * 16)  # NULs inside: a C-string round trip would cut them off
     assert cuda_ipc._IpcHandle.from_bytes(raw).to_bytes() == raw

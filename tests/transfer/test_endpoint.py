@@ -404,6 +404,33 @@ def test_read_between_gpus_verifies_every_byte(tmp_path, cuda_ipc, scattered):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cuda_ipc", [True, False], ids=["cuda-ipc-mapping", "nixl"])
+def test_pages_between_gpus_from_a_layer_major_owner(tmp_path, cuda_ipc):
+    """A vLLM-like layer-outermost owner on a GPU, a block-major reader on another: its export spans
+    its region, so the mapping is used (one copy per page here), or NIXL moves the pages."""
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    peer_dev = f"cuda:{torch.cuda.device_count() - 1}"
+    owner = Peer(tmp_path, engine_id="gpu-vllm-like", device=peer_dev, seed=13, cuda_ipc=cuda_ipc, **VLLM_CPU)
+    layout = make_layout({**GEOMETRY, "page_format": "H2ND"})
+    kv = allocate_kv(layout, "cuda:0")
+    ep = KVEndpoint("gpu-reader-h2nd", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc, ipc_min_runs=1)
+    try:
+        local_ids, remote_ids = [3, 4, 5, 40, 9], [10, 11, 12, 0, 63]
+        rec = _wait_final(ep, ep.read_blocks("gpu-lm", owner.address, local_ids, remote_ids).req_id)
+        assert rec.state is TransferState.DONE, rec.error
+        assert rec.num_descriptors == 5 * 2
+        assert ep.get_stats()["num_ipc_copies"] == (1 if cuda_ipc else 0)
+        torch.cuda.synchronize()
+        expected = allocate_kv(make_layout(VLLM_CPU))
+        fill_kv(expected, 13)
+        _pages_equal(kv.cpu(), local_ids, expected, remote_ids)
+    finally:
+        ep.close()
+        owner.quit()
+
+
+@pytest.mark.gpu
 def test_write_through_the_mapping_to_a_peer_that_sees_only_its_own_gpu(tmp_path):
     """Per-process CUDA_VISIBLE_DEVICES: the peer's GPU is its cuda:0. The mapping is opened in our
     GPU's context, so WRITE and READ still go through it, and the notification follows the copy."""
