@@ -156,4 +156,10 @@ class SchedulerSide:
         return bool(self._delayed or self._loading) or self.inner.has_pending_transfers()
 
     def get_stats(self) -> dict[str, Any]:
-        return self.inner.get_stats()
+        stats = dict(self.inner.get_stats())
+        stats["adapter"] = {
+            "held_requests": len(self._delayed),  # finished, blocks kept for a transfer
+            "loading_requests": len(self._loading),
+            "tracked_requests": len(self.views),
+        }
+        return stats

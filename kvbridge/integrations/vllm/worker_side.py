@@ -17,6 +17,7 @@ from typing import Any
 
 from kvbridge.connectors.base import ConnectorContext, FinishedTransfers, KVConnectorRole
 from kvbridge.connectors.factory import create_connector
+from kvbridge.integrations.vllm.affinity import run_unpinned
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.kv_layout import layout_of, strided_view
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
@@ -33,6 +34,7 @@ def local_worker(engine_id: str) -> WorkerSide | None:
 
 
 class WorkerSide:
+    @run_unpinned
     def __init__(self, setup: AdapterConfig, kv_cache_config: Any, page_format: str, device: str) -> None:
         self.setup = setup
         self.layout, self.layer_names = layout_of(kv_cache_config, page_format)
@@ -50,6 +52,7 @@ class WorkerSide:
         self._is_shut_down = False
         _LOCAL_WORKERS[setup.transfer.engine_id] = self
 
+    @run_unpinned
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         view = strided_view(kv_caches, self.layer_names, self.layout)
         self.inner.register_kv_caches(view, self.layout)
@@ -71,6 +74,7 @@ class WorkerSide:
     def clear(self) -> None:
         self.inner.clear_connector_metadata()
 
+    @run_unpinned
     def start_load_kv(self) -> None:
         self.inner.start_load_kv()
 
@@ -84,9 +88,11 @@ class WorkerSide:
         if index is not None:
             self.inner.save_kv_layer(index)
 
+    @run_unpinned
     def wait_for_save(self) -> None:
         self.inner.wait_for_save()
 
+    @run_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = self.inner.get_finished(set(finished_req_ids))
         sending = done.finished_sending | self._carry.finished_sending
@@ -106,6 +112,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ drain and shutdown
 
+    @run_unpinned
     def drain(self, metadata: KVBridgeMetadata, finished_req_ids: set[str], timeout_s: float) -> set[str]:
         """Run one connector-only step with `metadata` (what the scheduler half planned since the last
         step: leases to grant, finished requests' plans), then finish in-flight transfers by `timeout_s`.
@@ -129,6 +136,7 @@ class WorkerSide:
         )
         return set(self._carry.finished_sending)
 
+    @run_unpinned
     def shutdown(self) -> None:
         if self._is_shut_down:
             return
