@@ -13,6 +13,7 @@ keeps the two promises vLLM makes its connectors keep and kvbridge's own engine 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
@@ -20,6 +21,7 @@ from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.outputs import KVConnectorOutput
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.requests import RequestViews, first_group, step_output
+from kvbridge.integrations.vllm.stats import StepTimer
 from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class SchedulerSide:
         self._sent_early: set[str] = set()  # sends reported before the request finished
         self._redeliver: set[str] = set()  # early sends to report in the next step
         self._drained: set[str] = set()  # sends a drain applied already; vLLM hears of them in the next step
+        self.timer = StepTimer()  # build_connector_meta + update_connector_output, per step
 
     # ------------------------------------------------------------------ building
 
@@ -83,11 +86,20 @@ class SchedulerSide:
             self._loading.add(request.request_id)  # vLLM parks it until finished_recving names it
 
     def build_connector_meta(self, vllm_output: Any):
-        return self.inner.build_connector_meta(step_output(vllm_output, self.views))
+        start = time.perf_counter()
+        meta = self.inner.build_connector_meta(step_output(vllm_output, self.views))
+        self.timer.add(time.perf_counter() - start)
+        return meta
 
     # ------------------------------------------------------------------ worker reports
 
     def update_connector_output(self, vllm_output: Any) -> None:
+        start = time.perf_counter()
+        self._update(vllm_output)
+        self.timer.add(time.perf_counter() - start)
+        self.timer.step()
+
+    def _update(self, vllm_output: Any) -> None:
         sending = set(vllm_output.finished_sending or ())
         recving = set(vllm_output.finished_recving or ()) & self._loading
         self._loading -= recving
@@ -122,6 +134,7 @@ class SchedulerSide:
     def _release(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._delayed.pop(req_id, None)
+            self._loading.discard(req_id)  # vLLM frees it now: an aborted load ends in finished_sending, never in recving
             self.views.drop(req_id)
 
     # ------------------------------------------------------------------ finishing
@@ -161,5 +174,6 @@ class SchedulerSide:
             "held_requests": len(self._delayed),  # finished, blocks kept for a transfer
             "loading_requests": len(self._loading),
             "tracked_requests": len(self.views),
+            **self.timer.summary(),
         }
         return stats

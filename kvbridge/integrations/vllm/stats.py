@@ -41,6 +41,37 @@ class KVBridgeStats(KVConnectorStats):
         return not self.data
 
 
+class StepTimer:
+    """Time the adapter spends in vLLM's per-step connector calls, its kvbridge connector's included.
+
+    `step()` closes a step; `summary()` gives the mean and max over the steps since the last summary,
+    in microseconds, so /metrics shows what one engine step pays for the connector.
+    """
+
+    def __init__(self) -> None:
+        self._current = 0.0
+        self._total = 0.0
+        self._max = 0.0
+        self._steps = 0
+        self.num_steps = 0
+
+    def add(self, seconds: float) -> None:
+        self._current += seconds
+
+    def step(self) -> None:
+        self._total += self._current
+        self._max = max(self._max, self._current)
+        self._steps += 1
+        self.num_steps += 1
+        self._current = 0.0
+
+    def summary(self) -> dict[str, float]:
+        mean = self._total / self._steps if self._steps else 0.0
+        out = {"step_us_mean": mean * 1e6, "step_us_max": self._max * 1e6, "steps": self.num_steps}
+        self._total, self._max, self._steps = 0.0, 0.0, 0
+        return out
+
+
 class StatsSnapshots:
     """Rate-limited snapshots of one connector half's `get_stats()`, prefixed with the half's name."""
 

@@ -12,6 +12,7 @@ vLLM's scheduler and its only worker share a process and a thread.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -21,7 +22,7 @@ from kvbridge.integrations.vllm.affinity import run_unpinned
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.kv_layout import layout_of, strided_view
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
-from kvbridge.integrations.vllm.stats import StatsSnapshots
+from kvbridge.integrations.vllm.stats import StatsSnapshots, StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class WorkerSide:
         self.inner = create_connector(setup.transfer, KVConnectorRole.WORKER, self.context)
         self._carry = FinishedTransfers(set(), set())  # collected by a drain, reported by the next step
         self._snapshots = StatsSnapshots("worker")
+        self.timer = StepTimer()  # start_load_kv + wait_for_save + get_finished + load errors, per step
         self._is_shut_down = False
         _LOCAL_WORKERS[setup.transfer.engine_id] = self
 
@@ -76,7 +78,9 @@ class WorkerSide:
 
     @run_unpinned
     def start_load_kv(self) -> None:
+        start = time.perf_counter()
         self.inner.start_load_kv()
+        self.timer.add(time.perf_counter() - start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -90,25 +94,33 @@ class WorkerSide:
 
     @run_unpinned
     def wait_for_save(self) -> None:
+        start = time.perf_counter()
         self.inner.wait_for_save()
+        self.timer.add(time.perf_counter() - start)
 
     @run_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        start = time.perf_counter()
         done = self.inner.get_finished(set(finished_req_ids))
+        self.timer.add(time.perf_counter() - start)
         sending = done.finished_sending | self._carry.finished_sending
         recving = done.finished_recving | self._carry.finished_recving
         self._carry = FinishedTransfers(set(), set())
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set(self.inner.get_block_ids_with_load_errors())
+        start = time.perf_counter()
+        errors = set(self.inner.get_block_ids_with_load_errors())
+        self.timer.add(time.perf_counter() - start)
+        self.timer.step()  # vLLM's last per-step call into the worker half
+        return errors
 
     def worker_meta(self) -> KVBridgeWorkerMeta | None:
         stats = self.inner.get_step_stats()
         return KVBridgeWorkerMeta(dict(stats)) if stats else None
 
     def stats(self):
-        return self._snapshots.take(self.inner.get_stats)
+        return self._snapshots.take(lambda: {**self.inner.get_stats(), "adapter": self.timer.summary()})
 
     # ------------------------------------------------------------------ drain and shutdown
 
