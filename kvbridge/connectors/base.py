@@ -166,7 +166,9 @@ class KVConnectorBase(ABC):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
-        """The engine's KV cache tensor (`layout.shape`, block-major) and its geometry.
+        """The engine's KV cache tensor and its geometry: a view `[num_blocks, num_layers, *page_shape]`
+        with `layout.strides` (block-major in kvbridge's engine; layer-major over vLLM's buffer, see
+        `kvbridge/layout.py`). Byte arithmetic goes through the layout, never through the tensor's shape.
 
         Called by the model runner once, after allocating the cache and before the first step.
         The connector may register the memory with a transport. It must drop every reference to

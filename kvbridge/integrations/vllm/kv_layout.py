@@ -94,7 +94,6 @@ def strided_view(kv_caches: dict[str, Any], layer_names: list[str], layout: KVCa
     if missing:
         raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:3]}")
     first = kv_caches[layer_names[0]]
-    elt = first.element_size()
     if _dtype_name(first.dtype) != layout.dtype:
         raise ConfigError(f"vLLM's KV tensors are {first.dtype}, its KV cache spec says {layout.dtype}")
     base = first.data_ptr()
@@ -107,18 +106,5 @@ def strided_view(kv_caches: dict[str, Any], layer_names: list[str], layout: KVCa
             )
         if tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
             raise ConfigError(f"vLLM's KV tensor of layer {name} is not in the same buffer as layer 0's")
-    page_strides = _dense_strides(layout.page_shape)  # a page is dense, row-major in page_format order
-    return torch.as_strided(
-        first,
-        (layout.num_blocks, layout.num_layers, *layout.page_shape),
-        (layout.block_stride_bytes // elt, layout.layer_stride_bytes // elt, *page_strides),
-        first.storage_offset(),
-    )
+    return torch.as_strided(first, layout.shape, layout.strides, first.storage_offset())
 
-
-def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
