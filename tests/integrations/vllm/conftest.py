@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from vllm_checkpoint import make_tiny_checkpoint
-from vllm_server import VLLMServer, start_vllm_server, stop_all, wait_ready
+from vllm_server import STARTUP_TIMEOUT_S, VLLMServer, start_vllm_server, stop_all, wait_ready
 
 HERE = Path(__file__).parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None
@@ -64,8 +64,9 @@ class ServerGroup:
         self.servers.append(server)
         return server
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        wait_ready(self.servers, *([timeout_s] if timeout_s else []))
+    def wait(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until every server started so far is healthy (VLLMStartError with the failing log's tail)."""
+        wait_ready(self.servers, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ class VLLMServer:
                  log_path: str, cpus: Sequence[int] | None = None) -> None:  # fmt: skip
         self.name, self.argv, self.port, self.side_channel_port = name, argv, port, side_channel_port
         self.cpus = list(cpus) if cpus is not None else None
+        self.is_stopped = False
         self.url = f"http://{HOST}:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -118,11 +119,14 @@ class VLLMServer:
             os.killpg(self.popen.pid, sig)  # the group outlives its leader while a member lives
 
     def signal_stop(self) -> None:
-        self._signal_group(signal.SIGTERM)
+        if not self.is_stopped:
+            self._signal_group(signal.SIGTERM)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         """SIGTERM to the group, wait up to `grace_s` for the api_server, then SIGKILL to whatever of the
         group is left, and wait until none of it runs. Returns the api_server's exit code."""
+        if self.is_stopped:  # the group id may belong to someone else by now
+            return self.popen.returncode
         self.signal_stop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(grace_s)
@@ -132,6 +136,7 @@ class VLLMServer:
         while group_pids(self.popen.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._log.close()
+        self.is_stopped = True
         return self.popen.returncode
 
 
