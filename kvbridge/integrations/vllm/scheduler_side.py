@@ -134,7 +134,7 @@ class SchedulerSide:
     def _release(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._delayed.pop(req_id, None)
-            self._loading.discard(req_id)  # vLLM frees it now: an aborted load ends in finished_sending, never in recving
+            self._loading.discard(req_id)  # a load that outlived its request may end in finished_sending only
             self.views.drop(req_id)
 
     # ------------------------------------------------------------------ finishing
