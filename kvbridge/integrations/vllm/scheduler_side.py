@@ -6,8 +6,9 @@ keeps the two promises vLLM makes its connectors keep and kvbridge's own engine 
 * a request is reported in `finished_sending` only after `request_finished` delayed its blocks
   (vLLM frees a request's blocks, even a running one's, on the first report). A kvbridge
   connector that finishes a send before the request finishes has its report held back and
-  delivered in the step after `request_finished`, or its delay dropped when it was already sent;
-* `finished_recving` names only requests this half started an async load for.
+  delivered once `request_finished` delayed the request's free;
+* `finished_recving` names only requests this half started an async load for, and never a
+  finished request whose free waits for a send (vLLM would free it twice).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ class SchedulerSide:
         to_inner = to_vllm - self._drained
         self._drained -= to_vllm
         self._redeliver = set()
+        # A finished request whose free a connector delayed is freed by vLLM on its send report; its
+        # load's end must not free it first (vLLM would then assert on the send for a request it
+        # no longer knows).
+        recving_to_vllm = recving - self._delayed.keys() - to_vllm
         self._release(to_vllm)
         worker_meta = getattr(vllm_output, "kv_connector_worker_meta", None)
         self.inner.update_connector_output(
@@ -119,7 +124,7 @@ class SchedulerSide:
             )
         )
         vllm_output.finished_sending = to_vllm or None
-        vllm_output.finished_recving = recving or None
+        vllm_output.finished_recving = recving_to_vllm or None
 
     def apply_drained(self, sent: set[str]) -> set[str]:
         """Sends a drain finished outside a step: the kvbridge half learns of them now (so a prompt

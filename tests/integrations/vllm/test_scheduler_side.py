@@ -317,13 +317,6 @@ def test_a_failed_offload_load_cancels_the_hit(tiny_checkpoint):
     o.inner.check_integrity()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adapter bug: SchedulerSide.update_connector_output hands vLLM the finished_recving of a request "
-    "that finished during its load although the offload half delayed its blocks (it is in _delayed); vLLM "
-    "frees it then, and the worker's finished_sending in the next step trips vLLM's "
-    "`assert req_id in self.requests` (scheduler.py:3234)",
-)
 @pytest.mark.parametrize("how", ["fail_policy", "abort_during_the_step"])
 def test_a_request_that_finishes_during_its_offload_load_is_freed_once(tiny_checkpoint, how):
     policy = "fail" if how == "fail_policy" else "recompute"
