@@ -50,6 +50,7 @@ def _transfer_totals(url: str, want_transfers: float, timeout_s: float = 10.0) -
         metrics = scrape_metrics(url, prefixes=("vllm:nixl_",))
         if metrics.get(TRANSFERS, 0) >= want_transfers or time.monotonic() > deadline:
             return metrics
+        time.sleep(0.05)
 
 
 def _assert_pd_matches(servers, body: dict, num_prompt_tokens: int, tiny_checkpoint: str) -> None:
