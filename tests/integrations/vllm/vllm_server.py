@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.serve.launcher import HOST, free_ports, http_json
+from kvbridge.serve.launcher import HOST, ManagedProcess, free_ports, http_json
 
 CPU_BLOCK_SIZE = 128  # vLLM's default KV block size on CPU, in tokens
 STARTUP_TIMEOUT_S = 300.0  # a cold start takes ~40 s alone on a 2-core machine; several at once share it
@@ -64,15 +64,7 @@ def nixl_transfer_config(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1  # the server gets SIGTERM when the process that started it dies
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class VLLMServer:
+class VLLMServer(ManagedProcess):
     """One `python -m vllm.entrypoints.openai.api_server` in its own process group, logging to a file.
 
     The api_server starts an EngineCore and a Worker process (spawn); they share its process group,
@@ -80,30 +72,13 @@ class VLLMServer:
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, side_channel_port: int,
-                 log_path: str, cpus: Sequence[int] | None = None) -> None:  # fmt: skip
-        self.name, self.argv, self.port, self.side_channel_port = name, argv, port, side_channel_port
+                 log_dir: str, cpus: Sequence[int] | None = None) -> None:  # fmt: skip
+        self.port, self.side_channel_port = port, side_channel_port
         self.cpus = list(cpus) if cpus is not None else None
         self.is_stopped = False
-        self.url = f"http://{HOST}:{port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.started_at = time.monotonic()
         self.ready_after_s: float | None = None  # start -> first healthy answer, set by wait_ready
-        self.popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, **env},
-        )  # fmt: skip
-
-    def is_running(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - num_chars))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        super().__init__(name, f"http://{HOST}:{port}", argv, log_dir, env)
 
     def is_healthy(self) -> bool:
         with contextlib.suppress(OSError):
@@ -171,8 +146,7 @@ def start_vllm_server(
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     server_env = {**vllm_env(side_channel_port, kv_cache_gib, cpus), **(env or {})}
-    log_path = os.path.join(log_dir, f"{name}.log")
-    return VLLMServer(name, argv, server_env, port, side_channel_port, log_path, cpus)
+    return VLLMServer(name, argv, server_env, port, side_channel_port, os.fspath(log_dir), cpus)
 
 
 def wait_ready(servers: Sequence[VLLMServer], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
