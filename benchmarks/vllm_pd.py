@@ -20,19 +20,30 @@ then `--reps` timed ones, each fresh (no prefix-cache hit anywhere), greedy, `--
 
 Per arm and length: `ttft_s` = prefill leg (whole response) + decode leg's time to its first streamed
 token, what a user behind the proxy waits; `decode_ttft_s`, the decode leg alone; `prefill_leg_s`;
-the transfer time where the connector exposes it: vLLM per request from the decode's
-`vllm:nixl_xfer_time_seconds` (NIXL's post-to-completion telemetry), kvbridge from the decode's
-`kvbridge_worker_latency_ms_p50/p99` gauges (post to completion, over its recent transfers: warm-up
-and earlier lengths included); whether the P/D tokens equal the colocated server's; the ratio of the
-P/D TTFT to the colocated one (and kvbridge's to vLLM's when both arms ran). Each figure: median
-(p50), nearest-rank p99 (the maximum of fewer than 50 samples), min. Per server: cold start (start
-to healthy, an arm's two servers booting together), peak RSS of its processes, and the cores it
-keeps busy while it serves nothing. The load average before and after tells a run on a busy machine.
+the transfer time of each timed request, post to completion, from the decode's /metrics scraped
+before and after it (`transfer.method` says how: vLLM's `vllm:nixl_xfer_time_seconds_sum`; kvbridge's
+busy time, `kvbridge_worker_bytes_transferred / kvbridge_worker_throughput_gbps`, the wall time with
+a read in flight, exact while it has made at most 4,096 reads; its `latency_ms_*` gauges cover all
+past reads, warm-ups included, and are kept as `latency_gauges_ms`); whether the P/D tokens equal the
+colocated server's; the ratio of the P/D TTFT to the colocated one (and kvbridge's to vLLM's when
+both arms ran). Each figure: median (p50), nearest-rank p99 (the maximum of fewer than 50 samples),
+min. Per server: cold start (start to healthy, an arm's two servers booting together), peak RSS of
+its processes, the cores it keeps busy while it serves nothing, and the cores it is pinned to.
+
+Per-step connector overhead (`step_overhead`): on the colocated server and on each arm's decode
+server, after its P/D prompts, `--itl-reps` streamed completions of `--itl-tokens` tokens for short
+prompts that transfer nothing (after one warm-up); inter-token latency (ITL) from each streamed
+token's arrival. An arm's overhead is its ITL minus the colocated server's, measured in the same run
+on the same core. The kvbridge arm also reports its adapter's own `kvbridge_*_adapter_step_us_*`
+gauges, scraped after each stream (its last snapshot: decode steps of that stream only) and once
+more after > 1 s and a one-token request. The load average before and after tells a run on a busy
+machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -43,13 +54,14 @@ import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
 from common import machine_info, versions  # noqa: E402
 from vllm_checkpoint import kv_bytes_per_token, make_tiny_checkpoint  # noqa: E402
-from vllm_client import PDCompletion, complete, pd_complete, scrape_metrics, warm_up_pd  # noqa: E402
+from vllm_client import VLLMRequestError, complete, pd_complete, scrape_metrics, warm_up_pd  # noqa: E402
 from vllm_server import (  # noqa: E402
     VLLMServer,
     group_pids,
@@ -108,6 +120,7 @@ def idle_cpu_cores(server: VLLMServer, seconds: float = 2.0) -> float:
 
 def server_report(server: VLLMServer) -> dict:
     return {
+        "cpus": server.cpus,  # every thread of every process pinned there once healthy (wait_ready)
         "cold_start_s": server.ready_after_s,
         "peak_rss_mib": sum(peak_rss_bytes(server).values()) / 2**20,
         "idle_cpu_cores": idle_cpu_cores(server),
@@ -116,6 +129,69 @@ def server_report(server: VLLMServer) -> dict:
 
 def body(args, prompt: list[int]) -> dict:
     return {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def token_arrivals(base_url: str, body: dict) -> list[float]:
+    """Stream one completion; the arrival time (perf_counter) of each token, in order."""
+    parts = urlsplit(base_url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True, "return_token_ids": True}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise VLLMRequestError(f"POST {base_url}/v1/completions answered {resp.status}: {resp.read()[:2000]!r}")
+        arrivals: list[float] = []
+        for line in resp:
+            if line.startswith(b"data: {"):
+                now = time.perf_counter()
+                for choice in json.loads(line[len(b"data: ") :]).get("choices", []):
+                    arrivals += [now] * len(choice.get("token_ids") or [])
+        return arrivals
+    finally:
+        conn.close()
+
+
+ADAPTER_STEP_GAUGES = tuple(f"kvbridge_{side}_adapter_step_us_{s}" for side in ("worker", "scheduler") for s in ("mean", "max"))
+
+
+def spread(samples: Sequence[float]) -> dict:
+    return {"p50": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def measure_itl(args, url: str, is_kvbridge: bool = False) -> dict:
+    """Inter-token latency of streamed completions that transfer nothing: short fresh prompts, greedy.
+
+    Per rep: the mean ITL ((last - first token) / (tokens - 1)) and the median gap; over reps: p50,
+    min and max of each. With `is_kvbridge`, the adapter's step-time gauges after each rep (the snapshot
+    the stream's last step forced: its decode steps since the previous snapshot), and once more after a
+    pause > 1 s and a one-token request (what a scrape at rest shows: that request's own step, mostly).
+    """
+    rng = random.Random(args.seed + 1)
+    means, medians, gauges = [], [], []
+    for rep in range(1 + args.itl_reps):
+        prompt = [0, *(rng.randrange(3, 1000) for _ in range(15))]  # 16 tokens: no full block, no cache hit
+        body = {"prompt": prompt, "max_tokens": args.itl_tokens, "temperature": 0, "ignore_eos": True}
+        arrivals = token_arrivals(url, body)
+        if rep == 0:
+            continue  # warm-up
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        means.append((arrivals[-1] - arrivals[0]) / len(gaps) * 1e3)
+        medians.append(statistics.median(gaps) * 1e3)
+        if is_kvbridge:
+            gauges.append(scrape_metrics(url, ("kvbridge_",)))
+    out = {"num_tokens": args.itl_tokens, "mean_itl_ms": spread(means), "median_itl_ms": spread(medians)}
+    if is_kvbridge:
+        out["adapter_step_us_after_each_rep"] = {
+            name: spread([g.get(name, 0.0) for g in gauges]) for name in ADAPTER_STEP_GAUGES
+        }
+        time.sleep(1.1)
+        complete(url, {"prompt": [0, 3], "max_tokens": 1, "temperature": 0})
+        time.sleep(0.2)
+        at_rest = scrape_metrics(url, ("kvbridge_",))
+        out["adapter_step_us_after_refresh"] = {name: at_rest.get(name) for name in ADAPTER_STEP_GAUGES}
+        out["adapter_steps"] = at_rest.get("kvbridge_worker_adapter_steps")
+    return out
 
 
 def run_colocated(args, model: str, prompts: dict[int, list[list[int]]], log_dir: str) -> dict:
@@ -128,6 +204,8 @@ def run_colocated(args, model: str, prompts: dict[int, list[list[int]]], log_dir
             results = [complete(server.url, body(args, prompt)) for prompt in batch]
             out["token_ids"][n] = [r.token_ids for r in results]
             out["ttft_s"][n] = percentiles([r.ttft_s for r in results[args.warmup :]])
+        out["itl"] = measure_itl(args, server.url)
+        out["server"]["idle_cpu_cores"] = idle_cpu_cores(server)  # after serving, as the arms' servers
         return out
     finally:
         stop_all([server])
@@ -136,6 +214,20 @@ def run_colocated(args, model: str, prompts: dict[int, list[list[int]]], log_dir
 VLLM_XFER_COUNT, VLLM_XFER_SUM = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum"
 VLLM_XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
 KVB_COUNT, KVB_BYTES = "kvbridge_worker_num_transfers", "kvbridge_worker_bytes_transferred"
+KVB_GBPS = "kvbridge_worker_throughput_gbps"
+KVB_WINDOW = 4096  # reads kvbridge's throughput covers (kvbridge.connectors.nixl.stats)
+
+
+def transfer_seconds(is_vllm: bool, metrics: dict[str, float]) -> float:
+    """Seconds spent transferring so far. kvbridge: wall time with a read in flight, recovered from its
+    throughput gauge (bytes of its last 4,096 reads / their busy time): exact while it made at most
+    4,096 reads; one request at a time, so busy time = the sum of the reads' post-to-completion times."""
+    if is_vllm:
+        return metrics.get(VLLM_XFER_SUM, 0.0)
+    if metrics.get(KVB_COUNT, 0) > KVB_WINDOW:
+        raise RuntimeError(f"kvbridge made more than {KVB_WINDOW} reads: its throughput no longer covers all of them")
+    gbps = metrics.get(KVB_GBPS, 0.0)
+    return metrics.get(KVB_BYTES, 0.0) / (gbps * 1e9) if gbps > 0 else 0.0
 
 
 class TransferMetrics:
@@ -150,6 +242,7 @@ class TransferMetrics:
         self.url, self.is_vllm = url, arm == "vllm-nixl"
         self.count_name, self.bytes_name = (VLLM_XFER_COUNT, VLLM_XFER_BYTES) if self.is_vllm else (KVB_COUNT, KVB_BYTES)
         self.num_requests = 0  # P/D requests sent so far: each one's KV crosses the connector once
+        self.last: dict[str, float] | None = None  # the latest totals(): every request's transfer counted
 
     def scrape(self) -> dict[str, float]:
         return scrape_metrics(self.url, ("vllm:nixl_", "kvbridge_"))
@@ -160,6 +253,7 @@ class TransferMetrics:
         while True:
             metrics = self.scrape()
             if metrics.get(self.count_name, 0) >= self.num_requests or time.monotonic() > deadline:
+                self.last = metrics
                 return metrics
             if self.is_vllm:
                 time.sleep(0.05)
@@ -167,15 +261,13 @@ class TransferMetrics:
                 time.sleep(1.05)
                 complete(self.url, {"prompt": [0, 3], "max_tokens": 1, "temperature": 0})
 
-    def pd_request(self, prefill_url: str, body: dict) -> tuple[PDCompletion, float | None]:
-        """One P/D request, and its transfer's seconds where the connector reports them per transfer (vLLM)."""
-        before = self.scrape() if self.is_vllm else {}
+    def pd_request(self, prefill_url: str, body: dict):
+        """One P/D request, and its transfer's seconds: the transfer time counted before and after it."""
+        before = self.last if self.last is not None else self.totals()
         result = pd_complete(prefill_url, self.url, body)
         self.num_requests += 1
-        if not self.is_vllm:
-            return result, None
         after = self.totals()
-        return result, after.get(VLLM_XFER_SUM, 0) - before.get(VLLM_XFER_SUM, 0)
+        return result, transfer_seconds(self.is_vllm, after) - transfer_seconds(self.is_vllm, before)
 
 
 def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[list[int]], expected: list) -> dict:
@@ -183,6 +275,7 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
     warm, timed = batch[: args.warmup], batch[args.warmup :]
     warm_up_pd(prefill.url, metrics.url, body(args, warm[0]))  # the handshake, retried past vLLM's 5 s
     metrics.num_requests += 1
+    metrics.last = None  # a retried handshake may have counted a failed transfer
     for prompt in warm[1:]:
         metrics.pd_request(prefill.url, body(args, prompt))
     start = metrics.totals()
@@ -193,10 +286,17 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         "num_transfers": end.get(metrics.count_name, 0) - start.get(metrics.count_name, 0),  # == reps: none recomputed
         "bytes_per_request": (end.get(metrics.bytes_name, 0) - start.get(metrics.bytes_name, 0)) / len(timed),
     }
+    transfer["ms"] = percentiles([seconds * 1e3 for _, seconds in rows])
+    busy_s = transfer_seconds(metrics.is_vllm, end) - transfer_seconds(metrics.is_vllm, start)
+    transfer["mean_ms"] = busy_s * 1e3 / len(timed)
+    transfer["gb_per_s"] = transfer["bytes_per_request"] / (transfer["mean_ms"] * 1e6) if transfer["mean_ms"] > 0 else None
     if metrics.is_vllm:
-        transfer["ms"] = percentiles([seconds * 1e3 for _, seconds in rows])
-    else:  # gauges over kvbridge's recent transfers: warm-ups and earlier lengths included
-        transfer["ms"] = {p: end.get(f"kvbridge_worker_latency_ms_{p}") for p in ("p50", "p90", "p99")}
+        transfer["method"] = "per request: delta of vllm:nixl_xfer_time_seconds_sum on the decode's /metrics"
+    else:
+        transfer["method"] = ("per request: delta of kvbridge_worker_bytes_transferred / kvbridge_worker_throughput_gbps "
+                              "(busy time of the last 4,096 reads) on the decode's /metrics")  # fmt: skip
+        # percentiles over every read so far (warm-ups and earlier lengths included), for reference
+        transfer["latency_gauges_ms"] = {p: end.get(f"kvbridge_worker_latency_ms_{p}") for p in ("p50", "p90", "p99")}
     return {
         "ttft_s": percentiles([r.ttft_s for r in results]),
         "decode_ttft_s": percentiles([r.decode.ttft_s for r in results]),
@@ -216,7 +316,9 @@ def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], exp
         wait_ready([prefill, decode])
         metrics = TransferMetrics(arm, decode.url)
         by_len = {n: measure_pd(args, prefill, metrics, batch, expected[n]) for n, batch in prompts.items()}
-        return {"by_prompt_len": by_len, "prefill_server": server_report(prefill), "decode_server": server_report(decode)}
+        itl = measure_itl(args, decode.url, is_kvbridge=arm == "kvbridge")
+        return {"by_prompt_len": by_len, "decode_itl": itl,
+                "prefill_server": server_report(prefill), "decode_server": server_report(decode)}  # fmt: skip
     except BaseException:
         for server in (prefill, decode):
             print(f"--- {server.name} log ({server.log_path}) ends with:\n{server.log_tail()}", file=sys.stderr)
@@ -248,6 +350,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed prompts per length")
     parser.add_argument("--warmup", type=int, default=1, help="untimed prompts per length, at least 1")
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--itl-reps", type=int, default=7, help="timed streams per server for the inter-token latency")
+    parser.add_argument("--itl-tokens", type=int, default=64, help="tokens per inter-token-latency stream")
     parser.add_argument("--prefill-cpus", type=cpu_list, default=[0], help="cores of the prefill server")
     parser.add_argument("--decode-cpus", type=cpu_list, default=[1], help="cores of the decode and colocated servers")
     parser.add_argument("--seed", type=int, default=0)
@@ -281,11 +385,21 @@ def run(args: argparse.Namespace) -> dict:
     for arm in arms.values():
         for n, row in arm["by_prompt_len"].items():
             row["ttft_vs_colocated"] = row["ttft_s"]["p50"] / colocated["ttft_s"][n]["p50"]
+    base = colocated["itl"]
+    step_overhead = {"colocated_itl": base}
+    for name, arm in arms.items():  # the decode server's ITL minus the colocated server's, same core, same run
+        itl = arm["decode_itl"]
+        step_overhead[name] = {
+            "mean_itl_ms": itl["mean_itl_ms"]["p50"] - base["mean_itl_ms"]["p50"],
+            "median_itl_ms": itl["median_itl_ms"]["p50"] - base["median_itl_ms"]["p50"],
+            "mean_itl_vs_colocated": itl["mean_itl_ms"]["p50"] / base["mean_itl_ms"]["p50"],
+        }
     report = {
         "benchmark": "vllm_pd",
         "arms": arms,
         "colocated": {"by_prompt_len": {n: {"ttft_s": t} for n, t in colocated["ttft_s"].items()},
                       "server": colocated["server"]},  # fmt: skip
+        "step_overhead": step_overhead,
     }
     if set(ARMS) <= arms.keys():
         report["kvbridge_ttft_vs_vllm_nixl"] = {
@@ -313,6 +427,9 @@ def main() -> int:
             print(f"{arm:10s} {n:6d} tokens: TTFT p50 {row['ttft_s']['p50'] * 1e3:8.1f} ms "
                   f"({row['ttft_vs_colocated']:.2f}x colocated), decode leg {row['decode_ttft_s']['p50'] * 1e3:7.1f} ms, "
                   f"transfer p50 {row['transfer']['ms']['p50']:.1f} ms")  # fmt: skip
+    for name, row in report["step_overhead"].items():
+        if name != "colocated_itl":
+            print(f"{name:10s} per-step overhead: mean ITL +{row['mean_itl_ms']:.2f} ms ({row['mean_itl_vs_colocated']:.2f}x colocated)")
     return 0
 
 
