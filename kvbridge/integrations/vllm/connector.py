@@ -173,7 +173,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         if self._worker is not None:
             return self._worker.stats()
-        return self._snapshots.take(self.scheduler.get_stats)
+        return self._snapshots.take(self.scheduler.get_stats, force=self.scheduler.pop_has_ended())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:

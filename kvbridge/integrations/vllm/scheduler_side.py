@@ -41,6 +41,7 @@ class SchedulerSide:
         self._redeliver: set[str] = set()  # early sends to report in the next step
         self._drained: set[str] = set()  # sends a drain applied already; vLLM hears of them in the next step
         self.timer = StepTimer()  # build_connector_meta + update_connector_output, per step
+        self._has_ended = False  # a request or a transfer ended since the last stats snapshot
 
     # ------------------------------------------------------------------ building
 
@@ -125,6 +126,7 @@ class SchedulerSide:
         )
         vllm_output.finished_sending = to_vllm or None
         vllm_output.finished_recving = recving_to_vllm or None
+        self._has_ended |= bool(sending or recving or vllm_output.invalid_block_ids)
 
     def apply_drained(self, sent: set[str]) -> set[str]:
         """Sends a drain finished outside a step: the kvbridge half learns of them now (so a prompt
@@ -148,6 +150,7 @@ class SchedulerSide:
         req_id = request.request_id
         view = self.views.of(request)
         delay, params = self.inner.request_finished(view, list(block_ids))
+        self._has_ended = True
         self._matched_async.pop(req_id, None)  # a load in flight stays in _loading: vLLM frees its blocks on the report
         if delay and req_id in self._sent_early:
             self._redeliver.add(req_id)  # the kvbridge half learns it was sent; vLLM frees the blocks then
@@ -172,6 +175,11 @@ class SchedulerSide:
 
     def has_pending_transfers(self) -> bool:
         return bool(self._delayed or self._loading) or self.inner.has_pending_transfers()
+
+    def pop_has_ended(self) -> bool:
+        """Whether a request or a transfer ended since the last call: the stats must be snapshot now."""
+        has_ended, self._has_ended = self._has_ended, False
+        return has_ended
 
     def get_stats(self) -> dict[str, Any]:
         stats = dict(self.inner.get_stats())

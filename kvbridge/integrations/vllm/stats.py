@@ -1,12 +1,13 @@
 """kvbridge's connector statistics on vLLM's `/metrics`, as gauges named `kvbridge_<side>_<path>`.
 
 Each half of the adapter snapshots its kvbridge connector's `get_stats()` (at most once per
-`SNAPSHOT_INTERVAL_S`, since it may summarize history) and returns it from vLLM's
-`get_kv_connector_stats`; vLLM carries it to its stat loggers, where `KVBridgePromMetrics` sets
-one gauge per numeric leaf: e.g. the NixlConnector worker's `bytes_transferred` becomes
-`kvbridge_worker_bytes_transferred`, the offload scheduler's `hit_blocks`
-`kvbridge_scheduler_hit_blocks` (a MultiConnector's children add their key to the path). Values
-are the connector's running totals, so a new kvbridge statistic appears without touching this file.
+`SNAPSHOT_INTERVAL_S`, since it may summarize history, and in every step where a request or a
+transfer ended) and returns it from vLLM's `get_kv_connector_stats`; vLLM carries it to its stat
+loggers, where `KVBridgePromMetrics` sets one gauge per numeric leaf: e.g. the NixlConnector
+worker's `bytes_transferred` becomes `kvbridge_worker_bytes_transferred`, the offload scheduler's
+`hit_blocks` `kvbridge_scheduler_hit_blocks` (a MultiConnector's children add their key to the
+path). Values are the connector's running totals, so a new kvbridge statistic appears without
+touching this file.
 """
 
 from __future__ import annotations
@@ -80,9 +81,15 @@ class StatsSnapshots:
         self.interval_s = interval_s
         self._last = float("-inf")
 
-    def take(self, get_stats) -> KVBridgeStats | None:
+    def take(self, get_stats, *, force: bool = False) -> KVBridgeStats | None:
+        """A snapshot, or None within `interval_s` of the last one unless `force`d.
+
+        The halves force one in a step where a request or a transfer ended: vLLM stops stepping an
+        idle engine, so a snapshot skipped there would leave /metrics showing a lease, a read or a
+        held request that has ended, until the next request comes.
+        """
         now = time.monotonic()
-        if now - self._last < self.interval_s:
+        if not force and now - self._last < self.interval_s:
             return None
         self._last = now
         return KVBridgeStats(data=flatten_numeric(get_stats(), self.side))

@@ -50,6 +50,7 @@ class WorkerSide:
         self.inner = create_connector(setup.transfer, KVConnectorRole.WORKER, self.context)
         self._carry = FinishedTransfers(set(), set())  # collected by a drain, reported by the next step
         self._snapshots = StatsSnapshots("worker")
+        self._has_ended = False  # a request or a transfer ended this step: snapshot the stats
         self.timer = StepTimer()  # start_load_kv + wait_for_save + get_finished + load errors, per step
         self._is_shut_down = False
         _LOCAL_WORKERS[setup.transfer.engine_id] = self
@@ -106,6 +107,7 @@ class WorkerSide:
         sending = done.finished_sending | self._carry.finished_sending
         recving = done.finished_recving | self._carry.finished_recving
         self._carry = FinishedTransfers(set(), set())
+        self._has_ended = bool(finished_req_ids or sending or recving)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -113,6 +115,7 @@ class WorkerSide:
         errors = set(self.inner.get_block_ids_with_load_errors())
         self.timer.add(time.perf_counter() - start)
         self.timer.step()  # vLLM's last per-step call into the worker half
+        self._has_ended |= bool(errors)
         return errors
 
     def worker_meta(self) -> KVBridgeWorkerMeta | None:
@@ -120,7 +123,8 @@ class WorkerSide:
         return KVBridgeWorkerMeta(dict(stats)) if stats else None
 
     def stats(self):
-        return self._snapshots.take(lambda: {**self.inner.get_stats(), "adapter": self.timer.summary()})
+        force, self._has_ended = self._has_ended, False
+        return self._snapshots.take(lambda: {**self.inner.get_stats(), "adapter": self.timer.summary()}, force=force)
 
     # ------------------------------------------------------------------ drain and shutdown
 
