@@ -205,6 +205,7 @@ def run_colocated(args, model: str, prompts: dict[int, list[list[int]]], log_dir
             out["token_ids"][n] = [r.token_ids for r in results]
             out["ttft_s"][n] = percentiles([r.ttft_s for r in results[args.warmup :]])
         out["itl"] = measure_itl(args, server.url)
+        time.sleep(2.0)  # an arm's decode server rests while its prefill's idle CPU is measured
         out["server"]["idle_cpu_cores"] = idle_cpu_cores(server)  # after serving, as the arms' servers
         return out
     finally:
