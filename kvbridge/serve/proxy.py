@@ -56,7 +56,9 @@ class RoundRobin:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request a prefill node gets: compute the prompt, keep its KV for a decode node."""
-    return {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
+    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
+    leg.pop("stream_options", None)  # only valid with stream=true: vLLM refuses the leg with a 400
+    return leg
 
 
 def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) -> dict[str, Any]:

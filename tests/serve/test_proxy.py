@@ -21,7 +21,8 @@ from kvbridge.serve.proxy import PROXY_KEY, RoundRobin, create_proxy_app, decode
 def test_round_robin_and_bodies():
     rr = RoundRobin(["http://a/", "http://b"])
     assert [rr.next() for _ in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
-    body = {"prompt": "x", "max_tokens": 9, "stream": True, "kv_transfer_params": {"junk": 1}}
+    body = {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
+            "kv_transfer_params": {"junk": 1}}  # fmt: skip
     assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     assert decode_body(body, {"remote_engine_id": "e"})["kv_transfer_params"] == {
         "remote_engine_id": "e",

@@ -119,6 +119,20 @@ class NixlScheduler:
             remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
         )
 
+    def _release_unread(self, request: Request) -> None:
+        """A decode request that ends before it was admitted (aborted, refused by the engine) never
+        reads its remote blocks: tell the prefill engine to release them now, not at lease expiry."""
+        params = self._remote_params(request)
+        if params is None or not params.remote_block_ids:
+            return
+        self._new_recvs[request.request_id] = RecvJob(
+            request_id=request.request_id,
+            remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
+            lease=params.lease_ref(),
+            local_block_ids=(),
+            remote_block_ids=(),
+        )
+
     # ------------------------------------------------------------------ both
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
@@ -138,6 +152,8 @@ class NixlScheduler:
     # ------------------------------------------------------------------ prefill
 
     def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+        if request.request_id not in self._handled:
+            self._release_unread(request)
         self._handled.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):

@@ -159,6 +159,24 @@ def test_decode_with_everything_cached_still_releases_the_prefill_blocks():
     assert job.local_block_ids == () and job.remote_block_ids == ()
 
 
+def test_decode_request_that_ends_before_admission_releases_the_prefill_blocks():
+    """Aborted (or refused by the engine) while waiting: its read never starts, its lease goes back now."""
+    sched = scheduler("kv_consumer")
+    req = request(2 * BS, remote_params([7, 8]))
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, []) == (False, None)
+    job = sched.build_connector_meta(SchedulerOutput()).recvs["r1"]
+    assert job.local_block_ids == () and job.lease.req_id == "pre-r1" and job.lease.token == "t" * 64
+    assert sched.build_connector_meta(SchedulerOutput()).recvs == {}  # once
+    read = request(2 * BS, remote_params([7, 8]), req_id="r2")  # admitted and read: released by its read only
+    sched.get_num_new_matched_tokens(read, 0)
+    sched.update_state_after_alloc(read, [0, 1], 2 * BS)
+    sched.build_connector_meta(SchedulerOutput())
+    read.status = RequestStatus.FINISHED_LENGTH
+    sched.request_finished(read, [0, 1])
+    assert sched.build_connector_meta(SchedulerOutput()).recvs == {}
+
+
 def test_malformed_params_compute_locally_instead_of_crashing_the_step():
     sched = scheduler("kv_consumer")
     req = request(40, {**remote_params([1]), "remote_port": "nope"})
