@@ -73,5 +73,6 @@ def test_create_generate_shutdown_cycles_leave_no_threads_memory_or_registration
     assert last["num_os_threads"] == warm["num_os_threads"], (before, warm, last)
     growth = last["rss"] - warm["rss"]
     print(f"RSS: {before['rss'] >> 20} MiB before, {warm['rss'] >> 20} after 2 cycles, {last['rss'] >> 20} after "
-          f"{NUM_CYCLES}: +{growth / 2**20:.1f} MiB over {NUM_CYCLES - 2} cycles; OS threads {warm['num_os_threads']}")  # fmt: skip
+          f"{NUM_CYCLES}: +{growth / 2**20:.1f} MiB over {NUM_CYCLES - 2} cycles; "
+          f"OS threads {warm['num_os_threads']} after 2 cycles, {last['num_os_threads']} after {NUM_CYCLES}")  # fmt: skip
     assert growth < MAX_RSS_GROWTH

@@ -9,8 +9,11 @@ What each test attacks from outside:
 * kvbridge's proxy drives vLLM servers: greedy tokens equal colocated, the decode read the prompt's
   full blocks over NIXL (its /metrics count one transfer of exactly those bytes), and the prefill's
   lease ends (its lease gauge returns to 0 without another request to step it);
-* the proxy frees the prefill's blocks at once when the decode leg fails (a 400 from vLLM);
-* the two-leg protocol of vLLM's toy proxy gives the same tokens (decode leg streamed: TTFT);
+* the proxy frees the prefill's blocks at once when the decode node is down, and passes a streamed
+  request's stream_options to the decode leg only (vLLM refuses them with stream=false);
+* the two-leg protocol of vLLM's toy proxy gives the same tokens (decode leg streamed: TTFT), and a
+  decode request vLLM refuses before admission frees the prefill's blocks at once (vLLM reports
+  the refusal to the connector as a pre-aborted request), not when the lease expires;
 * forged kv_transfer_params on a decode (another prompt's, a made-up lease token or incarnation,
   absurd block ids): colocated tokens under "recompute", a clean error or colocated tokens under
   "fail", never other tokens; the server stays healthy and its next P/D read works;
@@ -110,13 +113,15 @@ def pd(vllm_servers, tiny_checkpoint, tmp_path_factory):
         "decode_fail", "kv_consumer", "fail"
     )
     vllm_servers.wait()
+    ready_s = time.monotonic() - start_s
     proxy = start_proxy([prefill.url], [decode.url], str(tmp_path_factory.mktemp("kvbridge-proxy")), timeout_s=120.0)
     try:
         wait_healthy([proxy], 60.0)
         _warm_up(prefill.url, decode.url, seed=1)
         _warm_up(prefill.url, decode_fail.url, seed=2)
-        print(f"\nservers ready in {time.monotonic() - start_s:.0f} s "
-              f"({', '.join(f'{s.name} {s.ready_after_s:.0f} s' for s in (prefill, decode, decode_fail))})")  # fmt: skip
+        print(f"\nservers healthy after {ready_s:.0f} s "
+              f"({', '.join(f'{s.name} {s.ready_after_s:.0f} s' for s in (prefill, decode, decode_fail))}), "
+              f"proxy up and both decodes warmed up after {time.monotonic() - start_s:.0f} s")  # fmt: skip
         yield PD(prefill, decode, decode_fail, proxy, CPU_BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint))
     finally:
         proxy.stop()
@@ -167,23 +172,28 @@ def test_kvbridge_proxy_frees_prefill_blocks_when_decode_node_is_unreachable(pd,
             complete(proxy.url, greedy(random_prompt(seed=20, num_tokens=PROMPT_LEN), MAX_TOKENS))
         # Freed at once by the proxy's release, well before the 30 s lease would expire.
         after = _wait_leases_ended(pd)
-        health = http_json(f"{proxy.url}/health")[1]
+        health = _wait_proxy_health(proxy.url, lambda h: h["num_kv_releases"] + h["num_kv_release_failures"] > 0)
     finally:
         proxy.stop()
     assert delta(after, prefill_before, EXPIRED_LEASES) == 0
     assert health["num_kv_releases"] == 1 and health["num_kv_release_failures"] == 0, health
 
 
-@pytest.mark.xfail(strict=True, raises=VLLMRequestError, reason=(
-    "kvbridge/serve/proxy.py prefill_body() keeps the client's stream_options on the prefill leg it sends "
-    "with stream=false; vLLM refuses that body with 400 'Stream options can only be defined when stream=True' "
-    "(vLLM's toy proxy and tests/integrations/vllm/vllm_client.pd_complete drop it). Fix: pop stream_options "
-    "in prefill_body"
-))
 def test_kvbridge_proxy_streams_with_stream_options(pd):
+    """OpenAI clients send stream_options with stream=true; the prefill leg (stream=false) must not carry them."""
     prompt = random_prompt(seed=25, num_tokens=PROMPT_LEN)
     out = complete(pd.proxy.url, greedy(prompt, MAX_TOKENS, stream=True, stream_options={"include_usage": True}))
     assert out.token_ids == pd.colocated(greedy(prompt, MAX_TOKENS))
+
+
+def _wait_proxy_health(url: str, is_done, timeout_s: float = 10.0) -> dict:
+    """The proxy's /health body once `is_done(body)` holds (its releases finish off the request's path)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = http_json(f"{url}/health")[1]
+        if is_done(health) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.1)
 
 
 def _wait_answers(url: str, timeout_s: float = 30.0) -> None:
@@ -213,6 +223,18 @@ def test_toy_proxy_protocol_gives_colocated_tokens(pd):
     _wait_leases_ended(pd)
     print(f"toy protocol: prefill leg {out.prefill.total_s * 1e3:.0f} ms, decode leg TTFT "
           f"{out.decode.ttft_s * 1e3:.0f} ms, user TTFT {out.ttft_s * 1e3:.0f} ms")  # fmt: skip
+
+
+def test_decode_refused_by_vllm_frees_prefill_blocks_promptly(pd):
+    """vLLM answers 404 for a model it does not serve, after telling the connector (a pre-aborted request)."""
+    prompt = random_prompt(seed=35, num_tokens=PROMPT_LEN)
+    prefill_before = _wait_leases_ended(pd)
+    params = pd.prefill_leg(greedy(prompt, 1))
+    with pytest.raises(VLLMRequestError, match="answered 404"):  # vLLM refuses a model it does not serve
+        complete(pd.decode.url, greedy(prompt, MAX_TOKENS, kv_transfer_params=params, model="no-such-model"))
+    after = wait_for_metrics(pd.prefill.url, lambda m: m.get(LEASES) == 0, timeout_s=5.0)
+    assert after.get(LEASES) == 0, f"the prefill holds the refused request's blocks until its lease expires: {after}"
+    assert delta(after, prefill_before, EXPIRED_LEASES) == 0
 
 
 # ---------------------------------------------------------------------- forged params
