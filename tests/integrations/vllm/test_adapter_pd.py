@@ -15,8 +15,9 @@ What each test attacks from outside:
   decode request vLLM refuses before admission frees the prefill's blocks at once (vLLM reports
   the refusal to the connector as a pre-aborted request), not when the lease expires;
 * forged kv_transfer_params on a decode (another prompt's, a made-up lease token or incarnation,
-  absurd block ids): colocated tokens under "recompute", a clean error or colocated tokens under
-  "fail", never other tokens; the server stays healthy and its next P/D read works;
+  absurd block ids, a prefill address nobody answers at): colocated tokens within the NIXL options'
+  deadlines under "recompute", a clean error or colocated tokens under "fail", never other tokens;
+  the server stays healthy and its next P/D read works;
 * an in-process prefill `LLM` resets its prefix cache while the decode server reads its blocks: the
   reset waits for the read (the adapter grants the lease itself: no step runs) and succeeds;
 * last, since it kills a server: the prefill's process group is killed after the prefill leg; the
@@ -92,10 +93,12 @@ def _warm_up(prefill_url: str, decode_url: str, seed: int, attempts: int = 3) ->
     body = greedy(random_prompt(seed, 200), 1)
     for attempt in range(1, attempts + 1):
         before = kvbridge_metrics(decode_url).get(TRANSFERS, 0)
+        start = time.monotonic()
         try:
-            pd_complete(prefill_url, decode_url, body)
-        except VLLMRequestError:
-            pass
+            out = pd_complete(prefill_url, decode_url, body)
+            print(f"warm-up P/D to {decode_url}: prefill leg {out.prefill.total_s:.2f} s, decode leg {out.decode.total_s:.2f} s")
+        except VLLMRequestError as exc:
+            print(f"warm-up P/D to {decode_url} failed after {time.monotonic() - start:.2f} s: {exc}")
         if wait_for_metrics(decode_url, lambda m: m.get(TRANSFERS, 0) > before, 5.0).get(TRANSFERS, 0) > before:
             return
         body = greedy(random_prompt(seed + 1000 * attempt, 200), 1)  # a prompt the decode has not cached
@@ -117,11 +120,12 @@ def pd(vllm_servers, tiny_checkpoint, tmp_path_factory):
     proxy = start_proxy([prefill.url], [decode.url], str(tmp_path_factory.mktemp("kvbridge-proxy")), timeout_s=120.0)
     try:
         wait_healthy([proxy], 60.0)
+        proxy_s = time.monotonic() - start_s
         _warm_up(prefill.url, decode.url, seed=1)
         _warm_up(prefill.url, decode_fail.url, seed=2)
         print(f"\nservers healthy after {ready_s:.0f} s "
               f"({', '.join(f'{s.name} {s.ready_after_s:.0f} s' for s in (prefill, decode, decode_fail))}), "
-              f"proxy up and both decodes warmed up after {time.monotonic() - start_s:.0f} s")  # fmt: skip
+              f"proxy up after {proxy_s:.0f} s, both decodes warmed up after {time.monotonic() - start_s:.0f} s")  # fmt: skip
         yield PD(prefill, decode, decode_fail, proxy, CPU_BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint))
     finally:
         proxy.stop()
@@ -245,6 +249,8 @@ FORGERIES = {
     "made_up_lease_token": lambda own, other: {**own, "remote_lease_token": "ab" * 32},
     "made_up_incarnation": lambda own, other: {**own, "remote_incarnation": "cd" * 16},
     "absurd_block_ids": lambda own, other: {**own, "remote_block_ids": [10**12, 10**12 + 1]},
+    # nothing listens there: the handshake's deadline (handshake_timeout_s x attempts) bounds the wait
+    "unreachable_prefill": lambda own, other: {**own, "remote_port": free_ports(1)[0]},
 }
 
 
@@ -262,6 +268,7 @@ def test_forged_params_on_recompute_decode_give_colocated_tokens(pd, forgery):
     after = wait_for_metrics(pd.decode.url, lambda m: delta(m, before, MISMATCHED) + delta(m, before, LOAD_ERRORS) > 0)
 
     assert out.token_ids == expected, "the decode used KV that was not its prompt's"
+    assert elapsed < DEAD_PREFILL_DEADLINE_S, f"the decode took {elapsed:.1f} s to give up on forged params"
     # ...because it refused the params, not by luck: a hash mismatch, or a load error vLLM recomputed
     if forgery == "another_prompts_params":
         assert delta(after, before, MISMATCHED) == 1 and delta(after, before, TRANSFERS) == 0, after
