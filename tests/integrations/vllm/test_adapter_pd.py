@@ -96,7 +96,8 @@ def _warm_up(prefill_url: str, decode_url: str, seed: int, attempts: int = 3) ->
         start = time.monotonic()
         try:
             out = pd_complete(prefill_url, decode_url, body)
-            print(f"warm-up P/D to {decode_url}: prefill leg {out.prefill.total_s:.2f} s, decode leg {out.decode.total_s:.2f} s")
+            print(f"warm-up P/D to {decode_url}: prefill leg {out.prefill.total_s:.2f} s, "
+                  f"decode leg {out.decode.total_s:.2f} s")  # fmt: skip
         except VLLMRequestError as exc:
             print(f"warm-up P/D to {decode_url} failed after {time.monotonic() - start:.2f} s: {exc}")
         if wait_for_metrics(decode_url, lambda m: m.get(TRANSFERS, 0) > before, 5.0).get(TRANSFERS, 0) > before:
@@ -112,9 +113,9 @@ def pd(vllm_servers, tiny_checkpoint, tmp_path_factory):
         return vllm_servers.start(name, tiny_checkpoint, max_model_len=MAX_MODEL_LEN, kv_transfer_config=config)
 
     start_s = time.monotonic()
-    prefill, decode, decode_fail = start("prefill", "kv_producer"), start("decode", "kv_consumer"), start(
-        "decode_fail", "kv_consumer", "fail"
-    )
+    prefill = start("prefill", "kv_producer")
+    decode = start("decode", "kv_consumer")
+    decode_fail = start("decode_fail", "kv_consumer", policy="fail")
     vllm_servers.wait()
     ready_s = time.monotonic() - start_s
     proxy = start_proxy([prefill.url], [decode.url], str(tmp_path_factory.mktemp("kvbridge-proxy")), timeout_s=120.0)
