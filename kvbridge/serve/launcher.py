@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.errors import NodeStartError
@@ -109,8 +109,11 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 1
         return status, raw.decode(errors="replace")
 
 
-def wait_healthy(procs: Sequence[ManagedProcess], timeout_s: float) -> None:
-    """Wait until every process answers 200 on /health. Raises NodeStartError with its log tail."""
+def wait_healthy(
+    procs: Sequence[ManagedProcess], timeout_s: float, on_ready: Callable[[ManagedProcess], None] | None = None
+) -> None:
+    """Wait until every process answers 200 on /health, calling `on_ready(proc)` as each does.
+    Raises NodeStartError with its log tail."""
     deadline = time.monotonic() + timeout_s
     pending = list(procs)
     while pending:
@@ -123,6 +126,8 @@ def wait_healthy(procs: Sequence[ManagedProcess], timeout_s: float) -> None:
             with contextlib.suppress(OSError):
                 if http_json(f"{proc.url}/health", timeout_s=2.0)[0] == 200:
                     pending.remove(proc)
+                    if on_ready is not None:
+                        on_ready(proc)
         if pending and time.monotonic() > deadline:
             names = ", ".join(p.name for p in pending)
             raise NodeStartError(

@@ -24,7 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.serve.launcher import HOST, ManagedProcess, free_ports, http_json
+from kvbridge.errors import NodeStartError
+from kvbridge.serve.launcher import HOST, ManagedProcess, free_ports, wait_healthy
 
 CPU_BLOCK_SIZE = 128  # vLLM's default KV block size on CPU, in tokens
 STARTUP_TIMEOUT_S = 300.0  # a cold start takes ~40 s alone on a 2-core machine; several at once share it
@@ -79,11 +80,6 @@ class VLLMServer(ManagedProcess):
         self.started_at = time.monotonic()
         self.ready_after_s: float | None = None  # start -> first healthy answer, set by wait_ready
         super().__init__(name, f"http://{HOST}:{port}", argv, log_dir, env)
-
-    def is_healthy(self) -> bool:
-        with contextlib.suppress(OSError):
-            return http_json(f"{self.url}/health", timeout_s=2.0)[0] == 200
-        return False
 
     def pin_to_cpus(self) -> None:
         """Pin every thread of every process of the server to `cpus` (threads started later inherit it)."""
@@ -155,27 +151,16 @@ def wait_ready(servers: Sequence[VLLMServer], timeout_s: float = STARTUP_TIMEOUT
     Sets each server's `ready_after_s` (its cold start, as long as it booted alone) and pins a server
     started with `cpus` to them.
     """
-    deadline = time.monotonic() + timeout_s
-    pending = list(servers)
-    while pending:
-        for server in list(pending):
-            if not server.is_running():
-                raise VLLMStartError(
-                    f"vLLM server {server.name} exited with code {server.popen.returncode} before it was healthy; "
-                    f"its log ({server.log_path}) ends with:\n{server.log_tail()}"
-                )
-            if server.is_healthy():
-                server.ready_after_s = time.monotonic() - server.started_at
-                if server.cpus is not None:
-                    server.pin_to_cpus()
-                pending.remove(server)
-        if pending and time.monotonic() > deadline:
-            raise VLLMStartError(
-                f"vLLM server {pending[0].name} not healthy after {timeout_s:.0f} s (raise the timeout on a slower "
-                f"machine); its log ({pending[0].log_path}) ends with:\n{pending[0].log_tail()}"
-            )
-        if pending:
-            time.sleep(0.25)
+
+    def ready(server: VLLMServer) -> None:
+        server.ready_after_s = time.monotonic() - server.started_at
+        if server.cpus is not None:
+            server.pin_to_cpus()
+
+    try:
+        wait_healthy(servers, timeout_s, on_ready=ready)
+    except NodeStartError as e:
+        raise VLLMStartError(f"vLLM {e}") from None
 
 
 def stop_all(servers: Sequence[VLLMServer]) -> None:
