@@ -25,7 +25,7 @@ from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.kv_layout import layout_of, page_format_of
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler_side import SchedulerSide
-from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats, StatsSnapshots
+from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm.worker_side import WorkerSide, local_worker
 
 if TYPE_CHECKING:
@@ -61,7 +61,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             layout = layout_of(kv_cache_config, page_format)[0] if kv_cache_config is not None else None
             self._scheduler = SchedulerSide(self.setup, layout)
-            self._snapshots = StatsSnapshots("scheduler")
         else:
             device = str(vllm_config.device_config.device)
             self._worker = WorkerSide(self.setup, kv_cache_config, page_format, device)
@@ -173,7 +172,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         if self._worker is not None:
             return self._worker.stats()
-        return self._snapshots.take(self.scheduler.get_stats, force=self.scheduler.pop_has_ended())
+        return self.scheduler.stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:

@@ -14,7 +14,6 @@ keeps the two promises vLLM makes its connectors keep and kvbridge's own engine 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
@@ -22,7 +21,7 @@ from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.outputs import KVConnectorOutput
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.requests import RequestViews, first_group, step_output
-from kvbridge.integrations.vllm.stats import StepTimer
+from kvbridge.integrations.vllm.stats import KVBridgeStats, StatsSnapshots, StepTimer
 from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -41,6 +40,7 @@ class SchedulerSide:
         self._redeliver: set[str] = set()  # early sends to report in the next step
         self._drained: set[str] = set()  # sends a drain applied already; vLLM hears of them in the next step
         self.timer = StepTimer()  # build_connector_meta + update_connector_output, per step
+        self._snapshots = StatsSnapshots("scheduler")
         self._has_ended = False  # a request or a transfer ended since the last stats snapshot
 
     # ------------------------------------------------------------------ building
@@ -88,17 +88,14 @@ class SchedulerSide:
             self._loading.add(request.request_id)  # vLLM parks it until finished_recving names it
 
     def build_connector_meta(self, vllm_output: Any):
-        start = time.perf_counter()
-        meta = self.inner.build_connector_meta(step_output(vllm_output, self.views))
-        self.timer.add(time.perf_counter() - start)
-        return meta
+        with self.timer.timing():
+            return self.inner.build_connector_meta(step_output(vllm_output, self.views))
 
     # ------------------------------------------------------------------ worker reports
 
     def update_connector_output(self, vllm_output: Any) -> None:
-        start = time.perf_counter()
-        self._update(vllm_output)
-        self.timer.add(time.perf_counter() - start)
+        with self.timer.timing():
+            self._update(vllm_output)
         self.timer.step()
 
     def _update(self, vllm_output: Any) -> None:
@@ -176,10 +173,10 @@ class SchedulerSide:
     def has_pending_transfers(self) -> bool:
         return bool(self._delayed or self._loading) or self.inner.has_pending_transfers()
 
-    def pop_has_ended(self) -> bool:
-        """Whether a request or a transfer ended since the last call: the stats must be snapshot now."""
-        has_ended, self._has_ended = self._has_ended, False
-        return has_ended
+    def stats(self) -> KVBridgeStats | None:
+        """This half's stats for vLLM: rate-limited, but taken in any step where something ended."""
+        force, self._has_ended = self._has_ended, False
+        return self._snapshots.take(self.get_stats, force=force)
 
     def get_stats(self) -> dict[str, Any]:
         stats = dict(self.inner.get_stats())

@@ -12,6 +12,7 @@ touching this file.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +57,14 @@ class StepTimer:
         self._steps = 0
         self.num_steps = 0
 
-    def add(self, seconds: float) -> None:
-        self._current += seconds
+    @contextlib.contextmanager
+    def timing(self):
+        """Count the time spent inside the block toward this step."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._current += time.perf_counter() - start
 
     def step(self) -> None:
         self._total += self._current

@@ -12,7 +12,6 @@ vLLM's scheduler and its only worker share a process and a thread.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import Any
 
@@ -79,9 +78,8 @@ class WorkerSide:
 
     @run_unpinned
     def start_load_kv(self) -> None:
-        start = time.perf_counter()
-        self.inner.start_load_kv()
-        self.timer.add(time.perf_counter() - start)
+        with self.timer.timing():
+            self.inner.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -95,15 +93,13 @@ class WorkerSide:
 
     @run_unpinned
     def wait_for_save(self) -> None:
-        start = time.perf_counter()
-        self.inner.wait_for_save()
-        self.timer.add(time.perf_counter() - start)
+        with self.timer.timing():
+            self.inner.wait_for_save()
 
     @run_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        start = time.perf_counter()
-        done = self.inner.get_finished(set(finished_req_ids))
-        self.timer.add(time.perf_counter() - start)
+        with self.timer.timing():
+            done = self.inner.get_finished(set(finished_req_ids))
         sending = done.finished_sending | self._carry.finished_sending
         recving = done.finished_recving | self._carry.finished_recving
         self._carry = FinishedTransfers(set(), set())
@@ -111,9 +107,8 @@ class WorkerSide:
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        start = time.perf_counter()
-        errors = set(self.inner.get_block_ids_with_load_errors())
-        self.timer.add(time.perf_counter() - start)
+        with self.timer.timing():
+            errors = set(self.inner.get_block_ids_with_load_errors())
         self.timer.step()  # vLLM's last per-step call into the worker half
         self._has_ended |= bool(errors)
         return errors
@@ -140,17 +135,20 @@ class WorkerSide:
             self.inner.wait_for_save()
         finally:
             self.clear()
+        self._flush(timeout_s)
+        done = self.inner.get_finished(set(finished_req_ids))
+        self._carry = FinishedTransfers(
+            self._carry.finished_sending | done.finished_sending, self._carry.finished_recving | done.finished_recving
+        )
+        return set(self._carry.finished_sending)
+
+    def _flush(self, timeout_s: float) -> None:
         result = self.inner.flush(timeout_s)
         if not result.is_complete:
             logger.warning(
                 "KVBridgeConnector: %d transfer(s) still in flight after %.1f s: %s",
                 len(result.pending_req_ids), timeout_s, sorted(result.pending_req_ids)[:8],
             )  # fmt: skip
-        done = self.inner.get_finished(set(finished_req_ids))
-        self._carry = FinishedTransfers(
-            self._carry.finished_sending | done.finished_sending, self._carry.finished_recving | done.finished_recving
-        )
-        return set(self._carry.finished_sending)
 
     @run_unpinned
     def shutdown(self) -> None:
@@ -158,9 +156,7 @@ class WorkerSide:
             return
         self._is_shut_down = True
         try:
-            result = self.inner.flush(self.setup.transfer.flush_timeout_s)
-            if not result.is_complete:
-                logger.warning("KVBridgeConnector: shutting down with transfers in flight: %s", sorted(result.pending_req_ids)[:8])
+            self._flush(self.setup.transfer.flush_timeout_s)
         finally:
             self.inner.shutdown()
             _LOCAL_WORKERS.pop(self.setup.transfer.engine_id, None)
