@@ -105,6 +105,21 @@ PRESETS: dict[str, ModelArgs] = {
         bos_token_id=BYTE_VOCAB_BOS,
         eos_token_id=BYTE_VOCAB_EOS,
     ),
+    # Llama-3-8B's full geometry (~8.0B parameters, ~16 GB in bf16; its 128,256-token vocabulary
+    # under the byte tokenizer): TTFT figures where recompute costs what it costs users.
+    "llama3-8b": ModelArgs(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        max_position=8192,
+        rope_theta=500000.0,
+        bos_token_id=BYTE_VOCAB_BOS,
+        eos_token_id=BYTE_VOCAB_EOS,
+    ),
 }
 
 

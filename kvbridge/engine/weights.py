@@ -38,7 +38,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     device, dtype = torch.device(model_config.device), getattr(torch, model_config.dtype)
     if is_preset(model_config.model):
         args = get_preset(model_config.model)
-        model = byte_level_head(random_model(args, model_config.seed)).to(device=device, dtype=dtype)
+        model = random_model(args, model_config.seed, device, dtype)
         tokenizer = ByteTokenizer(args.vocab_size, args.bos_token_id, (args.eos_token_id,))
         return LoadedModel(model.eval(), tokenizer, f"{model_config.model}:seed={model_config.seed}", args.max_position)
     path = model_config.model
@@ -54,44 +54,52 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     return LoadedModel(model.eval(), load_tokenizer(path, args.vocab_size), model_id, max_position)
 
 
-def random_model(args: ModelArgs, seed: int) -> LlamaForCausalLM:
-    """A float32 CPU model with weights drawn from a CPU generator seeded with `seed`.
+def random_model(
+    args: ModelArgs, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """A model with weights drawn from a CPU generator seeded with `seed`, on `device` in `dtype`.
 
     Linear weights ~ N(0, 1/fan_in) keep activations at unit scale through the residual stream,
     so logits differ from token to token and greedy decoding does not collapse to one token.
-    The same seed gives the same weights on every device and dtype (cast after drawing).
+    Every tensor is drawn in float32 on the CPU, shaped (`shape_byte_level_head`), then cast into
+    its place on `device`: the same seed gives the same weights on every device and dtype, and
+    the host never holds more than one float32 tensor (an 8B preset never needs 32 GB of RAM).
     """
     gen = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(args)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty gives tied parameters separate storage
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif param.dim() == 1:  # biases
-                param.normal_(0.0, 0.02, generator=gen)
+                continue
+            drawn = torch.empty(param.shape, dtype=torch.float32)
+            if param.dim() == 1:  # biases
+                drawn.normal_(0.0, 0.02, generator=gen)
             elif "embed_tokens" in name:
-                param.normal_(0.0, 1.0, generator=gen)
+                drawn.normal_(0.0, 1.0, generator=gen)
             else:
-                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+                drawn.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+            if name == "lm_head.weight":
+                shape_byte_level_head(drawn)
+            param.copy_(drawn)
     return model
 
 
-def byte_level_head(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Shape a random preset's LM head for its byte-level tokenizer (cosmetic, for demos).
+def shape_byte_level_head(head: torch.Tensor) -> None:
+    """Shape a random preset's untied LM head [vocab, hidden] for its byte-level tokenizer (cosmetic).
 
     Rows of ids >= 256 (BOS/EOS/PAD and reserved ids) are zeroed: their logit is 0 while the
     best byte's is well above, so greedy decoding never stops or emits undecodable ids at once
     (EOS can still be sampled at temperature > 0). Rows of printable ASCII are scaled by 1.5,
     so greedy output mostly prints.
     """
-    if model.args.tie_word_embeddings or model.args.vocab_size <= 256:
-        return model  # the head is the embedding table, or there is nothing to shape
-    printable = [*range(32, 127), 10]
-    with torch.no_grad():
-        head = model.lm_head.weight  # [vocab, hidden]
-        head[256:] = 0.0
-        head[printable] *= 1.5
-    return model
+    if head.shape[0] <= 256:
+        return  # nothing to shape
+    head[256:] = 0.0
+    head[[*range(32, 127), 10]] *= 1.5
 
 
 def _read_config(path: str) -> dict:

@@ -18,7 +18,7 @@ from kvbridge.engine import checkpoint_id as checkpoint_id_module
 from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
-from kvbridge.engine.presets import ModelArgs
+from kvbridge.engine.presets import ModelArgs, get_preset, with_overrides
 from kvbridge.engine.reference import dense_greedy, dense_logits
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
@@ -258,3 +258,20 @@ def test_new_weights_at_the_same_path_do_not_hit_the_old_disk_tier(tmp_path):
     second, stats = run(kv_transfer_config=offload)
     assert second.outputs[0].token_ids == expected.outputs[0].token_ids
     assert second.num_external_tokens == 0 and stats["connector"]["scheduler"]["disk_hit_blocks"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_model_is_drawn_once_whatever_the_dtype(dtype):
+    """Drawing straight into `dtype` gives the float32 weights cast, the byte-level head shaped."""
+    args = get_preset("tiny")
+    direct, reference = random_model(args, 3, dtype=dtype), random_model(args, 3).to(dtype=dtype)
+    for (name, a), (_, b) in zip(direct.named_parameters(), reference.named_parameters(), strict=True):
+        assert a.dtype == dtype and torch.equal(a, b), name
+    head = direct.lm_head.weight
+    assert not head[256:].any() and head[:256].abs().sum() > 0
+
+
+def test_tied_random_model_keeps_one_table():
+    args = with_overrides(get_preset("tiny"), tie_word_embeddings=True)
+    model = random_model(args, 0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
