@@ -57,14 +57,18 @@ class ManagedProcess:
         self.name, self.url, self.argv = name, url, argv
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            argv,
+        self._env = {**os.environ, **(env or {})}
+        self.popen = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.argv,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the children in order
             preexec_fn=_die_with_parent,
-            env={**os.environ, **(env or {})},
+            env=self._env,
         )
 
     def is_running(self) -> bool:
@@ -77,6 +81,22 @@ class ManagedProcess:
                 return f.read().decode(errors="replace")
         except OSError:
             return "(no log)"
+
+    def kill(self) -> int:
+        """SIGKILL at once, as a crash would (fault injection); returns the exit code."""
+        if self.is_running():
+            self.popen.kill()
+        return self.popen.wait(10)
+
+    def restart(self) -> None:
+        """Run the same command again, at the same address, once the process has ended (`kill()`,
+        `stop()`); the new process appends to the same log. Call it from the thread that started
+        the process (see the module docstring)."""
+        if self.is_running():
+            raise RuntimeError(f"{self.name} is still running; kill() or stop() it before restart()")
+        if self._log.closed:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = self._spawn()
 
     def signal_stop(self) -> None:
         if self.is_running():
@@ -158,13 +178,17 @@ def start_node(
     return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir, env)
 
 
-def start_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], log_dir: str, timeout_s: float = 120.0):
+def start_proxy(
+    prefill_urls: Sequence[str], decode_urls: Sequence[str], log_dir: str, timeout_s: float = 120.0,
+    extra_args: Sequence[str] = (), name: str = "proxy",
+) -> ManagedProcess:
+    """`kvbridge proxy` on a free loopback port; `extra_args` go to it as they are (e.g. `--routing`)."""
     (port,) = free_ports(1)
     argv = cli_argv(
         "proxy", "--host", HOST, "--port", str(port), "--timeout", str(timeout_s),
-        "--prefill", *prefill_urls, "--decode", *decode_urls,
+        "--prefill", *prefill_urls, "--decode", *decode_urls, *extra_args,
     )  # fmt: skip
-    return ManagedProcess("proxy", f"http://{HOST}:{port}", argv, log_dir)
+    return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir)
 
 
 class PDCluster:
