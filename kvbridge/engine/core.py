@@ -4,9 +4,13 @@ Not thread-safe: one thread calls every method (the `LLM` loop, or the server's 
 
     core = EngineCore(EngineConfig(...))
     core.add_request("r1", token_ids, SamplingParams(max_tokens=8))
+    backoff = Backoff()                        # kvbridge.transfer.progress
     while core.has_unfinished_requests():
         for out in core.step(): ...            # cumulative RequestOutput per progressed request
-        if core.is_idle: time.sleep(0.001)     # nothing computed: waiting on transfers
+        if core.is_idle:                       # nothing computed: waiting on transfers
+            time.sleep(backoff.next_s())
+        else:
+            backoff.reset()
     core.shutdown()
 """
 
@@ -30,10 +34,9 @@ from kvbridge.engine.request_limits import RequestLimits
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 from kvbridge.errors import EngineShutdownError, FlushTimeoutError, InvalidRequestError
+from kvbridge.transfer.progress import drive_until
 
 logger = logging.getLogger(__name__)
-
-IDLE_SLEEP_S = 0.001  # poll interval while waiting on transfers
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -212,18 +215,18 @@ class EngineCore:
         if self.worker_connector is None:
             return frozenset()
         deadline = time.monotonic() + timeout_s
-        while True:
-            self._empty_step()
-            if not self.scheduler.has_pending_transfers():
-                return frozenset()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return self.scheduler.conn.pending_req_ids()
-            result = self.worker_connector.flush(remaining)
-            if not result.is_complete:
-                self._empty_step()
-                return result.pending_req_ids | self.scheduler.conn.pending_req_ids()
-            time.sleep(IDLE_SLEEP_S)  # complete, but not yet reported: poll again
+        worker_pending: frozenset[str] = frozenset()
+        self._empty_step()
+
+        def advance() -> None:
+            nonlocal worker_pending
+            worker_pending = self.worker_connector.flush(max(0.0, deadline - time.monotonic())).pending_req_ids
+            self._empty_step()  # reports what the worker's flush finished, hands down what comes next
+
+        has_ended = lambda: not self.scheduler.has_pending_transfers()  # noqa: E731
+        if has_ended() or drive_until(has_ended, deadline, progress=advance):
+            return frozenset()
+        return worker_pending | self.scheduler.conn.pending_req_ids()
 
     def _empty_step(self) -> None:
         empty = self.scheduler.empty_output()

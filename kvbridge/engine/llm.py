@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from kvbridge.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from kvbridge.engine.core import IDLE_SLEEP_S, EngineCore
+from kvbridge.engine.core import EngineCore
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, EngineStalledError, InvalidRequestError
+from kvbridge.transfer.progress import Backoff
 
 Prompt = Union[str, dict[str, Any]]  # text, or {"prompt_token_ids": [...]}
 
@@ -105,6 +106,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         stall_limit_s = self.stall_timeout_s
         last_progress = time.monotonic()
+        backoff = Backoff()  # steps that compute nothing wait on transfers: ever longer, up to a cap
         while len(finished) < len(request_ids):
             outputs = self.engine.step()
             for output in outputs:
@@ -112,6 +114,7 @@ class LLM:
                     finished[output.request_id] = output
             if not self.engine.is_idle or outputs:
                 last_progress = time.monotonic()
+                backoff.reset()
                 continue
             if time.monotonic() - last_progress > stall_limit_s:
                 pending = sorted(request_ids - set(finished))
@@ -119,7 +122,7 @@ class LLM:
                     f"requests {pending} made no progress for {stall_limit_s:g} s (waiting on KV transfers "
                     f"or blocks); check the connector's peer, or raise KVTransferConfig.flush_timeout_s"
                 )
-            time.sleep(IDLE_SLEEP_S)
+            time.sleep(backoff.next_s())
         return finished
 
     def reset_prefix_cache(self) -> bool:

@@ -7,7 +7,8 @@ per-request `asyncio.Queue`s through `loop.call_soon_threadsafe`.
 
 The engine thread never busy-spins: with nothing to do it waits on a condition variable that
 `generate`/`abort`/`call` notify; with requests parked (waiting for remote KV, blocks held for a
-peer) it polls at `poll_interval_s` so the connector's timers and notifications keep running.
+peer) it polls so the connector's timers and notifications keep running, waiting between two
+steps that computed nothing for a backoff that doubles from 50 us up to `poll_interval_s`.
 
 Callers (serve/api.py) use, from the event loop thread:
     engine = AsyncEngine(lambda: EngineCore(config)); engine.start()
@@ -31,6 +32,7 @@ from typing import Any
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import KVBridgeError
+from kvbridge.transfer.progress import FIRST_WAIT_S, Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class AsyncEngine:
 
     def __init__(self, engine_factory: Callable[[], Any], poll_interval_s: float = 0.002) -> None:
         self._factory = engine_factory
-        self._poll_interval_s = poll_interval_s
+        self._backoff = Backoff(min(FIRST_WAIT_S, poll_interval_s), poll_interval_s)  # while requests are parked
         self._cond = threading.Condition()
         # (command to run on the engine thread, the future it resolves or None)
         self._commands: collections.deque[tuple[Callable[[], None], concurrent.futures.Future | None]] = (
@@ -270,9 +272,13 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self._dispatch(outputs)
-                # No output: requests are parked (remote KV, held blocks); poll instead of spinning.
-                computed = outputs or not getattr(self.engine, "is_idle", False)
-                idle_wait = None if not self._has_work() else (0.0 if computed else self._poll_interval_s)
+                if not self._has_work():
+                    idle_wait = None
+                elif outputs or not getattr(self.engine, "is_idle", False):
+                    self._backoff.reset()
+                    idle_wait = 0.0
+                else:  # no output: requests are parked (remote KV, held blocks); poll, backing off
+                    idle_wait = self._backoff.next_s()
         except BaseException as exc:  # noqa: BLE001 - step() raises only engine faults: they end it, loudly
             logger.exception("engine step failed; the engine is stopped")
             self._error = exc

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.transfer.progress import FIRST_WAIT_S, MAX_WAIT_S, drive_until
 
 
 class TransferState(enum.Enum):
@@ -159,22 +160,27 @@ class TransferTracker:
         poll: Callable[[], object],
         *,
         sleep: Callable[[float], object] = time.sleep,
-        interval_s: float = 0.001,
+        first_wait_s: float = FIRST_WAIT_S,
+        max_wait_s: float = MAX_WAIT_S,
     ) -> FlushOutcome:
-        """Call `poll()` (which advances records) until no record is live or `timeout_s` passed.
+        """Call `poll()` (which advances records) until no record is live or `timeout_s` passed,
+        waiting with backoff in between (`progress.drive_until`).
 
         Overdue records expire on the way, so a flush longer than every record's deadline always
         completes. Final records stay in the tracker for `pop_final`.
         """
-        deadline = self.clock() + timeout_s
         failed_before = self.num_failed
-        while True:
+
+        def advance() -> None:
             poll()
             self.expire_overdue()
-            live = self.live()
-            if not live or self.clock() >= deadline:
-                return FlushOutcome(not live, frozenset(r.req_id for r in live), self.num_failed - failed_before)
-            sleep(interval_s)
+
+        drive_until(
+            lambda: self.num_live == 0, self.clock() + timeout_s, progress=advance,
+            first_wait_s=first_wait_s, max_wait_s=max_wait_s, clock=self.clock, sleep=sleep,
+        )  # fmt: skip
+        pending = frozenset(r.req_id for r in self.live())
+        return FlushOutcome(not pending, pending, self.num_failed - failed_before)
 
     def _transition(self, req_id: str, new: TransferState, now: float | None = None) -> TransferRecord:
         rec = self._records.get(req_id)

@@ -97,7 +97,7 @@ def test_flush_completes_when_poll_finishes_everything(tracker, clock):
         if len(calls) == 5:
             tracker.mark_failed("b", "peer died")
 
-    out = tracker.flush(10.0, poll, sleep=clock.sleep, interval_s=0.5)
+    out = tracker.flush(10.0, poll, sleep=clock.sleep, first_wait_s=0.5, max_wait_s=0.5)
     assert out.is_complete and out.pending_req_ids == frozenset() and out.num_failed == 1
     assert len(calls) == 5 and clock.now == 102.0
     assert {r.req_id for r in tracker.pop_final()} == {"a", "b"}
@@ -107,7 +107,7 @@ def test_flush_returns_pending_at_its_deadline(tracker, clock):
     tracker.start("stuck", "p", 60.0, state=S.POSTED)
     tracker.start("quick", "p", 60.0, state=S.POSTED)
     tracker.mark_done("quick")
-    out = tracker.flush(2.0, lambda: None, sleep=clock.sleep, interval_s=0.25)
+    out = tracker.flush(2.0, lambda: None, sleep=clock.sleep, first_wait_s=0.25, max_wait_s=0.25)
     assert not out.is_complete and out.pending_req_ids == frozenset({"stuck"})
     assert 102.0 <= clock.now <= 102.25
     assert tracker.get("stuck").state is S.POSTED  # still live: the flush deadline is not the record's
@@ -115,7 +115,7 @@ def test_flush_returns_pending_at_its_deadline(tracker, clock):
 
 def test_flush_longer_than_record_deadlines_always_completes(tracker, clock):
     tracker.start("stuck", "p", 1.0, state=S.POSTED)
-    out = tracker.flush(5.0, lambda: None, sleep=clock.sleep, interval_s=0.1)
+    out = tracker.flush(5.0, lambda: None, sleep=clock.sleep, first_wait_s=0.1, max_wait_s=0.1)
     assert out.is_complete and out.num_failed == 1
     assert tracker.get("stuck").state is S.EXPIRED
 

@@ -38,6 +38,7 @@ from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT
 from kvbridge.connectors.nixl.stats import TransferStats
 from kvbridge.errors import KVBridgeError
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.progress import drive_until
 
 if TYPE_CHECKING:
     import torch
@@ -226,11 +227,9 @@ class NixlWorker:
         return set(self._recvs) | self._leases.pending(self._clock())
 
     def flush(self, timeout_s: float) -> FlushResult:
-        deadline = self._clock() + timeout_s
         failures_before = self.stats.num_failures
-        while self._pending_req_ids() and self._clock() < deadline:
-            self._progress()
-            time.sleep(0.001)
+        drive_until(lambda: not self._pending_req_ids(), self._clock() + timeout_s, progress=self._progress,
+                    clock=self._clock)  # fmt: skip
         pending = frozenset(self._pending_req_ids())
         return FlushResult(not pending, pending, self.stats.num_failures - failures_before)
 

@@ -21,11 +21,14 @@ tensors, which follows each tensor's strides: nothing here assumes the KV cache 
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from kvbridge.transfer.progress import drive_until
 
 Run = tuple[int, int, int]  # (src_start, dst_start, num_blocks)
 
@@ -158,14 +161,8 @@ class _CudaHandle(CopyHandle):
         return self._ready.is_set() and self.event.query()
 
     def wait(self, timeout_s: float) -> bool:
-        import time
-
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        while not self.is_done():  # events have no timed wait: poll
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0002)
-        return True
+        # Events have no timed wait: poll, backing off to at most 0.2 ms (how late a copy's end is seen).
+        return drive_until(self.is_done, time.monotonic() + timeout_s, first_wait_s=20e-6, max_wait_s=200e-6)
 
 
 class CudaCopier(BlockCopier):

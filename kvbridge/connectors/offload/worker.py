@@ -219,10 +219,9 @@ class OffloadWorker:
 
     def flush(self, timeout_s: float) -> FlushResult:
         deadline = time.monotonic() + timeout_s
+        for op in list(self._in_flight):  # blocks on each copy in turn, no polling
+            op.handle.wait(deadline - time.monotonic())
         num_failed = self._poll()
-        while self._in_flight and time.monotonic() < deadline:
-            self._in_flight[0].handle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-            num_failed += self._poll()
         if not self._in_flight and self.disk is not None:  # write-through done too: a restart finds it
             if not self.disk.drain(max(0.0, deadline - time.monotonic())):
                 return FlushResult(False, frozenset(), num_failed)

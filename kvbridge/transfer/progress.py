@@ -1,0 +1,66 @@
+"""Waiting without spinning: drive progress until a condition holds or a deadline passes.
+
+Every loop in kvbridge that waits for something it cannot block on (NIXL transfer states, CUDA
+events, a peer's notification, the engine's own bookkeeping) waits here, between two rounds, for
+a bounded exponential backoff: the first wait is short (a transfer that is nearly done is seen
+at once), later waits double up to a cap (a long wait costs a few wake-ups per millisecond at
+most, not a core).
+
+    done = drive_until(lambda: not pending(), deadline, progress=advance)   # True: condition holds
+
+Pure Python; the clock and the sleep are injectable (tests use a fake clock).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+FIRST_WAIT_S = 50e-6  # the first wait after a round that found nothing to do
+MAX_WAIT_S = 2e-3  # the longest wait between two rounds: bounds how late a completion is seen
+
+
+class Backoff:
+    """Waits that double from `first_s` up to `max_s`; `reset()` (after progress) starts over."""
+
+    def __init__(self, first_s: float = FIRST_WAIT_S, max_s: float = MAX_WAIT_S) -> None:
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"Backoff needs 0 < first_s <= max_s, got first_s={first_s}, max_s={max_s}")
+        self.first_s, self.max_s = first_s, max_s
+        self._next_s = first_s
+
+    def next_s(self) -> float:
+        """The next wait; the one after it is twice as long (at most `max_s`)."""
+        wait, self._next_s = self._next_s, min(2 * self._next_s, self.max_s)
+        return wait
+
+    def reset(self) -> None:
+        self._next_s = self.first_s
+
+
+def drive_until(
+    condition: Callable[[], bool],
+    deadline: float,
+    *,
+    progress: Callable[[], object] | None = None,
+    first_wait_s: float = FIRST_WAIT_S,
+    max_wait_s: float = MAX_WAIT_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], object] = time.sleep,
+) -> bool:
+    """Round after round: `progress()` (if given), then `condition()`; True as soon as it holds.
+
+    False once `deadline` (a `clock()` time) passed without it holding. Between two rounds it
+    sleeps for the next wait of a `Backoff(first_wait_s, max_wait_s)`, never past the deadline.
+    The first round runs at once, even with the deadline already past.
+    """
+    backoff = Backoff(first_wait_s, max_wait_s)
+    while True:
+        if progress is not None:
+            progress()
+        if condition():
+            return True
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        sleep(min(backoff.next_s(), left))
