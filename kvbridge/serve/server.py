@@ -24,6 +24,7 @@ import sys
 from kvbridge import env
 from kvbridge.config import DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.interfaces import advertised_host
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     net.add_argument("--port", type=int, default=8000, help="HTTP port")
     net.add_argument("--side-channel-port", type=int, default=0, help="connector side-channel port (0: pick one)")
-    net.add_argument("--side-channel-host", default=None, help="side-channel address peers reach (default --host)")
+    net.add_argument(
+        "--side-channel-host", default=None,
+        help="address peers reach this node's side channel and KV at (default --host; for a wildcard --host, "
+        "the default route's address)",
+    )  # fmt: skip
     net.add_argument(
         "--admin-token-file", default=None, metavar="PATH",
         help="file holding the bearer token the admin endpoints require (default: $KVBRIDGE_ADMIN_TOKEN, else open)",
@@ -66,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Pure: the EngineConfig the flags describe. Raises ConfigError naming the bad flag."""
+    """The EngineConfig the flags describe (pure, but for `--host 0.0.0.0` without
+    `--side-channel-host`, which looks up the default route's address). Raises ConfigError naming
+    the bad flag."""
     kv_transfer = None
     if not args.no_connector:
         try:
@@ -79,7 +86,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_transfer = KVTransferConfig(
             connector=args.kv_connector,
             role=ROLE_TO_KV_ROLE[args.role],
-            side_channel_host=args.side_channel_host or args.host,
+            side_channel_host=advertised_host(args.host, args.side_channel_host),
             side_channel_port=args.side_channel_port,
             load_failure_policy=args.load_failure_policy,
             extra=extra,
