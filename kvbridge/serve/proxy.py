@@ -2,56 +2,55 @@
 
     kvbridge proxy --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 http://10.0.0.3:8200
 
-Per request (docs/pd-disaggregation.md):
+Per request (docs/pd-disaggregation.md, "Failure model of the proxy"):
 0. Validate the body as a node would (`parse_completion_request`): a request the decode node would
-   refuse gets its 400 here, before a prefill node computes and holds anything for it.
-1. POST the body to the next prefill node (round-robin) with `max_tokens=1`, `stream=false` and
-   `kv_transfer_params={"do_remote_decode": true}`; its response carries `kv_transfer_params`
-   naming the blocks it holds for us.
-2. POST the original body to the next decode node with those params plus `do_remote_prefill:
-   true`, and return its response (streamed through byte for byte when `stream` is set).
-A node that is unreachable or answers 5xx gives a 502 that names it and its reason, a node that
-does not answer within `--timeout` a 504; a 4xx from a node (the client's mistake) is passed
-through unchanged. A client that hangs up closes the upstream connection, which aborts the
-request on that node. When the decode leg fails for any of these reasons after the prefill leg
-succeeded, the prefill node is told to free the blocks it holds for it (proxy_release.py).
+   refuse gets its 400 here, before a prefill node computes and holds anything for it. With no
+   healthy decode node, answer 503 at once.
+1. Prefill leg: POST the body to a healthy prefill node (serve/routing.py picks it) with
+   `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; its answer
+   carries `kv_transfer_params` naming the blocks it holds for us. A node that fails before it
+   answers (unreachable, reset, 5xx, silent for `--timeout`, malformed answer) is ejected
+   (serve/node_pool.py) and the next healthy one is tried, up to `--max-retries` more; when none
+   answers, the decode node gets the request without KV params and computes the prompt itself.
+2. Decode leg: POST the original body to a healthy decode node with those params plus
+   `do_remote_prefill: true`, and return its answer (a stream is copied through as it arrives).
+   A decode node that fails before the proxy has sent the client a byte is ejected and the next
+   one gets the same params (a lease is not bound to its reader: see the docs), up to
+   `--max-retries` more. Once a stream has started, a failure ends it with an error event.
+A node's 4xx (the client's mistake) is passed through unchanged and never retried. No attempt starts
+after the request's `--deadline`. When the decode leg ends without a whole answer, the prefill node
+is told to free the blocks it holds for the request (proxy_release.py). A client that hangs up
+closes the upstream connection, which aborts the request on that node.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
+import logging
 import sys
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
 
 from kvbridge import env
-from kvbridge.errors import InvalidRequestError
+from kvbridge.errors import ConfigError, InvalidRequestError
+from kvbridge.serve.node_pool import CHECK_INTERVAL_S, MAX_BACKOFF_S, MIN_BACKOFF_S, NodePool, NodeState, NodeStats
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.protocol import error_body, parse_completion_request
+from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
+from kvbridge.serve.routing import ROUTINGS, PromptKey, RoutingPolicy, make_policies, prompt_key
+
+logger = logging.getLogger(__name__)
 
 PREFILL_PARAMS = {"do_remote_decode": True}
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
-
-
-class RoundRobin:
-    """Cycles over node base URLs; `next()` is called on the event loop thread only."""
-
-    def __init__(self, urls: list[str]) -> None:
-        if not urls:
-            raise ValueError("give at least one node URL")
-        self.urls = [u.rstrip("/") for u in urls]
-        self._cycle = itertools.cycle(self.urls)
-
-    def next(self) -> str:
-        return next(self._cycle)
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+MAX_RETRIES = 2
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +62,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) -> dict[str, Any]:
     """The request a decode node gets: the client's body plus where to pull the prompt's KV from.
-    Without params (a prefill node that runs no connector) the decode node computes the prompt."""
+    Without params (no prefill node answered, or it runs no connector) the decode node computes the prompt."""
     kv = {**prefill_kv_params, "do_remote_prefill": True} if prefill_kv_params else None
     return {**body, "kv_transfer_params": kv}
 
@@ -72,128 +71,327 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
     return web.json_response(error_body(message, err_type, status, param), status=status)
 
 
-class NodeFailure(Exception):
-    """An upstream node failed; `response` is what the client gets."""
+class Reply(Exception):
+    """The client's answer, now: a node's 4xx, passed through and never retried."""
 
-    def __init__(self, response) -> None:
+    def __init__(self, response: web.Response) -> None:
         super().__init__(response.text)
         self.response = response
 
 
-class PDProxy:
-    """The proxy's handlers and its one client session (created in `on_startup`)."""
+class NodeFailed(Exception):
+    """A node failed before it answered; the node is ejected and another may be tried.
+    `status` is what the client gets if no other node answers: 502, or 504 for a silent node."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0) -> None:
-        self.prefill = RoundRobin(prefill_urls)
-        self.decode = RoundRobin(decode_urls)
-        self.timeout_s = timeout_s
-        self.session = None
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LegFailed(Exception):
+    """No node of a leg answered: `failure` is the last attempt's, None when no node could be tried."""
+
+    def __init__(self, role: str, failure: NodeFailed | None, num_attempts: int) -> None:
+        super().__init__(f"{role}: {failure or 'no healthy node'} ({num_attempts} attempt(s))")
+        self.role, self.failure, self.num_attempts = role, failure, num_attempts
+
+
+class Leg(NamedTuple):
+    role: str  # "prefill" | "decode"
+    pool: NodePool
+    policy: RoutingPolicy
+
+
+class Answer(NamedTuple):
+    url: str  # the node that answered
+    value: Any
+    num_attempts: int
+
+
+class Deadline:
+    """A request's deadline on the event loop's clock; `None` seconds: none."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.when = None if seconds is None else asyncio.get_running_loop().time() + seconds
+
+    def timeout(self) -> asyncio.Timeout:
+        """Raises TimeoutError out of the block once the deadline passes (at once when it has)."""
+        return asyncio.timeout_at(self.when)
+
+
+class PDProxy:
+    """The proxy's handlers, node pools and its one client session (created in `on_startup`)."""
+
+    def __init__(
+        self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, *,
+        routing: str = "load-prefix", max_retries: int = MAX_RETRIES, deadline_s: float | None = None,
+        check_interval_s: float = CHECK_INTERVAL_S, max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:  # fmt: skip
+        if max_retries < 0 or timeout_s <= 0 or check_interval_s <= 0 or (deadline_s is not None and deadline_s <= 0):
+            raise ConfigError("--timeout, --deadline and --health-interval must be positive, --max-retries at least 0")
+        if max_backoff_s < MIN_BACKOFF_S:
+            raise ConfigError(f"--max-probe-backoff must be at least {MIN_BACKOFF_S:g} s, the first wait of an ejected node")
+        checks = {"check_interval_s": check_interval_s, "max_backoff_s": max_backoff_s}
+        prefill_pool, decode_pool = NodePool("prefill", prefill_urls, **checks), NodePool("decode", decode_urls, **checks)
+        prefill_policy, decode_policy = make_policies(routing, prefill_pool.urls, decode_pool.urls)
+        self.prefill = Leg("prefill", prefill_pool, prefill_policy)
+        self.decode = Leg("decode", decode_pool, decode_policy)
+        self.routing, self.timeout_s, self.max_retries, self.deadline_s = routing, timeout_s, max_retries, deadline_s
+        self.session: aiohttp.ClientSession | None = None
         self.num_requests = 0
-        self.num_node_failures = 0
         self.releaser = LeaseReleaser(env.side_channel_secret())
+        self.metrics = ProxyMetrics(self._node_stats, lambda: (self.releaser.num_released, self.releaser.num_failed))
+
+    def _node_stats(self) -> list[NodeStats]:
+        return self.prefill.pool.snapshot() + self.decode.pool.snapshot()
+
+    @property
+    def num_node_failures(self) -> int:
+        return sum(node.num_failures for node in self._node_stats())
 
     async def on_startup(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
+        await asyncio.gather(self.prefill.pool.start(self.session), self.decode.pool.start(self.session))
 
     async def on_cleanup(self, app: web.Application) -> None:
+        for leg in (self.prefill, self.decode):
+            await leg.pool.close()
         await self.releaser.drain()
         if self.session is not None:
             await self.session.close()
 
-    async def _post(self, role: str, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST to a node; returns the open response, or raises NodeFailure with the client's answer."""
+    # ------------------------------------------------------------------ one node, one attempt
+
+    def _node_failed(self, leg: Leg, url: str, status: int, message: str) -> NodeFailed:
+        leg.pool.report_failure(url, message)
+        return NodeFailed(status, message)
+
+    async def _open(self, leg: Leg, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST to a node; returns the open response of a 2xx/3xx. Raises NodeFailed or Reply (a 4xx)."""
         try:
             resp = await self.session.post(f"{url}/v1/completions", json=body)
-        except asyncio.TimeoutError:
-            raise self._failure(504, f"{role} node {url} did not answer within {self.timeout_s:.0f}s") from None
+        except TimeoutError:
+            raise self._node_failed(leg, url, 504, f"{leg.role} node {url} did not answer within {self.timeout_s:g}s") from None
         except aiohttp.ClientError as exc:
-            raise self._failure(502, f"{role} node {url} is unreachable: {exc}") from None
+            raise self._node_failed(leg, url, 502, f"{leg.role} node {url} is unreachable: {exc}") from None
         if resp.status < 400:
             return resp
         try:
             text = await resp.text()
+        except UPSTREAM_ERRORS as exc:
+            text = f"(its answer broke off: {type(exc).__name__})"
         finally:
             resp.release()
         if resp.status < 500:  # the client's mistake: pass the node's answer through
-            raise NodeFailure(web.Response(status=resp.status, text=text, content_type="application/json"))
-        raise self._failure(502, f"{role} node {url} failed with HTTP {resp.status}: {_error_message(text)}")
+            raise Reply(web.Response(status=resp.status, text=text, content_type="application/json"))
+        raise self._node_failed(leg, url, 502, f"{leg.role} node {url} failed with HTTP {resp.status}: {_error_message(text)}")
 
-    def _failure(self, status: int, message: str) -> NodeFailure:
-        self.num_node_failures += 1
-        return NodeFailure(error_response(status, message, "upstream_error"))
+    async def _read_json(self, leg: Leg, url: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        try:
+            result = await resp.json()
+            if not isinstance(result, dict):
+                raise ValueError(f"a JSON {type(result).__name__}, not an object")
+        except (*UPSTREAM_ERRORS, ValueError) as exc:
+            raise self._node_failed(leg, url, 502, f"{leg.role} node {url} sent a malformed response: {exc}") from None
+        return result
+
+    async def _on_some_node(
+        self, leg: Leg, prompt: PromptKey, attempt: Callable[[str], Awaitable[Any]]
+    ) -> Answer:
+        """`attempt(url)` on the leg's healthy nodes in routing order, each at most once, until one
+        does not raise NodeFailed: at most 1 + max_retries attempts. Raises LegFailed."""
+        tried: list[str] = []
+        failure = None
+        while len(tried) <= self.max_retries and (candidates := leg.pool.candidates(exclude=tried)):
+            url = leg.policy.choose(candidates, prompt)
+            if tried:
+                self.metrics.retries.labels(leg=leg.role).inc()
+            tried.append(url)
+            try:
+                with leg.pool.attempt(url):
+                    value = await attempt(url)
+            except NodeFailed as exc:
+                failure = exc
+                continue
+            leg.policy.remember(url, prompt)
+            return Answer(url, value, len(tried))
+        raise LegFailed(leg.role, failure, len(tried))
+
+    # ------------------------------------------------------------------ the two legs
+
+    async def _prefill_on(self, url: str, body: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+        async with deadline.timeout():
+            resp = await self._open(self.prefill, url, prefill_body(body))
+            try:
+                return await self._read_json(self.prefill, url, resp)
+            finally:
+                resp.release()
+
+    async def _prefill(self, body: dict[str, Any], prompt: PromptKey, deadline: Deadline) -> Answer | None:
+        """The prefill node's answer, or None when no prefill node gave one: the decode node then computes the prompt."""
+        try:
+            return await self._on_some_node(self.prefill, prompt, lambda url: self._prefill_on(url, body, deadline))
+        except LegFailed as exc:
+            self.metrics.recompute_fallbacks.inc()
+            logger.warning("no prefill node answered (%s): the decode node computes the prompt", exc)
+            return None
+
+    async def _decode_on(
+        self, url: str, request: web.Request, body: dict[str, Any], deadline: Deadline
+    ) -> tuple[dict[str, Any] | web.StreamResponse, bool]:
+        """The decode node's answer (a JSON object, or the stream relayed to the client) and whether
+        it arrived whole. NodeFailed only until the client has been sent a byte."""
+        resp = None
+        try:
+            async with deadline.timeout():
+                resp = await self._open(self.decode, url, body)
+                if not body.get("stream"):
+                    return await self._read_json(self.decode, url, resp), True
+                try:
+                    first = await resp.content.readany()
+                except UPSTREAM_ERRORS as exc:
+                    raise self._node_failed(self.decode, url, 502, f"decode node {url} failed before it answered: {exc}") from None
+                if not first:
+                    raise self._node_failed(self.decode, url, 502, f"decode node {url} ended its stream before it answered")
+            return await self._relay(request, resp, first, url)
+        except BaseException:
+            if resp is not None:
+                resp.close()  # a failure or a client that hung up: drop the connection so the node aborts
+            raise
+        finally:
+            if resp is not None:
+                resp.release()
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, first: bytes, url: str
+    ) -> tuple[web.StreamResponse, bool]:
+        """Copy the decode node's SSE stream to the client as it arrives, `first` bytes first."""
+        response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(first)
+        complete = True
+        try:
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+        except UPSTREAM_ERRORS as exc:
+            complete = False
+            self.decode.pool.report_failure(url, f"decode node {url} failed mid-stream: {exc}")
+            message = json.dumps({"error": {"message": f"decode node {url} failed mid-stream: {exc}", "code": 502}})
+            await response.write(f"data: {message}\n\ndata: [DONE]\n\n".encode())
+        await response.write_eof()
+        return response, complete
+
+    async def _complete(self, request: web.Request, body: dict[str, Any], prompt: PromptKey) -> web.StreamResponse:
+        if not self.decode.pool.has_healthy():
+            return self._leg_failed(LegFailed("decode", None, 0))
+        deadline = Deadline(self.deadline_s)
+        t0 = time.monotonic()
+        prefill = await self._prefill(body, prompt, deadline)
+        kv_params = prefill.value.get("kv_transfer_params") if prefill else None
+        t1, complete = time.monotonic(), False
+        leg_body = decode_body(body, kv_params)
+        try:
+            decode = await self._on_some_node(self.decode, prompt, lambda url: self._decode_on(url, request, leg_body, deadline))
+            response, complete = decode.value
+        except LegFailed as exc:
+            return self._leg_failed(exc)
+        finally:
+            if not complete:  # nobody will read what the prefill node holds for this request
+                self.releaser.release_soon(kv_params)
+        if isinstance(response, web.StreamResponse):
+            return response
+        if isinstance(response.get("kvbridge"), dict):
+            response["kvbridge"]["proxy"] = {
+                "prefill_url": prefill.url if prefill else None,
+                "decode_url": decode.url,
+                "prefill_attempts": prefill.num_attempts if prefill else None,
+                "decode_attempts": decode.num_attempts,
+                "recomputed": prefill is None,
+                "prefill_s": round(t1 - t0, 6),
+                "decode_s": round(time.monotonic() - t1, 6),
+                "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,
+            }
+        return web.json_response(response)
+
+    def _leg_failed(self, exc: LegFailed) -> web.Response:
+        if exc.failure is None:
+            pool = self.prefill.pool if exc.role == "prefill" else self.decode.pool
+            down = "; ".join(f"{n.url}: {n.last_error}" for n in pool.snapshot())
+            return error_response(503, f"no {exc.role} node is healthy ({down}); retry later", "service_unavailable")
+        tried = f" ({exc.num_attempts} {exc.role} node(s) tried)" if exc.num_attempts > 1 else ""
+        return error_response(exc.failure.status, f"{exc.failure}{tried}", "upstream_error")
+
+    # ------------------------------------------------------------------ handlers
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:  # the client's kv_transfer_params are replaced on both legs: not theirs to get wrong
             body = protocol_decode_body(await request.read())
-            parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
+            parsed = parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
         except InvalidRequestError as exc:
+            self.metrics.requests.labels(outcome="client_error").inc()
             return error_response(400, str(exc), "invalid_request_error", exc.param)
         self.num_requests += 1
-        prefill_url, decode_url = self.prefill.next(), self.decode.next()
-        t0 = time.monotonic()
+        outcome = "aborted"
         try:
-            resp = await self._post("prefill", prefill_url, prefill_body(body))
             try:
-                prefill = await resp.json()
-                if not isinstance(prefill, dict):
-                    raise ValueError(f"a JSON {type(prefill).__name__}, not an object")
-            except (*UPSTREAM_ERRORS, ValueError) as exc:
-                raise self._failure(502, f"prefill node {prefill_url} sent a malformed response: {exc}") from None
-            finally:
-                resp.release()
-        except NodeFailure as failure:
-            return failure.response
-        kv_params = prefill.get("kv_transfer_params")
-        t1, decode_ok = time.monotonic(), False
-        try:
-            resp = await self._post("decode", decode_url, decode_body(body, kv_params))
-            try:
-                if body.get("stream"):
-                    response, decode_ok = await _stream_through(request, resp)
-                    return response
-                result = await resp.json()
-                decode_ok = True
-            except (*UPSTREAM_ERRORS, ValueError) as exc:
-                resp.close()
-                return error_response(502, f"decode node {decode_url} failed mid-response: {exc}", "upstream_error")
-            except BaseException:
-                resp.close()  # the client hung up: drop the upstream connection so the decode node aborts
-                raise
-            finally:
-                resp.release()
-        except NodeFailure as failure:
-            return failure.response
+                response = await self._complete(request, body, prompt_key(parsed.prompt_text, parsed.prompt_token_ids))
+            except Reply as reply:
+                response = reply.response
+            except TimeoutError:
+                response = error_response(504, f"no node answered within the request's deadline ({self.deadline_s:g}s)", "upstream_error")
+            outcome = _outcome(response.status)
+            return response
         finally:
-            if not decode_ok:  # nobody will read what the prefill node holds for this request
-                self.releaser.release_soon(kv_params)
-        proxy_stats = {"prefill_url": prefill_url, "decode_url": decode_url, "prefill_s": round(t1 - t0, 6)}
-        proxy_stats.update(decode_s=round(time.monotonic() - t1, 6), prefill_kvbridge=prefill.get("kvbridge"))
-        if isinstance(result.get("kvbridge"), dict):
-            result["kvbridge"]["proxy"] = proxy_stats
-        return web.json_response(result)
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+    async def models(self, request: web.Request) -> web.Response:
+        """A healthy decode node's /v1/models: the model the decode nodes serve."""
+
+        async def fetch(url: str) -> web.Response:
+            try:
+                async with self.session.get(f"{url}/v1/models") as resp:
+                    raw = await resp.read()
+            except UPSTREAM_ERRORS as exc:
+                raise self._node_failed(self.decode, url, 502, f"decode node {url} is unreachable: {exc}") from None
+            if resp.status >= 500:
+                raise self._node_failed(self.decode, url, 502, f"decode node {url} failed with HTTP {resp.status}")
+            return web.Response(status=resp.status, body=raw, content_type="application/json")
+
+        try:
+            return (await self._on_some_node(self.decode, (), fetch)).value
+        except LegFailed as exc:
+            return self._leg_failed(exc)
 
     async def health(self, request: web.Request) -> web.Response:
-        async def probe(url: str) -> str:
-            try:
-                async with self.session.get(f"{url}/health", timeout=PROBE_TIMEOUT) as resp:
-                    return "ok" if resp.status == 200 else f"HTTP {resp.status}"
-            except Exception as exc:  # noqa: BLE001 - a probe reports, it does not raise
-                return f"unreachable: {type(exc).__name__}"
-
-        prefill = await asyncio.gather(*(probe(u) for u in self.prefill.urls))
-        decode = await asyncio.gather(*(probe(u) for u in self.decode.urls))
-        ok = "ok" in prefill and "ok" in decode
+        """200 while a decode node is healthy (the proxy can answer completions), else 503."""
+        nodes = self._node_stats()
+        can_serve = self.decode.pool.has_healthy()
+        all_healthy = all(n.state is NodeState.HEALTHY for n in nodes)
         status = {
-            "status": "ok" if ok else "degraded",
-            "prefill": dict(zip(self.prefill.urls, prefill)),
-            "decode": dict(zip(self.decode.urls, decode)),
+            "status": "ok" if all_healthy else "degraded" if can_serve else "unavailable",
+            "routing": self.routing,
+            "prefill": {n.url: _node_status(n) for n in nodes if n.role == "prefill"},
+            "decode": {n.url: _node_status(n) for n in nodes if n.role == "decode"},
             "num_requests": self.num_requests,
             "num_node_failures": self.num_node_failures,
             "num_kv_releases": self.releaser.num_released,
             "num_kv_release_failures": self.releaser.num_failed,
         }
-        return web.json_response(status, status=200 if ok else 503)
+        return web.json_response(status, status=200 if can_serve else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _node_status(node: NodeStats) -> str:
+    return "ok" if node.state is NodeState.HEALTHY else f"ejected: {node.last_error}"
+
+
+def _outcome(status: int) -> str:
+    if status < 400:
+        return "ok"
+    return {502: "upstream_error", 503: "unavailable", 504: "timeout"}.get(status, "client_error")
 
 
 def _error_message(text: str) -> str:
@@ -203,37 +401,38 @@ def _error_message(text: str) -> str:
         return text[:500]
 
 
-async def _stream_through(
-    request: web.Request, upstream: aiohttp.ClientResponse
-) -> tuple[web.StreamResponse, bool]:
-    """Copy the decode node's SSE stream to the client as it arrives. Returns the response and
-    whether the upstream stream ended normally."""
-    response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    complete = True
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 4xx (no such route, wrong method, body too large) as OpenAI-shaped JSON errors."""
     try:
-        async for data in upstream.content.iter_any():
-            await response.write(data)
-    except UPSTREAM_ERRORS as exc:
-        complete = False
-        message = json.dumps({"error": {"message": f"decode node failed mid-stream: {exc}", "code": 502}})
-        await response.write(f"data: {message}\n\ndata: [DONE]\n\n".encode())
-    await response.write_eof()
-    return response, complete
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {exc.reason}"
+        if isinstance(exc, web.HTTPNotFound):
+            message += "; the proxy serves POST /v1/completions, GET /v1/models, /health and /metrics"
+        response = error_response(exc.status, message, "invalid_request_error")
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
 
 PROXY_KEY = web.AppKey("proxy", PDProxy)
 
 
-def create_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0) -> web.Application:
-    """The proxy's aiohttp app; `app[PROXY_KEY]` is the PDProxy. Run it with handler_cancellation=True."""
-    proxy = PDProxy(prefill_urls, decode_urls, timeout_s)
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+def create_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, **options: Any) -> web.Application:
+    """The proxy's aiohttp app; `app[PROXY_KEY]` is the PDProxy (`options`: its keyword arguments).
+    Run it with handler_cancellation=True."""
+    proxy = PDProxy(prefill_urls, decode_urls, timeout_s, **options)
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors])
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.on_startup)
     app.on_cleanup.append(proxy.on_cleanup)
     app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics_text)
     return app
 
 
@@ -243,10 +442,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL", help="prefill nodes")
     parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL", help="decode nodes")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a node may stay silent")
+    parser.add_argument(
+        "--routing", choices=ROUTINGS, default="load-prefix",
+        help="load-prefix: prefill by prompt-prefix affinity within a bounded load, decode to the least loaded; "
+        "round-robin: in turn (default load-prefix)",
+    )  # fmt: skip
+    parser.add_argument("--max-retries", type=int, default=MAX_RETRIES, help="other nodes tried per leg after a failure")
+    parser.add_argument(
+        "--deadline", type=float, default=None, metavar="SECONDS",
+        help="per request: no attempt starts after it, and a request without an answer by then gets a 504 (default none)",
+    )  # fmt: skip
+    parser.add_argument("--health-interval", type=float, default=CHECK_INTERVAL_S, help="seconds between health checks of a healthy node")
+    parser.add_argument(
+        "--max-probe-backoff", type=float, default=MAX_BACKOFF_S,
+        help="longest wait between health checks of an ejected node (they start at 0.25 s and double)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    app = create_proxy_app(args.prefill, args.decode, args.timeout)
+    try:
+        app = create_proxy_app(
+            args.prefill, args.decode, args.timeout, routing=args.routing, max_retries=args.max_retries,
+            deadline_s=args.deadline, check_interval_s=args.health_interval, max_backoff_s=args.max_probe_backoff,
+        )  # fmt: skip
+    except ConfigError as exc:
+        print(f"kvbridge proxy: {exc}", file=sys.stderr)
+        return 2
     print(f"kvbridge proxy: ready on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None)

@@ -15,12 +15,10 @@ from serve_fakes import FakeEngineCore
 import kvbridge.serve.proxy as proxy_mod
 from kvbridge.serve.api import create_app
 from kvbridge.serve.async_engine import AsyncEngine
-from kvbridge.serve.proxy import PROXY_KEY, RoundRobin, create_proxy_app, decode_body, prefill_body
+from kvbridge.serve.proxy import PROXY_KEY, create_proxy_app, decode_body, prefill_body
 
 
-def test_round_robin_and_bodies():
-    rr = RoundRobin(["http://a/", "http://b"])
-    assert [rr.next() for _ in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
+def test_bodies():
     body = {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
             "kv_transfer_params": {"junk": 1}}  # fmt: skip
     assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
@@ -39,8 +37,11 @@ def _dead_url() -> str:
 
 
 @contextlib.asynccontextmanager
-async def _cluster(fakes: list[FakeEngineCore], prefill_idx, decode_idx, extra_prefill=(), extra_decode=(), timeout_s=30.0):
-    """Nodes for `fakes`, and a client of a proxy over them (plus extra, e.g. dead, URLs)."""
+async def _cluster(
+    fakes: list[FakeEngineCore], prefill_idx, decode_idx, extra_prefill=(), extra_decode=(), timeout_s=30.0, **options
+):
+    """Nodes for `fakes`, and a client of a proxy over them (plus extra, e.g. dead, URLs);
+    `options` go to the PDProxy (e.g. `routing="round-robin"`)."""
     engines = [AsyncEngine(lambda f=f: f) for f in fakes]
     servers = []
     try:
@@ -52,8 +53,9 @@ async def _cluster(fakes: list[FakeEngineCore], prefill_idx, decode_idx, extra_p
             servers.append(server)
         urls = [str(s.make_url("")).rstrip("/") for s in servers]
         app = create_proxy_app(
-            [urls[i] for i in prefill_idx] + list(extra_prefill), [urls[i] for i in decode_idx] + list(extra_decode), timeout_s
-        )
+            [urls[i] for i in prefill_idx] + list(extra_prefill), [urls[i] for i in decode_idx] + list(extra_decode),
+            timeout_s, **options,
+        )  # fmt: skip
         async with TestClient(TestServer(app, handler_cancellation=True)) as client:
             yield client, urls
     finally:
@@ -70,7 +72,7 @@ def _run(coro):
 def test_proxy_round_robins_and_forwards_kv_params():
     async def main():
         fakes = [FakeEngineCore("n0"), FakeEngineCore("n1")]
-        async with _cluster(fakes, [0, 1], [0, 1]) as (client, urls):
+        async with _cluster(fakes, [0, 1], [0, 1], routing="round-robin") as (client, urls):
             bodies = []
             for _ in range(4):
                 resp = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
@@ -102,30 +104,36 @@ def test_proxy_streams_the_decode_response_through():
     assert chunks[-1]["kvbridge"]["num_external_tokens"] == 1
 
 
-def test_dead_node_gives_502_naming_it_and_health_degrades():
+def test_a_dead_prefill_node_is_ejected_and_the_decode_node_computes_the_prompt():
     dead = _dead_url()
 
     async def main():
         async with _cluster([FakeEngineCore()], [], [0], extra_prefill=[dead]) as (client, urls):
-            resp = await client.post("/v1/completions", json={"prompt": "a"})
+            resp = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
             health = await client.get("/health")
             return resp.status, await resp.json(), health.status, await health.json()
 
     status, body, health_status, health = _run(main())
-    assert status == 502 and dead in body["error"]["message"] and "prefill" in body["error"]["message"]
-    assert health_status == 503 and health["prefill"][dead].startswith("unreachable")
+    assert status == 200 and body["choices"][0]["text"] == "cde", body
+    assert body["kvbridge"]["proxy"]["recomputed"] and body["kvbridge"]["num_external_tokens"] == 0
+    assert health_status == 200 and health["status"] == "degraded", health  # it still answers completions
+    assert health["prefill"][dead].startswith("ejected: health check: unreachable"), health
     assert health["decode"] and all(v == "ok" for v in health["decode"].values())
 
 
-def test_silent_node_gives_504():
+def test_a_silent_decode_node_gives_504_and_a_silent_prefill_node_a_recompute():
     async def main():
-        slow = FakeEngineCore(step_delay_s=1.0)
-        async with _cluster([slow, FakeEngineCore()], [0], [1], timeout_s=0.3) as (client, urls):
+        slow, fast = FakeEngineCore(step_delay_s=1.0), FakeEngineCore()
+        async with _cluster([slow, fast], [0], [1], timeout_s=0.3) as (client, urls):
             resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
-            return resp.status, await resp.json()
+            recomputed = resp.status, await resp.json()
+        async with _cluster([fast, slow], [0], [1], timeout_s=0.3) as (client, urls):
+            silent = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            return *recomputed, silent.status, await silent.json()
 
-    status, body = _run(main())
-    assert status == 504 and "did not answer" in body["error"]["message"]
+    status, body, silent_status, silent = _run(main())
+    assert status == 200 and body["kvbridge"]["proxy"]["recomputed"], body
+    assert silent_status == 504 and "did not answer" in silent["error"]["message"], silent
 
 
 def test_node_4xx_passes_through_and_5xx_becomes_502():

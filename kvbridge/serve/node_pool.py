@@ -1,0 +1,210 @@
+"""The proxy's view of its nodes of one role: which are healthy, how busy each is, what failed.
+
+Each node is HEALTHY (in rotation) or EJECTED (skipped by routing). Two things move it:
+
+    HEALTHY --a real request fails (unreachable, reset, 5xx, silent), or a health check fails--> EJECTED
+    EJECTED --GET /health answers 200, from a check started after the ejection-------------> HEALTHY
+
+`start()` checks every node once before the proxy serves, so
+routing starts from what the nodes say. One asyncio task per node checks it: every `check_interval_s` while it is healthy; when
+ejected, after `min_backoff_s`, doubling up to `max_backoff_s` while it stays down. The tasks sleep
+between checks; an ejection wakes the node's task so that its first probe is not a whole healthy
+interval away. A check that started before an ejection cannot undo it: its answer may predate the
+failure.
+
+The proxy asks the pool, never its nodes' fields: `candidates()` for routing, `attempt(url)` around
+every use of a node (counts requests and requests in flight), `report_failure()`, and `snapshot()`
+for /health and /metrics. Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import aiohttp
+
+from kvbridge.errors import ConfigError
+from kvbridge.serve.routing import NodeLoad
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 2.0  # between checks of a healthy node
+MIN_BACKOFF_S = 0.25  # first check of an ejected node; doubles while it stays down
+MAX_BACKOFF_S = 5.0
+CHECK_TIMEOUT_S = 5.0  # a node busy with a burst of requests still answers /health well within this
+
+
+class NodeState(enum.Enum):
+    HEALTHY = "healthy"
+    EJECTED = "ejected"
+
+
+class NodeStats(NamedTuple):
+    """One node as /health and /metrics report it."""
+
+    role: str
+    url: str
+    state: NodeState
+    last_error: str | None  # why it was last ejected; None while it never failed
+    num_in_flight: int
+    num_requests: int
+    num_failures: int  # real requests that failed on it (health checks not counted)
+    num_ejections: int
+    num_readmissions: int
+
+
+@dataclass
+class _Node:
+    url: str
+    state: NodeState = NodeState.HEALTHY
+    last_error: str | None = None
+    ejected_at: float = float("-inf")
+    backoff_s: float = MIN_BACKOFF_S
+    next_check_at: float = 0.0
+    num_in_flight: int = 0
+    num_requests: int = 0
+    num_failures: int = 0
+    num_ejections: int = 0
+    num_readmissions: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class NodePool:
+    """The nodes of one role (`prefill` or `decode`), in the order they were given."""
+
+    def __init__(
+        self, role: str, urls: Sequence[str], *, check_interval_s: float = CHECK_INTERVAL_S,
+        min_backoff_s: float = MIN_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:  # fmt: skip
+        if not urls:
+            raise ConfigError(f"give at least one {role} node URL")
+        if not 0 < min_backoff_s <= max_backoff_s or check_interval_s <= 0:
+            raise ConfigError(f"need check_interval_s > 0 and 0 < min_backoff_s <= max_backoff_s, got {check_interval_s}, "
+                              f"{min_backoff_s}, {max_backoff_s}")
+        self.role = role
+        self._nodes = {url.rstrip("/"): _Node(url.rstrip("/"), backoff_s=min_backoff_s) for url in urls}
+        if len(self._nodes) != len(urls):
+            raise ConfigError(f"{role} node URLs must be distinct, got {list(urls)}")
+        self._check_interval_s, self._min_backoff_s, self._max_backoff_s = check_interval_s, min_backoff_s, max_backoff_s
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._nodes)
+
+    # ------------------------------------------------------------------ what routing asks
+
+    def candidates(self, exclude: Sequence[str] = ()) -> list[NodeLoad]:
+        """The healthy nodes not in `exclude`, with their load, in the order given."""
+        return [
+            NodeLoad(n.url, n.num_in_flight) for n in self._nodes.values()
+            if n.state is NodeState.HEALTHY and n.url not in exclude
+        ]  # fmt: skip
+
+    def has_healthy(self) -> bool:
+        return any(n.state is NodeState.HEALTHY for n in self._nodes.values())
+
+    @contextlib.contextmanager
+    def attempt(self, url: str) -> Iterator[None]:
+        """Around one request to `url`: counts it, and counts it in flight until the block ends."""
+        node = self._nodes[url]
+        node.num_requests += 1
+        node.num_in_flight += 1
+        try:
+            yield
+        finally:
+            node.num_in_flight -= 1
+
+    def report_failure(self, url: str, reason: str) -> None:
+        """A real request failed on `url` in a way that says the node is unwell: eject it now."""
+        node = self._nodes[url]
+        node.num_failures += 1
+        self._eject(node, reason)
+
+    def snapshot(self) -> list[NodeStats]:
+        return [
+            NodeStats(self.role, n.url, n.state, n.last_error, n.num_in_flight, n.num_requests, n.num_failures,
+                      n.num_ejections, n.num_readmissions)
+            for n in self._nodes.values()
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ state changes
+
+    def _eject(self, node: _Node, reason: str) -> None:
+        node.last_error = reason
+        if node.state is NodeState.EJECTED:
+            return
+        loop = asyncio.get_running_loop()
+        node.state = NodeState.EJECTED
+        node.ejected_at = loop.time()
+        node.num_ejections += 1
+        node.backoff_s = self._min_backoff_s
+        node.next_check_at = node.ejected_at + node.backoff_s
+        node.wake.set()
+        logger.warning("%s node %s ejected: %s", self.role, node.url, reason)
+
+    def _record_check(self, node: _Node, started_at: float, error: str | None) -> None:
+        now = asyncio.get_running_loop().time()
+        if error is not None:
+            if node.state is NodeState.EJECTED:
+                node.last_error = error
+                node.backoff_s = min(2 * node.backoff_s, self._max_backoff_s)
+                node.next_check_at = now + node.backoff_s
+            else:
+                self._eject(node, f"health check: {error}")
+            return
+        if node.state is NodeState.EJECTED and started_at >= node.ejected_at:
+            node.state = NodeState.HEALTHY
+            node.num_readmissions += 1
+            logger.warning("%s node %s is healthy again: back in rotation", self.role, node.url)
+        if node.state is NodeState.HEALTHY:
+            node.next_check_at = now + self._check_interval_s
+        else:  # the answer predates the ejection: check again soon
+            node.next_check_at = now + node.backoff_s
+
+    # ------------------------------------------------------------------ the checker
+
+    async def _check(self, node: _Node) -> None:
+        started_at = asyncio.get_running_loop().time()
+        self._record_check(node, started_at, await probe(self._session, node.url))
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Check every node once, concurrently, then keep checking them, with `session`, one task per node."""
+        self._session = session
+        await asyncio.gather(*(self._check(node) for node in self._nodes.values()))
+        self._tasks = [asyncio.create_task(self._watch(node), name=f"check {node.url}") for node in self._nodes.values()]
+
+    async def _watch(self, node: _Node) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            delay = node.next_check_at - loop.time()
+            if delay > 0:
+                node.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(node.wake.wait(), delay)
+                continue  # woken by an ejection, or due: look at the schedule again
+            await self._check(node)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+
+async def probe(session: aiohttp.ClientSession, url: str) -> str | None:
+    """GET `url`/health: None when it answers 200, else why not. Never raises."""
+    try:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as resp:
+            return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+    except TimeoutError:
+        return f"/health did not answer within {CHECK_TIMEOUT_S:g}s"
+    except aiohttp.ClientError as exc:
+        return f"unreachable: {type(exc).__name__}: {exc}"
