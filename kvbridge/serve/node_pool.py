@@ -154,7 +154,7 @@ class NodePool:
         now = asyncio.get_running_loop().time()
         if error is not None:
             if node.state is NodeState.EJECTED:
-                node.last_error = error
+                node.last_error = f"health check: {error}"
                 node.backoff_s = min(2 * node.backoff_s, self._max_backoff_s)
                 node.next_check_at = now + node.backoff_s
             else:

@@ -1,0 +1,108 @@
+"""The proxy's node pool (serve/node_pool.py): ejection on a failure or a failed check, re-admission
+by a health check, in-flight counts, and a checker that sleeps between checks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvbridge.errors import ConfigError
+from kvbridge.serve.node_pool import NodePool, NodeState
+
+
+class HealthServer:
+    """A node that only answers GET /health, with `status`; counts the checks it got."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.num_checks = 0
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        self.server = TestServer(app)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.num_checks += 1
+        return web.json_response({"status": "ok" if self.status == 200 else "starting"}, status=self.status)
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(1000):  # a hang detector: checks come every 50-250 ms here
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_failure_ejects_at_once_and_a_health_check_readmits():
+    async def main():
+        node = HealthServer()
+        await node.server.start_server()
+        pool = NodePool("decode", [node.url, "http://127.0.0.1:9"], check_interval_s=0.05, max_backoff_s=0.5)
+        async with aiohttp.ClientSession() as session:
+            await pool.start(session)
+            try:
+                (dead,) = [s for s in pool.snapshot() if s.url.endswith(":9")]
+                assert dead.state is NodeState.EJECTED and dead.last_error.startswith("health check: unreachable"), dead
+                assert [c.url for c in pool.candidates()] == [node.url]  # ejected nodes are never offered
+
+                with pool.attempt(node.url):
+                    assert pool.candidates()[0].num_in_flight == 1
+                    pool.report_failure(node.url, "decode node reset the connection")
+                    assert not pool.has_healthy() and pool.candidates() == []
+                await _until(lambda: pool.has_healthy(), "re-admission by a health check")
+                (stats,) = [s for s in pool.snapshot() if s.url == node.url]
+                assert (stats.num_requests, stats.num_in_flight, stats.num_failures) == (1, 0, 1)
+                assert (stats.num_ejections, stats.num_readmissions) == (1, 1)
+                assert stats.last_error == "decode node reset the connection"
+
+                node.status = 503  # e.g. restarting: a failed check ejects it too, without a request
+                await _until(lambda: not pool.has_healthy(), "ejection by a failed check")
+                node.status = 200
+                await _until(lambda: pool.has_healthy(), "re-admission")
+                (stats,) = [s for s in pool.snapshot() if s.url == node.url]
+                assert (stats.num_ejections, stats.num_readmissions, stats.num_failures) == (2, 2, 1)
+            finally:
+                await pool.close()
+                await node.server.close()
+
+    _run(main())
+
+
+def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop():
+    async def main():
+        node = HealthServer()
+        node.status = 503
+        await node.server.start_server()
+        pool = NodePool("prefill", [node.url], check_interval_s=0.01, max_backoff_s=0.5)
+        async with aiohttp.ClientSession() as session:
+            await pool.start(session)
+            await asyncio.sleep(1.5)
+            await pool.close()
+        await node.server.close()
+        return node.num_checks, pool.snapshot()[0]
+
+    num_checks, stats = _run(main())
+    # 0.25 s doubling to 0.5 s: about 4 checks in 1.5 s; a checker that spins would make thousands
+    assert 2 <= num_checks <= 20, num_checks
+    assert stats.state is NodeState.EJECTED and stats.num_ejections == 1 and "503" in stats.last_error
+
+
+def test_bad_pools_are_config_errors():
+    with pytest.raises(ConfigError, match="at least one decode node"):
+        NodePool("decode", [])
+    with pytest.raises(ConfigError, match="distinct"):
+        NodePool("decode", ["http://a/", "http://a"])
+    with pytest.raises(ConfigError):
+        NodePool("decode", ["http://a"], max_backoff_s=0.1)
