@@ -2,6 +2,7 @@
 
     python benchmarks/engine_throughput.py --json                       # tiny, float32, CPU
     python benchmarks/engine_throughput.py --preset small --device cuda --dtype bfloat16 --batch 32 --json
+    python benchmarks/engine_throughput.py --preset small --device cuda --dtype bfloat16 --enforce-eager --json
 
 The figure: `EngineCore` (scheduler + paged KV cache + sampling, prefix caching off) runs `batch`
 prompts of `prompt_len` tokens, then decodes `decode_len` tokens each. Prefill time runs from
@@ -9,7 +10,8 @@ adding the requests until every request has its first token; decode time from th
 
 The baseline, measured in the same run on the same weights: the same batch through the same model
 with a contiguous (non-paged) per-layer KV cache, no scheduler and greedy argmax — what the model
-costs without the engine's bookkeeping and paging. `ratio` = engine tokens/s / baseline tokens/s.
+costs without the engine's bookkeeping and paging. On CUDA the engine replays decode steps from CUDA
+graphs unless `--enforce-eager`; the baseline always runs eagerly. `ratio` = engine tokens/s / baseline tokens/s.
 Each figure: warm-up, then the median and min over `--reps` repetitions.
 """
 
@@ -121,13 +123,14 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
     num_tokens = args.batch * (args.prompt_len + args.decode_len + 1)
     config = EngineConfig(
-        model=ModelConfig(args.preset, args.dtype, args.device, seed=args.seed),
+        model=ModelConfig(args.preset, args.dtype, args.device, seed=args.seed, enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, num_blocks=-(-num_tokens // args.block_size) + 1,
                           enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len),
@@ -142,7 +145,7 @@ def main() -> None:
             if rep:
                 engine_times.append(engine_run)
                 baseline_times.append(baseline_run)
-        model_id = engine.model_id
+        model_id, num_graphs = engine.model_id, engine.runner.num_cuda_graphs
     finally:
         engine.shutdown()
 
@@ -165,6 +168,7 @@ def main() -> None:
         "params": {"preset": args.preset, "model_id": model_id, "device": args.device, "dtype": args.dtype,
                    "batch": args.batch, "prompt_len": args.prompt_len, "decode_len": args.decode_len,
                    "block_size": args.block_size, "reps": args.reps, "warmup_reps": 1,
+                   "enforce_eager": args.enforce_eager, "num_cuda_graphs": num_graphs,
                    "kv_bytes": engine.layout.total_nbytes},
         "machine": machine_info(args.device),
         "versions": versions(),

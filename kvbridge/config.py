@@ -22,6 +22,7 @@ class ModelConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds the random weights of built-in presets
     max_model_len: int | None = None  # defaults to the model's own limit
+    enforce_eager: bool = False  # on CUDA: run decode steps eagerly instead of replaying CUDA graphs
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

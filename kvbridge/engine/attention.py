@@ -1,19 +1,24 @@
 """Paged attention over the block-major KV cache, and the dense reference it is tested against.
 
-The model runner builds one `PagedAttention` per step from the scheduled requests. For every
-layer it (1) writes the step's new K/V into their slots of the request's blocks, then (2) gathers
-each request's cached tokens [0, start + n) through its block table and attends, causal within
-the new tokens. It reads only the strided per-layer view `kv_cache[:, layer]`
+One step's attention is at most two padded SDPA calls per layer, however many requests it holds:
+the decodes (one new token each) in one batch, the prefills and chunked prefills in another
+(`RequestBatch`). A batch pads each request's new tokens to `num_queries` query slots and its keys
+to the table's `NB * block_size` slots, gathered through its block table; a mask keeps query i of a
+request (position start + i) on keys <= start + i. Per layer it (1) writes the step's new K/V into
+their slots, (2) attends. It reads only the strided per-layer view `kv_cache[:, layer]`
 ([num_blocks, 2, block_size, num_kv_heads, head_dim]).
 
-Decodes (one new token each) run as one padded batch; prefills (and chunked prefills) run one
-request at a time with an explicit causal mask. Grouped-query attention folds the query heads of
-one KV head into the query-length axis, so K/V are never repeated.
+Everything per token (positions, slots, masks) is derived on the device from a few per-request
+tensors with fixed-shape ops (`build_metadata`): nothing waits on the host, and a CUDA graph can
+capture it (cuda_graphs.py). Grouped-query attention folds the query heads of one KV head into the
+query axis, so K/V are never repeated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,30 +38,95 @@ class SeqSpan:
         return self.start + self.num_new
 
 
-def _slot_indices(spans: list[SeqSpan], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block id, offset in block) of every new token: two [T] int64 tensors."""
-    blocks: list[int] = []
-    offsets: list[int] = []
-    for span in spans:
-        for pos in range(span.start, span.context_len):
-            blocks.append(span.block_ids[pos // block_size])
-            offsets.append(pos % block_size)
-    return (torch.tensor(blocks, dtype=torch.long, device=device), torch.tensor(offsets, dtype=torch.long, device=device))
+class RequestBatch(NamedTuple):
+    """Requests attended by one padded SDPA call: int64 tensors on the KV cache's device."""
+
+    starts: torch.Tensor  # [B] position of each request's first new token
+    num_new: torch.Tensor  # [B] new tokens, 1..num_queries
+    offsets: torch.Tensor  # [B] row of the first new token in the step's flattened tokens
+    block_table: torch.Tensor  # [B, NB] block ids covering each context, padded with any valid id
+    num_queries: int  # query slots per request (>= max(num_new))
 
 
-def _block_table(spans: list[SeqSpan], num_blocks: int, device: torch.device) -> torch.Tensor:
-    """[B, num_blocks] block ids of each span, padded with block 0 (masked out by the caller)."""
-    rows = [list(s.block_ids[:num_blocks]) + [0] * (num_blocks - min(num_blocks, len(s.block_ids))) for s in spans]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+class PaddedBatch(NamedTuple):
+    """What one SDPA call needs, derived from a `RequestBatch`."""
+
+    query_rows: torch.Tensor | None  # [B * Q] row of q of each query slot (padding repeats the last); None: q as is
+    block_table: torch.Tensor  # [B, NB]
+    mask: torch.Tensor  # [B, 1, group * Q, L] (or [B, 1, 1, L] when Q == 1) additive: 0 or -inf, q's dtype
+    key_pad: torch.Tensor  # [B, 1, L, 1] bool, True = slot past the context (zeroed before SDPA)
+    num_queries: int
 
 
-def _gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_layer [NB, 2, bs, Hkv, D], block_table [B, nb] -> K, V each [B, Hkv, nb * bs, D]."""
-    blocks = kv_layer[block_table]  # [B, nb, 2, bs, Hkv, D]
-    b, nb, _, bs, hkv, d = blocks.shape
-    k = blocks[:, :, 0].reshape(b, nb * bs, hkv, d).transpose(1, 2)
-    v = blocks[:, :, 1].reshape(b, nb * bs, hkv, d).transpose(1, 2)
-    return k, v
+class AttentionMetadata(NamedTuple):
+    """A step's attention inputs, on the device. T = tokens of the step."""
+
+    positions: torch.Tensor  # [T]
+    slot_blocks: torch.Tensor  # [T] block the token's K/V goes to
+    slot_offsets: torch.Tensor  # [T] its slot in that block
+    batches: tuple[PaddedBatch, ...]
+    output_rows: torch.Tensor | None  # [T] row of each token in the batches' outputs, concatenated; None: as is
+
+
+def build_metadata(
+    requests: Sequence[RequestBatch], num_tokens: int, block_size: int, num_queries_per_kv: int, dtype: torch.dtype
+) -> AttentionMetadata:
+    """Positions, slots, masks and row maps of a step whose tokens are split into `requests`
+    (`dtype`: the queries'). Fixed-shape tensor ops only: no host sync, capturable in a CUDA graph.
+    """
+    device = requests[0].starts.device
+    # Row `num_tokens` of each per-token tensor collects the padding query slots and is dropped.
+    per_token = torch.zeros(4, num_tokens + 1, dtype=torch.long, device=device)
+    batches = []
+    first_output_row = 0
+    for req in requests:
+        batch, targets, per_slot = _pad(req, num_tokens, block_size, num_queries_per_kv, dtype, first_output_row)
+        per_token.scatter_(1, targets.expand(4, -1), per_slot)
+        batches.append(batch)
+        first_output_row += targets.shape[1]
+    positions, slot_blocks, slot_offsets, output_rows = per_token[:, :num_tokens]
+    if len(requests) == 1 and requests[0].num_queries == 1:
+        # Decodes only: the tokens are the batch's rows, in order (what a decode graph replays).
+        batches[0] = batches[0]._replace(query_rows=None)
+        output_rows = None
+    return AttentionMetadata(positions, slot_blocks, slot_offsets, tuple(batches), output_rows)
+
+
+def _pad(
+    req: RequestBatch, num_tokens: int, block_size: int, group: int, dtype: torch.dtype, first_output_row: int
+) -> tuple[PaddedBatch, torch.Tensor, torch.Tensor]:
+    """(the padded batch, [1, B * Q] token row of each query slot or `num_tokens` for padding,
+    [4, B * Q] position, slot block, slot offset and output row of each query slot)."""
+    device = req.starts.device
+    num_reqs, num_keys = req.block_table.shape[0], req.block_table.shape[1] * block_size
+    slot = torch.arange(req.num_queries, device=device)  # [Q]
+    is_real = slot[None, :] < req.num_new[:, None]  # [B, Q]
+    index = torch.minimum(slot[None, :], req.num_new[:, None] - 1)  # [B, Q]: padding repeats the last token
+    query_pos = req.starts[:, None] + index  # [B, Q]
+    query_rows = req.offsets[:, None] + index  # [B, Q]
+    key_pos = torch.arange(num_keys, device=device)  # [L]
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+    if req.num_queries == 1:
+        visible = visible[:, None]  # [B, 1, 1, L], broadcast over the folded query heads
+    else:
+        visible = visible[:, None].expand(-1, group, -1, -1).reshape(num_reqs, 1, group * req.num_queries, num_keys)
+    # Additive, built once per step (SDPA would convert a bool mask in every layer). Key 0 is always
+    # visible, so no row is all -inf.
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    is_past_context = key_pos[None, :] >= (req.starts + req.num_new)[:, None]  # [B, L]
+    batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, is_past_context[:, None, :, None], req.num_queries)
+    targets = torch.where(is_real, query_rows, num_tokens).reshape(1, -1)
+    slot_blocks = req.block_table.gather(1, query_pos // block_size)  # [B, Q]
+    output_rows = first_output_row + torch.arange(num_reqs * req.num_queries, device=device)
+    per_slot = torch.stack((query_pos.reshape(-1), slot_blocks.reshape(-1), (query_pos % block_size).reshape(-1), output_rows))
+    return batch, targets, per_slot
+
+
+def _gather(kv_half: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """kv_half [NB, bs, Hkv, D] (K or V of one layer), block_table [B, nb] -> [B, Hkv, nb * bs, D]."""
+    blocks = kv_half[block_table]  # [B, nb, bs, Hkv, D], a copy
+    b, nb, bs, hkv, d = blocks.shape
+    return blocks.view(b, nb * bs, hkv, d).transpose(1, 2)
 
 
 def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -74,68 +144,38 @@ def _unfold_gqa(out: torch.Tensor, num_new: int) -> torch.Tensor:
 
 
 class PagedAttention:
-    """The attention callable of one step. Built by the model runner, dropped after the step.
+    """The attention callable of one step (or of one captured decode graph).
 
     Holds the KV cache only for the step's lifetime; the runner must not keep it around.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, spans: list[SeqSpan], block_size: int, scale: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> None:
         self.kv_cache = kv_cache  # [NB, L, 2, bs, Hkv, D]
-        self.block_size = block_size
+        self.metadata = metadata
         self.scale = scale
-        device = kv_cache.device
-        self.slot_blocks, self.slot_offsets = _slot_indices(spans, block_size, device)  # [T], [T]
-        self.decodes = [s for s in spans if s.num_new == 1]
-        self.prefills = [s for s in spans if s.num_new > 1]
-        self.decode_rows = torch.tensor([s.offset for s in self.decodes], dtype=torch.long, device=device)
-        if self.decodes:
-            max_ctx = max(s.context_len for s in self.decodes)
-            num_ctx_blocks = -(-max_ctx // block_size)
-            self.decode_table = _block_table(self.decodes, num_ctx_blocks, device)  # [Bd, nb]
-            ctx_lens = torch.tensor([s.context_len for s in self.decodes], device=device)
-            key_pos = torch.arange(num_ctx_blocks * block_size, device=device)
-            is_key = key_pos[None, :] < ctx_lens[:, None]  # [Bd, nb * bs]
-            self.decode_mask = is_key[:, None, None, :]  # [Bd, 1, 1, nb * bs]
-            self.decode_pad = ~is_key[:, None, :, None]  # [Bd, 1, nb * bs, 1]
-        self.prefill_tables = [_block_table([s], -(-s.context_len // block_size), device) for s in self.prefills]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the step's new tokens -> [T, Hq, D]."""
+        meta = self.metadata
         kv_layer = self.kv_cache[:, layer]  # [NB, 2, bs, Hkv, D], strided
-        kv_layer[:, 0][self.slot_blocks, self.slot_offsets] = k.to(kv_layer.dtype)
-        kv_layer[:, 1][self.slot_blocks, self.slot_offsets] = v.to(kv_layer.dtype)
-        out = torch.empty_like(q)
-        num_kv_heads = k.shape[1]
-        if self.decodes:
-            out[self.decode_rows] = self._decode(kv_layer, q[self.decode_rows], num_kv_heads)
-        for span, table in zip(self.prefills, self.prefill_tables):
-            rows = slice(span.offset, span.offset + span.num_new)
-            out[rows] = self._prefill(kv_layer, q[rows], span, table, num_kv_heads)
-        return out
+        kv_layer[:, 0][meta.slot_blocks, meta.slot_offsets] = k.to(kv_layer.dtype)
+        kv_layer[:, 1][meta.slot_blocks, meta.slot_offsets] = v.to(kv_layer.dtype)
+        outs = [self._attend(kv_layer, q, batch, k.shape[1]) for batch in meta.batches]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out if meta.output_rows is None else out[meta.output_rows]
 
-    def _decode(self, kv_layer: torch.Tensor, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-        # q [Bd, Hq, D]: one new token per request; keys padded to the longest context, masked.
-        k, v = _gather_kv(kv_layer, self.decode_table)  # [Bd, Hkv, Lmax, D]
-        # Slots past a request's context hold stale bytes (maybe NaN); a masked NaN still poisons SDPA.
-        k.masked_fill_(self.decode_pad, 0.0)  # in place: k and v are views of the gathered copy
-        v.masked_fill_(self.decode_pad, 0.0)
-        qf = _fold_gqa(q.unsqueeze(1), num_kv_heads)  # [Bd, Hkv, group, D]
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=self.decode_mask, scale=self.scale)
-        return _unfold_gqa(out, 1).squeeze(1)  # [Bd, Hq, D]
-
-    def _prefill(
-        self, kv_layer: torch.Tensor, q: torch.Tensor, span: SeqSpan, table: torch.Tensor, num_kv_heads: int
-    ) -> torch.Tensor:
-        # q [n, Hq, D]; keys [0, start + n): query i (position start + i) sees keys j <= start + i.
-        k, v = _gather_kv(kv_layer, table)
-        k, v = k[:, :, : span.context_len], v[:, :, : span.context_len]  # [1, Hkv, L, D]
-        qf = _fold_gqa(q.unsqueeze(0), num_kv_heads)  # [1, Hkv, group * n, D]
-        group = q.shape[1] // num_kv_heads
-        query_pos = torch.arange(span.num_new, device=q.device).repeat(group) + span.start  # [group * n]
-        key_pos = torch.arange(span.context_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [group * n, L]
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=self.scale)
-        return _unfold_gqa(out, span.num_new).squeeze(0)  # [n, Hq, D]
+    def _attend(self, kv_layer: torch.Tensor, q: torch.Tensor, batch: PaddedBatch, num_kv_heads: int) -> torch.Tensor:
+        # -> [B * Q, Hq, D], one row per query slot.
+        num_reqs, num_queries = batch.block_table.shape[0], batch.num_queries
+        queries = q if batch.query_rows is None else q[batch.query_rows]
+        qf = _fold_gqa(queries.view(num_reqs, num_queries, *q.shape[1:]), num_kv_heads)
+        k = _gather(kv_layer[:, 0], batch.block_table)  # [B, Hkv, L, D]
+        v = _gather(kv_layer[:, 1], batch.block_table)
+        # Slots past a context hold stale bytes (maybe NaN); a masked NaN still poisons SDPA.
+        k.masked_fill_(batch.key_pad, 0.0)  # in place: the gathers are copies
+        v.masked_fill_(batch.key_pad, 0.0)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=batch.mask, scale=self.scale)
+        return _unfold_gqa(out, num_queries).reshape(num_reqs * num_queries, *q.shape[1:])
 
 
 class DenseCausalAttention:

@@ -26,6 +26,7 @@ from kvbridge.engine.presets import ModelArgs
 from kvbridge.errors import ModelLoadError
 
 LayerHook = Callable[[int], None]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin of the step's positions: [T, 1, head_dim] float32
 
 
 class AttentionFn(Protocol):
@@ -41,9 +42,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, then scale in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -79,30 +78,39 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for positions [0, max_len). Plain attributes (not buffers): `release()` drops them."""
+    """cos/sin tables for positions [0, max_len). Plain attributes (not buffers): `release()` drops them.
+
+    Rotate-half, written as a roll: rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin, where
+    `signed_sin` is sin with the first half negated. `lookup` once per step, `rotate` per tensor.
+    """
 
     def __init__(self, args: ModelArgs, max_len: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(args).to(device)  # [head_dim // 2]
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
-        self.cos: torch.Tensor | None = emb.cos()
-        self.sin: torch.Tensor | None = emb.sin()
+        self.cos: torch.Tensor | None = torch.cat((freqs, freqs), dim=-1).cos()  # [max_len, head_dim]
+        self.signed_sin: torch.Tensor | None = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         self.max_len = max_len
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim], positions [T] -> x rotated (rotate-half convention), same dtype."""
-        if self.cos is None or self.sin is None:
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """positions [T] -> (cos, signed_sin), each [T, 1, head_dim] float32."""
+        if self.cos is None or self.signed_sin is None:
             raise RuntimeError("RotaryEmbedding was released (the model runner was shut down)")
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by `lookup`'s tables, same dtype."""
+        cos, signed_sin = rope
         x32 = x.float()
-        x1, x2 = x32.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+        return torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), signed_sin).to(x.dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim], positions [T] -> x rotated, same dtype."""
+        return self.rotate(x, self.lookup(positions))
 
     def release(self) -> None:
         self.cos = None
-        self.sin = None
+        self.signed_sin = None
 
 
 class SelfAttention(nn.Module):
@@ -115,14 +123,12 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, positions), rotary.apply(k, positions)
+        q, k = RotaryEmbedding.rotate(q, rope), RotaryEmbedding.rotate(k, rope)
         out = attention(self.layer, q, k, v)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -146,10 +152,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attention)
+    def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -201,10 +205,11 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary is None:
             raise RuntimeError("LlamaForCausalLM.forward before attach_rotary() (or after release())")
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)  # once per step, shared by every layer
         for i, layer in enumerate(self.model.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(x, positions, self.rotary, attention)
+            x = layer(x, rope, attention)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(x)

@@ -7,6 +7,7 @@ points that `connectors/base.py` lists. `shutdown()` drops every tensor it holds
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -15,22 +16,38 @@ import torch
 from kvbridge.config import CacheConfig, ModelConfig
 from kvbridge.connectors.base import KVConnectorBase
 from kvbridge.engine import sampler
-from kvbridge.engine.attention import PagedAttention, SeqSpan
+from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata
+from kvbridge.engine.cuda_graphs import DecodeGraphs
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kvbridge.engine.step_inputs import StepInputs, to_device
 from kvbridge.engine.weights import load_model
 from kvbridge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
-class StepInputs(NamedTuple):
-    input_ids: torch.Tensor  # [T] int64, every scheduled request's new tokens, concatenated
-    positions: torch.Tensor  # [T] int64
-    spans: list[SeqSpan]
-    sample_rows: list[int]  # row of the last new token of each request that samples this step
-    sample_req_ids: list[str]
+def paged_forward(
+    model: LlamaForCausalLM,
+    kv_cache: torch.Tensor,
+    block_size: int,
+    input_ids: torch.Tensor,
+    requests: list[RequestBatch],
+    before_layer: LayerHook | None = None,
+    after_layer: LayerHook | None = None,
+) -> torch.Tensor:
+    """Hidden states [T, hidden] of the step's tokens, writing their K/V into the paged cache."""
+    meta = build_metadata(requests, input_ids.shape[0], block_size, model.args.num_queries_per_kv, kv_cache.dtype)
+    attention = PagedAttention(kv_cache, meta, scale=model.args.head_dim**-0.5)
+    return model(input_ids, meta.positions, attention, before_layer, after_layer)
+
+
+def paged_logits(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, input_ids: torch.Tensor, requests: list[RequestBatch]
+) -> torch.Tensor:
+    """Logits [T, vocab] (float32) of every token of the step: what a decode graph captures."""
+    return model.compute_logits(paged_forward(model, kv_cache, block_size, input_ids, requests))
 
 
 class StepLogits(NamedTuple):
@@ -59,6 +76,10 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(loaded.max_position)
         self.kv_cache: torch.Tensor | None = allocate_kv_cache(self.layout, self.device)
         loaded.model.attach_rotary(self.max_model_len)
+        self._graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            logits_fn = functools.partial(paged_logits, loaded.model, self.kv_cache, self.layout.block_size)
+            self._graphs = DecodeGraphs(logits_fn, self.layout.block_size, self.max_model_len, self.device)
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
         self._connector: KVConnectorBase | None = None
         self._is_shut_down = False
@@ -134,18 +155,33 @@ class ModelRunner:
         """
         self._check_alive()
         inputs = self._prepare(scheduler_output)
-        attention = PagedAttention(
-            self.kv_cache, inputs.spans, self.layout.block_size, scale=self.layout.head_dim**-0.5
-        )
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, attention, before_layer, after_layer)
-            rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+            key = self._graphs.key_for(inputs) if self._graphs is not None else None
+            if key is None:
+                logits = self._forward_eager(inputs, before_layer, after_layer)
+            else:
+                # A graph cannot call Python between layers: each layer's hook runs before / after all of them.
+                self._call_per_layer(before_layer)
+                logits = self._graphs.run(inputs, key)
+                self._call_per_layer(after_layer)
         return StepLogits(inputs.sample_req_ids, logits)
+
+    def _call_per_layer(self, hook: LayerHook | None) -> None:
+        if hook is not None:
+            for layer in range(self.layout.num_layers):
+                hook(layer)
+
+    def _forward_eager(
+        self, inputs: StepInputs, before_layer: LayerHook | None, after_layer: LayerHook | None
+    ) -> torch.Tensor:
+        dev = to_device(inputs, self.layout.block_size, self.device)
+        hidden = paged_forward(
+            self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests, before_layer, after_layer
+        )
+        return self.model.compute_logits(hidden[dev.sample_rows])  # [S, vocab]
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
-        positions: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
@@ -155,12 +191,10 @@ class ModelRunner:
             self._validate(req.request_id, start, num_new, req.num_tokens, sched.block_ids)
             spans.append(SeqSpan(len(token_ids), start, num_new, tuple(sched.block_ids)))
             token_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
             if end == req.num_tokens:
                 sample_rows.append(len(token_ids) - 1)
                 sample_req_ids.append(req.request_id)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return StepInputs(as_tensor(token_ids), as_tensor(positions), spans, sample_rows, sample_req_ids)
+        return StepInputs(token_ids, spans, sample_rows, sample_req_ids)
 
     def _validate(self, req_id: str, start: int, num_new: int, num_tokens: int, block_ids: list[int]) -> None:
         # The scheduler's contract; a violation is a bug there, named here rather than a CUDA assert.
@@ -171,7 +205,7 @@ class ModelRunner:
             raise ValueError(f"request {req_id}: {end} tokens exceed max_model_len={self.max_model_len}")
         if len(block_ids) * self.layout.block_size < end:
             raise ValueError(f"request {req_id}: {len(block_ids)} blocks cannot hold {end} tokens")
-        if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
+        if min(block_ids) < 0 or max(block_ids) >= self.layout.num_blocks:
             raise ValueError(f"request {req_id}: block ids {block_ids} outside [0, {self.layout.num_blocks})")
 
     def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> tuple[dict[str, int], dict[str, str]]:
@@ -197,6 +231,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def num_cuda_graphs(self) -> int:
+        """Decode graphs captured so far (0 on CPU and with `ModelConfig.enforce_eager`)."""
+        return self._graphs.num_graphs if self._graphs is not None else 0
+
+    @property
     def is_shut_down(self) -> bool:
         return self._is_shut_down
 
@@ -215,6 +254,9 @@ class ModelRunner:
         self._is_shut_down = True
         self._connector = None
         self._generators.clear()
+        if self._graphs is not None:
+            self._graphs.release()  # before the KV cache and weights they were captured on go
+        self._graphs = None
         if self.model is not None:
             self.model.release()
         self.model = None

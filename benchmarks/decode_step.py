@@ -1,0 +1,150 @@
+"""Reference engine decode step time at a given batch size, against a dense non-paged baseline.
+
+    python benchmarks/decode_step.py --json                                           # tiny, CPU
+    python benchmarks/decode_step.py --json --preset kv8b --device cuda --dtype bfloat16 --batch 1 --batch 32
+
+The figure: the wall time of one `EngineCore.step()` whose every request decodes one token
+(scheduler, block bookkeeping, the forward, sampling and output building), with `--batch` requests
+of `--context-len` tokens. Measured twice: CUDA graphs on (the default) and `enforce_eager=True`.
+Each repetition is one step; the clock starts after a device synchronize and stops after one.
+
+The baseline, in the same run on the same weights: one decode step of the same batch through the
+same model with a contiguous (non-paged) KV cache, no scheduler and greedy argmax handed to Python
+(engine_throughput.py's dense baseline). `speedup_vs_dense` = dense step time / engine step time.
+Each figure: `--warmup` steps (the first captures the graph), then the median and min over `--reps` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from common import machine_info, versions
+from engine_throughput import ContiguousKVAttention, sync
+
+from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvbridge.engine.core import EngineCore
+from kvbridge.engine.sampling_params import SamplingParams
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: int) -> list[float]:
+    """Prefill `prompts`, then the time of each of `num_steps` decode steps of the whole batch."""
+    params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
+    ids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in engine.step())
+    device = engine.runner.device
+    times = [timed(engine.step, device) for _ in range(num_steps)]
+    assert not engine.has_unfinished_requests()
+    return times
+
+
+@torch.inference_mode()
+def dense_step_times(model, prompts: list[list[int]], num_steps: int, layout, device) -> list[float]:
+    """The same batch through the model with a contiguous KV cache: the time of each decode step."""
+    batch, prompt_len = len(prompts), len(prompts[0])
+    attn = ContiguousKVAttention(batch, prompt_len + num_steps, layout.num_layers, layout.num_kv_heads,
+                                 layout.head_dim, getattr(torch, layout.dtype), device)
+    ids = torch.tensor(prompts, dtype=torch.long, device=device).view(-1)
+    attn.num_new = prompt_len
+    hidden = model(ids, torch.arange(prompt_len, device=device).repeat(batch), attn)
+    tokens = model.compute_logits(hidden.view(batch, prompt_len, -1)[:, -1]).argmax(-1)
+    attn.pos, attn.num_new = prompt_len, 1
+    times = []
+    for step in range(num_steps):
+        def decode():
+            nonlocal tokens
+            positions = torch.full((batch,), prompt_len + step, device=device)
+            tokens = model.compute_logits(model(tokens, positions, attn)).argmax(-1)
+            tokens.tolist()  # the engine hands token ids to Python every step too
+        times.append(timed(decode, device))
+        attn.pos += 1
+    return times
+
+
+def summarize(times: list[float], warmup: int) -> dict:
+    timed_steps = times[warmup:]
+    return {"median_ms": statistics.median(timed_steps) * 1e3, "min_ms": min(timed_steps) * 1e3, "reps": len(timed_steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 32)")
+    parser.add_argument("--context-len", type=int, default=1024, help="prompt tokens of every request")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    batches = args.batch or [1, 32]
+
+    rng = random.Random(args.seed)
+    prompts = {b: [[rng.randrange(256) for _ in range(args.context_len)] for _ in range(b)] for b in batches}
+    num_steps = args.warmup + args.reps
+    max_tokens = max(batches) * (args.context_len + num_steps + 1)
+    results = {b: {} for b in batches}
+    for mode, enforce_eager in (("graphs", False), ("eager", True)):
+        config = EngineConfig(
+            model=ModelConfig(args.preset, args.dtype, args.device, seed=args.seed, enforce_eager=enforce_eager),
+            cache=CacheConfig(block_size=args.block_size, num_blocks=-(-max_tokens // args.block_size) + max(batches),
+                              enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(8192, args.context_len)),
+        )
+        engine = EngineCore(config)
+        try:
+            for b in batches:
+                results[b][mode] = summarize(engine_step_times(engine, prompts[b], num_steps), args.warmup)
+            if mode == "graphs":
+                num_graphs = engine.runner.num_cuda_graphs
+                for b in batches:
+                    times = dense_step_times(engine.runner.model, prompts[b], num_steps, engine.layout, args.device)
+                    results[b]["dense"] = summarize(times, args.warmup)
+            layout, model_id = engine.layout, engine.model_id
+        finally:
+            engine.shutdown()
+
+    for figures in results.values():
+        for mode in ("graphs", "eager"):
+            figures[f"{mode}_speedup_vs_dense"] = figures["dense"]["median_ms"] / figures[mode]["median_ms"]
+    report = {
+        "benchmark": "decode_step",
+        "step_ms": {b: r["graphs"]["median_ms"] for b, r in results.items()},
+        "baseline": "same weights, contiguous non-paged KV, no scheduler, greedy argmax",
+        "batches": results,
+        "num_cuda_graphs": num_graphs,
+        "params": {"preset": args.preset, "model_id": model_id, "device": args.device, "dtype": args.dtype,
+                   "batches": batches, "context_len": args.context_len, "block_size": args.block_size,
+                   "reps": args.reps, "warmup_steps": args.warmup, "kv_bytes_per_token": layout.block_nbytes // layout.block_size},
+        "machine": machine_info(args.device),
+        "versions": versions(),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for b, r in results.items():
+            print(f"batch {b}: step {r['graphs']['median_ms']:.2f} ms with graphs, {r['eager']['median_ms']:.2f} ms eager, "
+                  f"{r['dense']['median_ms']:.2f} ms dense ({r['graphs_speedup_vs_dense']:.2f}x dense)")
+
+
+if __name__ == "__main__":
+    main()

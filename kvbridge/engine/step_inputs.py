@@ -1,0 +1,80 @@
+"""A step's inputs: gathered per request on the host, moved to the device in one copy.
+
+The host side only lists each request's token ids, start, new-token count, row offset and block
+table (Python work per request, none per token); everything per token is derived on the device by
+`attention.build_metadata`. Decodes and prefills form separate `RequestBatch`es, so a step is at
+most two padded attention calls per layer and decodes never pad to a prefill's length.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvbridge.engine.attention import RequestBatch, SeqSpan
+
+
+class StepInputs(NamedTuple):
+    """Host side of one step, in scheduled order."""
+
+    token_ids: list[int]  # every scheduled request's new tokens, concatenated (T)
+    spans: list[SeqSpan]
+    sample_rows: list[int]  # row of the last new token of each request that samples this step
+    sample_req_ids: list[str]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(s.num_new == 1 for s in self.spans)
+
+
+class DeviceInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] int64
+    sample_rows: torch.Tensor  # [S] int64
+    requests: list[RequestBatch]
+
+
+def num_table_blocks(spans: Sequence[SeqSpan], block_size: int) -> int:
+    """Block-table width that covers the longest context of `spans`."""
+    return max(-(-s.context_len // block_size) for s in spans)
+
+
+def pack_requests(spans: Sequence[SeqSpan], block_size: int, table_width: int | None = None) -> list[int]:
+    """starts, num_new, offsets (B each), then the [B, table_width] block table padded with block 0."""
+    width = num_table_blocks(spans, block_size) if table_width is None else table_width
+    table = itertools.chain.from_iterable(
+        (*s.block_ids[:width], *(0,) * (width - min(width, len(s.block_ids)))) for s in spans
+    )
+    return [*(s.start for s in spans), *(s.num_new for s in spans), *(s.offset for s in spans), *table]
+
+
+def unpack_requests(packed: torch.Tensor, num_reqs: int, num_queries: int) -> RequestBatch:
+    """The `RequestBatch` whose `pack_requests` output is the 1-D tensor `packed` (views, no copy)."""
+    starts, num_new, offsets, table = packed.split((num_reqs, num_reqs, num_reqs, packed.numel() - 3 * num_reqs))
+    return RequestBatch(starts, num_new, offsets, table.view(num_reqs, -1), num_queries)
+
+
+def copy_to_device(segments: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """One int64 tensor per segment on `device`, through a single host -> device copy that does not
+    wait for the device (from pinned memory, which torch reuses only once the copy has completed)."""
+    host = torch.tensor(list(itertools.chain.from_iterable(segments)), dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(s) for s in segments]))
+
+
+def split_decodes(spans: Sequence[SeqSpan]) -> list[list[SeqSpan]]:
+    """The non-empty groups among (decodes, prefills): each is one padded attention call."""
+    decodes = [s for s in spans if s.num_new == 1]
+    prefills = [s for s in spans if s.num_new > 1]
+    return [group for group in (decodes, prefills) if group]
+
+
+def to_device(inputs: StepInputs, block_size: int, device: torch.device) -> DeviceInputs:
+    groups = split_decodes(inputs.spans)
+    segments = [inputs.token_ids, inputs.sample_rows, *(pack_requests(g, block_size) for g in groups)]
+    input_ids, sample_rows, *packed = copy_to_device(segments, device)
+    requests = [unpack_requests(p, len(g), max(s.num_new for s in g)) for p, g in zip(packed, groups)]
+    return DeviceInputs(input_ids, sample_rows, requests)

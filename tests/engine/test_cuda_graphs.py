@@ -1,0 +1,153 @@
+"""Decode steps replayed from CUDA graphs equal the eager forward, and graphs give their memory back."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
+from kvbridge.engine.request import Request
+from kvbridge.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0.0)
+NUM_BLOCKS = 256
+# (max |graph - eager| logit difference, top-2 gap below which an argmax may flip): the padded batch
+# may pick other GEMM kernels than the eager one, nothing else differs.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def make_runner(dtype: str, enforce_eager: bool, block_size: int = 16) -> ModelRunner:
+    return ModelRunner(
+        ModelConfig(device="cuda", dtype=dtype, enforce_eager=enforce_eager),
+        CacheConfig(block_size=block_size, num_blocks=NUM_BLOCKS),
+    )
+
+
+class Traffic:
+    """Requests joining (whole or chunked prefills, next to the decodes) and leaving at random; every
+    step is one SchedulerOutput that both runners compute. Tokens are the eager runner's argmax."""
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.free = list(range(NUM_BLOCKS))
+        self.rng.shuffle(self.free)
+        self.running: dict[str, tuple[Request, list[int], int]] = {}  # id -> (request, blocks, tokens to go)
+        self.computed: dict[str, int] = {}
+        self.next_id = 0
+
+    def join(self) -> None:
+        prompt = [self.rng.randrange(256) for _ in range(self.rng.randrange(3, 70))]
+        req = Request(f"r{self.next_id}", prompt, GREEDY, self.block_size)
+        self.next_id += 1
+        self.running[req.request_id] = (req, [], self.rng.randrange(2, 25))
+        self.computed[req.request_id] = 0
+
+    def schedule(self) -> SchedulerOutput:
+        items = []
+        for req_id, (req, blocks, _) in self.running.items():
+            start = self.computed[req_id]
+            num_new = min(req.num_tokens - start, self.rng.choice((24, 48)))  # prompts may take two chunks
+            while len(blocks) * self.block_size < start + num_new:
+                blocks.append(self.free.pop())
+            items.append(ScheduledRequest(req, start, num_new, list(blocks)))
+        return SchedulerOutput(items)
+
+    def update(self, sched: SchedulerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
+        for item in sched.scheduled:
+            self.computed[item.request.request_id] = item.start + item.num_new_tokens
+        for req_id, row in zip(req_ids, logits):
+            req, blocks, to_go = self.running[req_id]
+            req.append_output_token(int(row.argmax()))
+            if to_go == 1:
+                del self.running[req_id]
+                self.free.extend(blocks)
+            else:
+                self.running[req_id] = (req, blocks, to_go - 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager_as_requests_join_and_leave(dtype):
+    seed = 31
+    print("seed", seed)
+    graphs, eager = make_runner(dtype, enforce_eager=False), make_runner(dtype, enforce_eager=True)
+    traffic = Traffic(seed, graphs.layout.block_size)
+    tol = TOLERANCE[dtype]
+    decode_batch_sizes = set()
+    for step in range(80):
+        if step < 50 and (not traffic.running or traffic.rng.random() < 0.3):
+            traffic.join()
+        if not traffic.running:
+            break
+        sched = traffic.schedule()
+        if all(s.num_new_tokens == 1 for s in sched.scheduled):
+            decode_batch_sizes.add(len(sched.scheduled))
+        got, want = graphs.forward(sched), eager.forward(sched)
+        assert got.req_ids == want.req_ids
+        for req_id, g, w in zip(want.req_ids, got.logits, want.logits):
+            assert (g - w).abs().max() < tol, f"step {step}, {req_id}: logits differ by {(g - w).abs().max()}"
+            top2 = w.topk(2).values
+            if top2[0] - top2[1] > tol:
+                assert g.argmax() == w.argmax(), f"step {step}, {req_id}: greedy token differs"
+        traffic.update(sched, want.req_ids, want.logits)
+    print("decode batch sizes", sorted(decode_batch_sizes), "graphs", graphs.num_cuda_graphs)
+    assert len(decode_batch_sizes) >= 4 and graphs.num_cuda_graphs >= 3
+    assert eager.num_cuda_graphs == 0
+    graphs.shutdown()
+    eager.shutdown()
+
+
+def test_graph_hooks_run_around_the_replay():
+    runner = make_runner("float32", enforce_eager=False)
+    req = Request("r", list(range(40, 60)), GREEDY, 16)
+    runner.execute(SchedulerOutput([ScheduledRequest(req, 0, 20, [7, 2])]))
+    req.append_output_token(1)
+    calls = []
+    runner.forward(
+        SchedulerOutput([ScheduledRequest(req, 20, 1, [7, 2])]),
+        before_layer=lambda i: calls.append(("load", i)),
+        after_layer=lambda i: calls.append(("save", i)),
+    )
+    assert runner.num_cuda_graphs == 1
+    num_layers = runner.layout.num_layers
+    assert calls == [("load", i) for i in range(num_layers)] + [("save", i) for i in range(num_layers)]
+    runner.shutdown()
+
+
+def decode_a_few_steps(runner: ModelRunner, batch: int) -> None:
+    reqs = [Request(f"r{i}", [i + 1] * 20, GREEDY, 16) for i in range(batch)]
+    blocks = {r.request_id: [2 * i, 2 * i + 1] for i, r in enumerate(reqs)}
+    out = runner.execute(SchedulerOutput([ScheduledRequest(r, 0, 20, blocks[r.request_id]) for r in reqs]))
+    for _ in range(3):
+        for r in reqs:
+            r.append_output_token(out.sampled_token_ids[r.request_id])
+        items = [ScheduledRequest(r, r.num_tokens - 1, 1, blocks[r.request_id]) for r in reqs]
+        out = runner.execute(SchedulerOutput(items))
+
+
+def test_shutdown_frees_the_graphs():
+    # The first runner creates per-process state (the capture stream's cuBLAS workspace).
+    runner = make_runner("bfloat16", enforce_eager=False)
+    decode_a_few_steps(runner, batch=5)
+    runner.shutdown()
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(3):
+        runner = make_runner("bfloat16", enforce_eager=False)
+        decode_a_few_steps(runner, batch=5)
+        assert runner.num_cuda_graphs == 1
+        runner.shutdown()
+        del runner
+        gc.collect()
+        assert torch.cuda.memory_allocated() == base_allocated
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == base_reserved
