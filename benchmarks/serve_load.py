@@ -33,8 +33,9 @@ before each, and reports both and their ratios. A proxy without `--routing` (rea
 Faults: `--kill NODE@S` (SIGKILL) and `--restart NODE@S` (same command, same ports), S seconds
 after the first arrival, in every routing's run. The fault window runs from the first kill to the
 moment the last restarted node answers /health (or to the end if one stays down); requests are
-`before` it (ended before it began), `after` it (arrived after it ended) or `during` it, and each
-group gets its TTFT and errors. Leaks are read once the restarted nodes are healthy again.
+`before` it (ended before it began), `after` it (sent after it ended) or `during` it, and each
+group gets its TTFT and errors. When the cap holds requests back, TTFT from the scheduled arrival
+includes that wait: `ttft_from_send_ms` is the part the proxy and the nodes took. Leaks are read once the restarted nodes are healthy again.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ from kvbridge.serve.launcher import ManagedProcess, cli_argv, http_json, start_n
 
 ROUTINGS = ("load-prefix", "round-robin")
 BASELINE_ROUTING = "round-robin"
-NODE_ARGS = "--num-threads 1 --num-blocks 1024 --max-model-len 2048"
+# 512 blocks of 16 tokens a node, 32 shared prefixes of 384 tokens (24 blocks each, 768 in all): one
+# prefill node's cache holds fewer than all of them, two hold them all. The case prefix-aware routing is for.
+NODE_ARGS = "--num-threads 1 --num-blocks 512 --max-model-len 2048"
 NODE_ENV = {"OMP_NUM_THREADS": "1", "UCX_NET_DEVICES": "lo"}
 MIN_SUFFIX = 16  # tokens of its own every prompt has after its group's prefix
 VOCAB = 256  # byte tokens of the built-in presets
@@ -155,11 +158,12 @@ def fault_window(events: list[dict[str, Any]]) -> tuple[float, float] | None:
     return min(kills), math.inf if down else end
 
 
-def window_of(arrival_s: float, end_s: float, window: tuple[float, float]) -> str:
+def window_of(sent_s: float, end_s: float, window: tuple[float, float]) -> str:
+    """`before` the fault: ended before it began; `after`: sent once it was over; else `during`."""
     begin, end = window
     if end_s <= begin:
         return "before"
-    return "after" if arrival_s >= end else "during"
+    return "after" if sent_s >= end else "during"
 
 
 # ------------------------------------------------------------------ figures
@@ -199,7 +203,13 @@ class Outcome:
 
     @property
     def ttft_s(self) -> float | None:
+        """From the scheduled arrival: waiting for a slot under the cap, or a late client, counts."""
         return self.token_times[0] - self.item.arrival_s if self.token_times else None
+
+    @property
+    def ttft_from_send_s(self) -> float | None:
+        """From the moment it was sent: what the proxy and the nodes took."""
+        return self.token_times[0] - self.sent_s if self.token_times else None
 
     @property
     def itls_s(self) -> list[float]:
@@ -295,7 +305,7 @@ async def inject_faults(faults: list[Fault], procs: dict[str, ManagedProcess], t
             proc.restart()
         events.append({"action": fault.action, "node": fault.node, "at_s": time.perf_counter() - t0})
         if fault.action == "restart":
-            recoveries.append(_await_healthy(proc, events[-1], t0, timeout_s))
+            recoveries.append(asyncio.create_task(_await_healthy(proc, events[-1], t0, timeout_s)))
     await asyncio.gather(*recoveries)
     return events
 
@@ -345,17 +355,18 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def prefix_hit_rate(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Any]:
-    """Prompt tokens the prefill nodes' prefix caches served, over all their prompt tokens, in one run.
-    A node restarted during the run counts from its restart (its counters start again at 0)."""
+def counter_delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much a node's counter grew; a node restarted in between counts from its restart (from 0)."""
+    old, new = before.get(name, 0.0), after.get(name, 0.0)
+    return new - old if new >= old else new
 
-    def delta(node: str, name: str) -> float:
-        old, new = before[node].get(name, 0.0), after[node].get(name, 0.0)
-        return new - old if new >= old else new
 
-    per_node = {n: (delta(n, "kvbridge_cached_prompt_tokens_total"), delta(n, "kvbridge_prompt_tokens_total")) for n in after}
-    cached, prompt = sum(c for c, _ in per_node.values()), sum(p for _, p in per_node.values())
-    return {"overall": ratio(cached, prompt), "per_node": {n: ratio(c, p) for n, (c, p) in per_node.items()}}
+def prefix_hit_rate(before: dict[str, dict], after: dict[str, dict], nodes: list[str]) -> dict[str, Any]:
+    """Prompt tokens the prefix caches of `nodes` served over all their prompt tokens, in one run."""
+    cached, prompt = "kvbridge_cached_prompt_tokens_total", "kvbridge_prompt_tokens_total"
+    per_node = {n: (counter_delta(before[n], after[n], cached), counter_delta(before[n], after[n], prompt)) for n in nodes}
+    num_cached, num_prompt = sum(c for c, _ in per_node.values()), sum(p for _, p in per_node.values())
+    return {"overall": ratio(num_cached, num_prompt), "per_node": {n: ratio(c, p) for n, (c, p) in per_node.items()}}
 
 
 def node_state(url: str) -> dict[str, Any] | None:
@@ -441,6 +452,7 @@ def outcome_summary(outcomes: list[Outcome]) -> dict[str, Any]:
         "num_errors": len(outcomes) - len(ok),
         "errors_by_kind": errors,
         "ttft_ms": summarize_ms([o.ttft_s for o in ok]),
+        "ttft_from_send_ms": summarize_ms([o.ttft_from_send_s for o in ok]),
         "itl_ms": summarize_ms([gap for o in ok for gap in o.itls_s]),
         "e2e_ms": summarize_ms([o.end_s - o.item.arrival_s for o in ok]),
     }
@@ -452,14 +464,14 @@ def fault_report(events: list[dict[str, Any]], outcomes: list[Outcome]) -> dict[
         return None
     groups: dict[str, list[Outcome]] = {"before": [], "during": [], "after": []}
     for o in outcomes:
-        groups[window_of(o.item.arrival_s, o.end_s, window)].append(o)
+        groups[window_of(o.sent_s, o.end_s, window)].append(o)
     windows = {name: {k: v for k, v in outcome_summary(group).items() if k != "itl_ms"} for name, group in groups.items()}
     return {"events": events, "window_s": [window[0], None if math.isinf(window[1]) else window[1]], "windows": windows}
 
 
 def run_once(args, proxy_url: str, schedule: list[WorkItem], reference, procs, node_urls, prefill_names, faults) -> dict:
     """One pass of the schedule through the proxy at `proxy_url`; the nodes settle afterwards."""
-    hits_before = {n: scrape(node_urls[n]) for n in prefill_names}
+    counters_before = {name: scrape(url) for name, url in node_urls.items()}
     load_start = os.getloadavg()
 
     async def faults_now(t0: float) -> list:
@@ -469,7 +481,7 @@ def run_once(args, proxy_url: str, schedule: list[WorkItem], reference, procs, n
         drive(proxy_url, schedule, args.max_in_flight, args.request_timeout, faults_now)
     )
     load_end = os.getloadavg()
-    hits_after = {n: scrape(node_urls[n]) for n in prefill_names}
+    counters_after = {name: scrape(url) for name, url in node_urls.items()}
     try:
         proxy_health = http_json(f"{proxy_url}/health", timeout_s=30)[1]
     except OSError as exc:
@@ -492,7 +504,10 @@ def run_once(args, proxy_url: str, schedule: list[WorkItem], reference, procs, n
             "num_waited_for_slot": client.num_waited_for_slot,
             "send_lag_ms": summarize_ms(client.send_lags_s),
         },
-        "prefill_prefix_hit_rate": prefix_hit_rate(hits_before, hits_after),
+        "prefill_prefix_hit_rate": prefix_hit_rate(counters_before, counters_after, prefill_names),
+        "ok_requests_per_node": {
+            n: counter_delta(counters_before[n], counters_after[n], "kvbridge_requests_total{outcome=ok}") for n in node_urls
+        },
         "faults": fault_report(events, outcomes),
         "leaks": settle(node_urls, args.settle_timeout),
         "proxy": {"health": proxy_health, "metrics": scrape(proxy_url)},
@@ -608,11 +623,12 @@ def print_summary(result: dict, out) -> None:
         wrong = "" if r["wrong_completions"] is None else f", {r['wrong_completions']} wrong"
         out.write(f"[{label}] {r['num_ok']}/{r['num_requests']} ok in {r['duration_s']:.1f} s: "
                   f"{r['achieved_rate']:.2f} req/s of {r['offered_rate']:.2f} offered{wrong}\n")  # fmt: skip
-        out.write(f"  TTFT {ms(r['ttft_ms'])}; ITL {ms(r['itl_ms'])}\n")
+        out.write(f"  TTFT {ms(r['ttft_ms'])} (from send: {ms(r['ttft_from_send_ms'])}); ITL {ms(r['itl_ms'])}\n")
         out.write(f"  errors {r['errors_by_kind'] or 'none'}; prefill prefix hit rate {r['prefill_prefix_hit_rate']['overall']}\n")
         out.write(f"  client: peak {r['client']['peak_in_flight']} in flight, {r['client']['num_waited_for_slot']} held by the cap\n")
         for name, w in ((r["faults"] or {}).get("windows") or {}).items():
-            out.write(f"  {name:>6} fault: {w['num_ok']}/{w['num_requests']} ok, errors {w['errors_by_kind'] or 'none'}, TTFT {ms(w['ttft_ms'])}\n")
+            out.write(f"  {name:>6} fault: {w['num_ok']}/{w['num_requests']} ok, errors {w['errors_by_kind'] or 'none'}, "
+                      f"TTFT {ms(w['ttft_ms'])} (from send: {ms(w['ttft_from_send_ms'])})\n")  # fmt: skip
         leaks = r["leaks"]
         out.write(f"  leaks: {'none' if leaks['ok'] else leaks['leaking_nodes']} (settled in {leaks['settle_s']:.1f} s)\n")
     if result["ratios"]:
@@ -639,13 +655,13 @@ def _fault_arg(action: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     load = parser.add_argument_group("load")
-    load.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second (Poisson)")
+    load.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second (Poisson)")
     load.add_argument("--num-requests", type=int, default=1000)
     load.add_argument("--max-in-flight", type=int, default=256, help="safety cap on requests in flight")
     load.add_argument("--prompt-len", type=int, default=512, help="mean prompt tokens, prefix included")
     load.add_argument("--output-len", type=int, default=32, help="mean generated tokens")
     load.add_argument("--len-spread", type=float, default=0.5, help="lengths are uniform in mean * [1 - s, 1 + s]")
-    load.add_argument("--prefix-groups", type=int, default=16, help="shared prefixes prompts are drawn from (0: none)")
+    load.add_argument("--prefix-groups", type=int, default=32, help="shared prefixes prompts are drawn from (0: none)")
     load.add_argument("--prefix-len", type=int, default=384, help="tokens of each shared prefix")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--request-timeout", type=float, default=300.0)

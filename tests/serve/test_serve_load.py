@@ -113,7 +113,7 @@ def test_prefix_hit_rate_counts_a_restarted_node_from_its_restart():
     names = ("kvbridge_cached_prompt_tokens_total", "kvbridge_prompt_tokens_total")
     before = {"prefill0": dict(zip(names, (10.0, 100.0))), "prefill1": dict(zip(names, (50.0, 100.0)))}
     after = {"prefill0": dict(zip(names, (40.0, 200.0))), "prefill1": dict(zip(names, (30.0, 60.0)))}
-    rate = serve_load.prefix_hit_rate(before, after)
+    rate = serve_load.prefix_hit_rate(before, after, ["prefill0", "prefill1"])
     assert rate["per_node"] == {"prefill0": 0.3, "prefill1": 0.5}
     assert rate["overall"] == pytest.approx(60 / 160)
 
