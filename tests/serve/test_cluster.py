@@ -67,7 +67,7 @@ def test_plain_nodes_round_robin_through_the_proxy():
         try:
             nodes = [start_node(f"node{i}", "both", log_dir, extra_args=[*NODE_ARGS, "--no-connector"]) for i in range(2)]
             urls = [n.url for n in nodes]
-            proxy = start_proxy(urls, urls, log_dir)
+            proxy = start_proxy(urls, urls, log_dir, extra_args=["--routing", "round-robin"])
             expected = _reference(PROMPTS[:4])  # while the processes boot
             wait_healthy([*nodes, proxy], timeout_s=120)
             bodies = [_complete(proxy.url, p) for p in PROMPTS[:4]]
