@@ -31,7 +31,6 @@ peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -47,7 +46,7 @@ from kvbridge.transfer.auth import audience_of
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
-from kvbridge.transfer.interfaces import ucx_device_list
+from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, check_descriptor_mode
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
@@ -129,10 +128,8 @@ class KVEndpoint:
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         self._message_handler = message_handler
         self._kv = kv_cache
-        backend = backend or env.nixl_backend()
-        if backend == "UCX":  # transfers stay on the interface peers reach us at
-            backend_params = ucx_device_list(host, backend_params or {}, os.environ)
-        self.agent = NixlAgent(engine_id, backend, backend_params=backend_params)
+        with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
+            self.agent = NixlAgent(engine_id, backend, backend_params=backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
         # as one contiguous tensor (as_strided refuses a view that outruns the storage)
         region = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,))

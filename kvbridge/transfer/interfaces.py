@@ -3,17 +3,20 @@
 A prefill node tells decode nodes where to reach its side channel (`remote_host` in the
 `kv_transfer_params` it returns). That must be an address a peer can connect to: a wildcard
 bind address (`0.0.0.0`, `::`) is not one. `advertised_host` picks the address, and
-`ucx_device_list` keeps UCX on the interface that owns it, so a node serving on loopback or on
+`ucx_on_interface_of` keeps UCX on the interface that owns it, so a node serving on loopback or on
 one private network does not also open its KV transfers to every other interface.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
+import os
 import socket
 import struct
+from collections.abc import Iterator
 
 from kvbridge.errors import ConfigError
 
@@ -83,17 +86,24 @@ def interface_of(host: str) -> str | None:
     return None
 
 
-def ucx_device_list(host: str, backend_params: dict[str, str], environ: dict[str, str]) -> dict[str, str]:
-    """UCX backend params that keep transfers on the interface owning `host`.
+@contextlib.contextmanager
+def ucx_on_interface_of(host: str) -> Iterator[None]:
+    """Inside: UCX contexts created use only the network interface that owns `host`.
 
-    Unchanged when the user chose devices (the `device_list` param or UCX_NET_DEVICES), when `host`
-    is a wildcard, or when no local interface owns it. Same-host memory transports (shared memory,
-    CMA, CUDA IPC) are not network devices: they stay available.
+    Sets UCX_NET_DEVICES for the duration (UCX reads it when a context is created) unless the user
+    set it, `host` is a wildcard, or no local interface owns it. Same-host memory transports
+    (shared memory, CMA, CUDA IPC) are not network devices: they stay available. (NIXL's own UCX
+    `device_list` parameter names InfiniBand-style ports, `dev:1`, which no TCP interface matches.)
     """
-    if "device_list" in backend_params or "UCX_NET_DEVICES" in environ or is_wildcard(host):
-        return backend_params
-    device = interface_of(host)
-    return {**backend_params, "device_list": device} if device is not None else backend_params
+    device = None if "UCX_NET_DEVICES" in os.environ or is_wildcard(host) else interface_of(host)
+    if device is None:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = device
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
 
 
 def _ipv4_of(name: str) -> ipaddress.IPv4Address | None:

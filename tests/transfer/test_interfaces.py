@@ -4,11 +4,13 @@ The same rules run across real interfaces in tests/serve/test_netns.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvbridge.errors import ConfigError
 from kvbridge.transfer import interfaces
-from kvbridge.transfer.interfaces import advertised_host, interface_of, is_wildcard, ucx_device_list
+from kvbridge.transfer.interfaces import advertised_host, interface_of, is_wildcard, ucx_on_interface_of
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "[::]"])
@@ -47,9 +49,14 @@ def test_addresses_no_interface_owns():
     assert interface_of("no-such-host.invalid") is None
 
 
-def test_ucx_is_kept_on_the_served_interface_unless_the_user_chose():
-    assert ucx_device_list("127.0.0.1", {"num_workers": "2"}, {}) == {"num_workers": "2", "device_list": "lo"}
-    assert ucx_device_list("127.0.0.1", {"device_list": "eth9"}, {}) == {"device_list": "eth9"}
-    assert ucx_device_list("127.0.0.1", {}, {"UCX_NET_DEVICES": "mlx5_0:1"}) == {}
-    assert ucx_device_list("0.0.0.0", {}, {}) == {}
-    assert ucx_device_list("192.0.2.77", {}, {}) == {}
+def test_ucx_is_kept_on_the_served_interface_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    with ucx_on_interface_of("127.0.0.1"):
+        assert os.environ["UCX_NET_DEVICES"] == "lo"
+    assert "UCX_NET_DEVICES" not in os.environ  # only while the UCX context is created
+    for host in ("0.0.0.0", "192.0.2.77"):  # a wildcard; an address no interface owns
+        with ucx_on_interface_of(host):
+            assert "UCX_NET_DEVICES" not in os.environ
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    with ucx_on_interface_of("127.0.0.1"):
+        assert os.environ["UCX_NET_DEVICES"] == "mlx5_0:1"
