@@ -21,6 +21,7 @@ from kvbridge.engine.cuda_graphs import DecodeGraphs
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs, to_device
 from kvbridge.engine.weights import load_model
 from kvbridge.errors import ConfigError
@@ -48,6 +49,13 @@ def paged_logits(
 ) -> torch.Tensor:
     """Logits [T, vocab] (float32) of every token of the step: what a decode graph captures."""
     return model.compute_logits(paged_forward(model, kv_cache, block_size, input_ids, requests))
+
+
+def _token_ids(request: Request, start: int, end: int) -> list[int]:
+    """request.all_token_ids[start:end] without copying the whole sequence (a decode needs one token)."""
+    num_prompt = len(request.prompt_token_ids)
+    outputs = request.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
+    return request.prompt_token_ids[start:end] + outputs if start < num_prompt else outputs
 
 
 class StepLogits(NamedTuple):
@@ -190,7 +198,7 @@ class ModelRunner:
             end = start + num_new
             self._validate(req.request_id, start, num_new, req.num_tokens, sched.block_ids)
             spans.append(SeqSpan(len(token_ids), start, num_new, tuple(sched.block_ids)))
-            token_ids.extend(req.all_token_ids[start:end])
+            token_ids.extend(_token_ids(req, start, end))
             if end == req.num_tokens:
                 sample_rows.append(len(token_ids) - 1)
                 sample_req_ids.append(req.request_id)

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0)
 NUM_BLOCKS = 256
 # (max |graph - eager| logit difference, top-2 gap below which an argmax may flip): the padded batch
 # may pick other GEMM kernels than the eager one, nothing else differs.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
+TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25}
 
 
 def make_runner(dtype: str, enforce_eager: bool, block_size: int = 16) -> ModelRunner:
