@@ -9,14 +9,12 @@ Per request (docs/pd-disaggregation.md, "Failure model of the proxy"):
 1. Prefill leg: POST the body to a healthy prefill node (serve/routing.py picks it) with
    `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; its answer
    carries `kv_transfer_params` naming the blocks it holds for us. A node that fails before it
-   answers (unreachable, reset, 5xx, silent for `--timeout`, malformed answer) is ejected
-   (serve/node_pool.py) and the next healthy one is tried, up to `--max-retries` more; when none
+   answers is ejected (serve/node_pool.py) and another tried (serve/proxy_legs.py); when none
    answers, the decode node gets the request without KV params and computes the prompt itself.
 2. Decode leg: POST the original body to a healthy decode node with those params plus
    `do_remote_prefill: true`, and return its answer (a stream is copied through as it arrives).
-   A decode node that fails before the proxy has sent the client a byte is ejected and the next
-   one gets the same params (a lease is not bound to its reader: see the docs), up to
-   `--max-retries` more. Once a stream has started, a failure ends it with an error event.
+   A decode node that fails before the client was sent a byte is ejected and the next one gets the
+   same params (a lease is not bound to its reader: see the docs).
 A node's 4xx (the client's mistake) is passed through unchanged and never retried. No attempt starts
 after the request's `--deadline`. When the decode leg ends without a whole answer, the prefill node
 is told to free the blocks it holds for the request (proxy_release.py). A client that hangs up
@@ -26,15 +24,10 @@ closes the upstream connection, which aborts the request on that node.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from kvbridge import env
@@ -42,85 +35,20 @@ from kvbridge.errors import ConfigError, InvalidRequestError
 from kvbridge.serve.node_pool import CHECK_INTERVAL_S, MAX_BACKOFF_S, MIN_BACKOFF_S, NodePool, NodeState, NodeStats
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.protocol import error_body, parse_completion_request
+from kvbridge.serve.proxy_legs import Deadline, Leg, LegFailed, Reply, Upstream, decode_body
 from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
-from kvbridge.serve.routing import ROUTINGS, PromptKey, RoutingPolicy, make_policies, prompt_key
+from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
 
-logger = logging.getLogger(__name__)
-
-PREFILL_PARAMS = {"do_remote_decode": True}
-UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 MAX_RETRIES = 2
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request a prefill node gets: compute the prompt, keep its KV for a decode node."""
-    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
-    leg.pop("stream_options", None)  # only valid with stream=true: vLLM refuses the leg with a 400
-    return leg
-
-
-def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The request a decode node gets: the client's body plus where to pull the prompt's KV from.
-    Without params (no prefill node answered, or it runs no connector) the decode node computes the prompt."""
-    kv = {**prefill_kv_params, "do_remote_prefill": True} if prefill_kv_params else None
-    return {**body, "kv_transfer_params": kv}
 
 
 def error_response(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, err_type, status, param), status=status)
 
 
-class Reply(Exception):
-    """The client's answer, now: a node's 4xx, passed through and never retried."""
-
-    def __init__(self, response: web.Response) -> None:
-        super().__init__(response.text)
-        self.response = response
-
-
-class NodeFailed(Exception):
-    """A node failed before it answered; the node is ejected and another may be tried.
-    `status` is what the client gets if no other node answers: 502, or 504 for a silent node."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class LegFailed(Exception):
-    """No node of a leg answered: `failure` is the last attempt's, None when no node could be tried."""
-
-    def __init__(self, role: str, failure: NodeFailed | None, num_attempts: int) -> None:
-        super().__init__(f"{role}: {failure or 'no healthy node'} ({num_attempts} attempt(s))")
-        self.role, self.failure, self.num_attempts = role, failure, num_attempts
-
-
-class Leg(NamedTuple):
-    role: str  # "prefill" | "decode"
-    pool: NodePool
-    policy: RoutingPolicy
-
-
-class Answer(NamedTuple):
-    url: str  # the node that answered
-    value: Any
-    num_attempts: int
-
-
-class Deadline:
-    """A request's deadline on the event loop's clock; `None` seconds: none."""
-
-    def __init__(self, seconds: float | None) -> None:
-        self.when = None if seconds is None else asyncio.get_running_loop().time() + seconds
-
-    def timeout(self) -> asyncio.Timeout:
-        """Raises TimeoutError out of the block once the deadline passes (at once when it has)."""
-        return asyncio.timeout_at(self.when)
-
-
 class PDProxy:
-    """The proxy's handlers, node pools and its one client session (created in `on_startup`)."""
+    """The proxy's handlers over its node pools; the upstream session is opened in `on_startup`."""
 
     def __init__(
         self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, *,
@@ -134,165 +62,65 @@ class PDProxy:
         checks = {"check_interval_s": check_interval_s, "max_backoff_s": max_backoff_s}
         prefill_pool, decode_pool = NodePool("prefill", prefill_urls, **checks), NodePool("decode", decode_urls, **checks)
         prefill_policy, decode_policy = make_policies(routing, prefill_pool.urls, decode_pool.urls)
-        self.prefill = Leg("prefill", prefill_pool, prefill_policy)
-        self.decode = Leg("decode", decode_pool, decode_policy)
-        self.routing, self.timeout_s, self.max_retries, self.deadline_s = routing, timeout_s, max_retries, deadline_s
-        self.session: aiohttp.ClientSession | None = None
+        self.prefill_pool, self.decode_pool = prefill_pool, decode_pool
+        self.routing, self.deadline_s = routing, deadline_s
         self.num_requests = 0
         self.releaser = LeaseReleaser(env.side_channel_secret())
         self.metrics = ProxyMetrics(self._node_stats, lambda: (self.releaser.num_released, self.releaser.num_failed))
+        self.upstream = Upstream(
+            Leg("prefill", prefill_pool, prefill_policy), Leg("decode", decode_pool, decode_policy), timeout_s, max_retries,
+            self.metrics,
+        )  # fmt: skip
 
     def _node_stats(self) -> list[NodeStats]:
-        return self.prefill.pool.snapshot() + self.decode.pool.snapshot()
+        return self.prefill_pool.snapshot() + self.decode_pool.snapshot()
 
     @property
     def num_node_failures(self) -> int:
         return sum(node.num_failures for node in self._node_stats())
 
     async def on_startup(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
-        await asyncio.gather(self.prefill.pool.start(self.session), self.decode.pool.start(self.session))
+        await self.upstream.start()
 
     async def on_cleanup(self, app: web.Application) -> None:
-        for leg in (self.prefill, self.decode):
-            await leg.pool.close()
+        await self.upstream.close()
         await self.releaser.drain()
-        if self.session is not None:
-            await self.session.close()
 
-    # ------------------------------------------------------------------ one node, one attempt
+    # ------------------------------------------------------------------ completions
 
-    def _node_failed(self, leg: Leg, url: str, status: int, message: str) -> NodeFailed:
-        leg.pool.report_failure(url, message)
-        return NodeFailed(status, message)
-
-    async def _open(self, leg: Leg, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST to a node; returns the open response of a 2xx/3xx. Raises NodeFailed or Reply (a 4xx)."""
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:  # the client's kv_transfer_params are replaced on both legs: not theirs to get wrong
+            body = protocol_decode_body(await request.read())
+            parsed = parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
+        except InvalidRequestError as exc:
+            self.metrics.requests.labels(outcome="client_error").inc()
+            return error_response(400, str(exc), "invalid_request_error", exc.param)
+        self.num_requests += 1
+        outcome = "aborted"  # until an answer is made: a client that hangs up leaves it so
         try:
-            resp = await self.session.post(f"{url}/v1/completions", json=body)
-        except TimeoutError:
-            raise self._node_failed(leg, url, 504, f"{leg.role} node {url} did not answer within {self.timeout_s:g}s") from None
-        except aiohttp.ClientError as exc:
-            raise self._node_failed(leg, url, 502, f"{leg.role} node {url} is unreachable: {exc}") from None
-        if resp.status < 400:
-            return resp
-        try:
-            text = await resp.text()
-        except UPSTREAM_ERRORS as exc:
-            text = f"(its answer broke off: {type(exc).__name__})"
-        finally:
-            resp.release()
-        if resp.status < 500:  # the client's mistake: pass the node's answer through
-            raise Reply(web.Response(status=resp.status, text=text, content_type="application/json"))
-        raise self._node_failed(leg, url, 502, f"{leg.role} node {url} failed with HTTP {resp.status}: {_error_message(text)}")
-
-    async def _read_json(self, leg: Leg, url: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
-        try:
-            result = await resp.json()
-            if not isinstance(result, dict):
-                raise ValueError(f"a JSON {type(result).__name__}, not an object")
-        except (*UPSTREAM_ERRORS, ValueError) as exc:
-            raise self._node_failed(leg, url, 502, f"{leg.role} node {url} sent a malformed response: {exc}") from None
-        return result
-
-    async def _on_some_node(
-        self, leg: Leg, prompt: PromptKey, attempt: Callable[[str], Awaitable[Any]]
-    ) -> Answer:
-        """`attempt(url)` on the leg's healthy nodes in routing order, each at most once, until one
-        does not raise NodeFailed: at most 1 + max_retries attempts. Raises LegFailed."""
-        tried: list[str] = []
-        failure = None
-        while len(tried) <= self.max_retries and (candidates := leg.pool.candidates(exclude=tried)):
-            url = leg.policy.choose(candidates, prompt)
-            if tried:
-                self.metrics.retries.labels(leg=leg.role).inc()
-            tried.append(url)
             try:
-                with leg.pool.attempt(url):
-                    value = await attempt(url)
-            except NodeFailed as exc:
-                failure = exc
-                continue
-            leg.policy.remember(url, prompt)
-            return Answer(url, value, len(tried))
-        raise LegFailed(leg.role, failure, len(tried))
-
-    # ------------------------------------------------------------------ the two legs
-
-    async def _prefill_on(self, url: str, body: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
-        async with deadline.timeout():
-            resp = await self._open(self.prefill, url, prefill_body(body))
-            try:
-                return await self._read_json(self.prefill, url, resp)
-            finally:
-                resp.release()
-
-    async def _prefill(self, body: dict[str, Any], prompt: PromptKey, deadline: Deadline) -> Answer | None:
-        """The prefill node's answer, or None when no prefill node gave one: the decode node then computes the prompt."""
-        try:
-            return await self._on_some_node(self.prefill, prompt, lambda url: self._prefill_on(url, body, deadline))
-        except LegFailed as exc:
-            self.metrics.recompute_fallbacks.inc()
-            logger.warning("no prefill node answered (%s): the decode node computes the prompt", exc)
-            return None
-
-    async def _decode_on(
-        self, url: str, request: web.Request, body: dict[str, Any], deadline: Deadline
-    ) -> tuple[dict[str, Any] | web.StreamResponse, bool]:
-        """The decode node's answer (a JSON object, or the stream relayed to the client) and whether
-        it arrived whole. NodeFailed only until the client has been sent a byte."""
-        resp = None
-        try:
-            async with deadline.timeout():
-                resp = await self._open(self.decode, url, body)
-                if not body.get("stream"):
-                    return await self._read_json(self.decode, url, resp), True
-                try:
-                    first = await resp.content.readany()
-                except UPSTREAM_ERRORS as exc:
-                    raise self._node_failed(self.decode, url, 502, f"decode node {url} failed before it answered: {exc}") from None
-                if not first:
-                    raise self._node_failed(self.decode, url, 502, f"decode node {url} ended its stream before it answered")
-            return await self._relay(request, resp, first, url)
-        except BaseException:
-            if resp is not None:
-                resp.close()  # a failure or a client that hung up: drop the connection so the node aborts
-            raise
+                response = await self._complete(request, body, prompt_key(parsed.prompt_text, parsed.prompt_token_ids))
+            except Reply as reply:
+                response = reply.response
+            except TimeoutError:
+                message = f"no node answered within the request's deadline ({self.deadline_s:g}s)"
+                response = error_response(504, message, "upstream_error")
+            outcome = _outcome(response.status)
+            return response
         finally:
-            if resp is not None:
-                resp.release()
-
-    async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, first: bytes, url: str
-    ) -> tuple[web.StreamResponse, bool]:
-        """Copy the decode node's SSE stream to the client as it arrives, `first` bytes first."""
-        response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(first)
-        complete = True
-        try:
-            async for data in upstream.content.iter_any():
-                await response.write(data)
-        except UPSTREAM_ERRORS as exc:
-            complete = False
-            self.decode.pool.report_failure(url, f"decode node {url} failed mid-stream: {exc}")
-            message = json.dumps({"error": {"message": f"decode node {url} failed mid-stream: {exc}", "code": 502}})
-            await response.write(f"data: {message}\n\ndata: [DONE]\n\n".encode())
-        await response.write_eof()
-        return response, complete
+            self.metrics.requests.labels(outcome=outcome).inc()
 
     async def _complete(self, request: web.Request, body: dict[str, Any], prompt: PromptKey) -> web.StreamResponse:
-        if not self.decode.pool.has_healthy():
+        """Both legs. Raises Reply (a node's 4xx) and TimeoutError (the deadline)."""
+        if not self.decode_pool.has_healthy():
             return self._leg_failed(LegFailed("decode", None, 0))
         deadline = Deadline(self.deadline_s)
         t0 = time.monotonic()
-        prefill = await self._prefill(body, prompt, deadline)
+        prefill = await self.upstream.prefill(body, prompt, deadline)
         kv_params = prefill.value.get("kv_transfer_params") if prefill else None
         t1, complete = time.monotonic(), False
-        leg_body = decode_body(body, kv_params)
         try:
-            decode = await self._on_some_node(self.decode, prompt, lambda url: self._decode_on(url, request, leg_body, deadline))
+            decode = await self.upstream.decode(request, decode_body(body, kv_params), prompt, deadline)
             response, complete = decode.value
         except LegFailed as exc:
             return self._leg_failed(exc)
@@ -316,57 +144,25 @@ class PDProxy:
 
     def _leg_failed(self, exc: LegFailed) -> web.Response:
         if exc.failure is None:
-            pool = self.prefill.pool if exc.role == "prefill" else self.decode.pool
+            pool = self.prefill_pool if exc.role == "prefill" else self.decode_pool
             down = "; ".join(f"{n.url}: {n.last_error}" for n in pool.snapshot())
             return error_response(503, f"no {exc.role} node is healthy ({down}); retry later", "service_unavailable")
         tried = f" ({exc.num_attempts} {exc.role} node(s) tried)" if exc.num_attempts > 1 else ""
         return error_response(exc.failure.status, f"{exc.failure}{tried}", "upstream_error")
 
-    # ------------------------------------------------------------------ handlers
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:  # the client's kv_transfer_params are replaced on both legs: not theirs to get wrong
-            body = protocol_decode_body(await request.read())
-            parsed = parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
-        except InvalidRequestError as exc:
-            self.metrics.requests.labels(outcome="client_error").inc()
-            return error_response(400, str(exc), "invalid_request_error", exc.param)
-        self.num_requests += 1
-        outcome = "aborted"
-        try:
-            try:
-                response = await self._complete(request, body, prompt_key(parsed.prompt_text, parsed.prompt_token_ids))
-            except Reply as reply:
-                response = reply.response
-            except TimeoutError:
-                response = error_response(504, f"no node answered within the request's deadline ({self.deadline_s:g}s)", "upstream_error")
-            outcome = _outcome(response.status)
-            return response
-        finally:
-            self.metrics.requests.labels(outcome=outcome).inc()
+    # ------------------------------------------------------------------ the other routes
 
     async def models(self, request: web.Request) -> web.Response:
         """A healthy decode node's /v1/models: the model the decode nodes serve."""
-
-        async def fetch(url: str) -> web.Response:
-            try:
-                async with self.session.get(f"{url}/v1/models") as resp:
-                    raw = await resp.read()
-            except UPSTREAM_ERRORS as exc:
-                raise self._node_failed(self.decode, url, 502, f"decode node {url} is unreachable: {exc}") from None
-            if resp.status >= 500:
-                raise self._node_failed(self.decode, url, 502, f"decode node {url} failed with HTTP {resp.status}")
-            return web.Response(status=resp.status, body=raw, content_type="application/json")
-
         try:
-            return (await self._on_some_node(self.decode, (), fetch)).value
+            return await self.upstream.models()
         except LegFailed as exc:
             return self._leg_failed(exc)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while a decode node is healthy (the proxy can answer completions), else 503."""
         nodes = self._node_stats()
-        can_serve = self.decode.pool.has_healthy()
+        can_serve = self.decode_pool.has_healthy()
         all_healthy = all(n.state is NodeState.HEALTHY for n in nodes)
         status = {
             "status": "ok" if all_healthy else "degraded" if can_serve else "unavailable",
@@ -392,13 +188,6 @@ def _outcome(status: int) -> str:
     if status < 400:
         return "ok"
     return {502: "upstream_error", 503: "unavailable", 504: "timeout"}.get(status, "client_error")
-
-
-def _error_message(text: str) -> str:
-    try:
-        return str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return text[:500]
 
 
 @web.middleware
@@ -452,7 +241,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline", type=float, default=None, metavar="SECONDS",
         help="per request: no attempt starts after it, and a request without an answer by then gets a 504 (default none)",
     )  # fmt: skip
-    parser.add_argument("--health-interval", type=float, default=CHECK_INTERVAL_S, help="seconds between health checks of a healthy node")
+    parser.add_argument(
+        "--health-interval", type=float, default=CHECK_INTERVAL_S, help="seconds between health checks of a healthy node"
+    )
     parser.add_argument(
         "--max-probe-backoff", type=float, default=MAX_BACKOFF_S,
         help="longest wait between health checks of an ejected node (they start at 0.25 s and double)",

@@ -74,12 +74,9 @@ class RoundRobin:
 
     def choose(self, candidates: Sequence[NodeLoad], prompt: PromptKey) -> str:
         offered = {c.url for c in candidates}
-        for step in range(len(self._order)):
-            url = self._order[(self._next + step) % len(self._order)]
-            if url in offered:
-                self._next = (self._next + step + 1) % len(self._order)
-                return url
-        return candidates[0].url  # a candidate outside the order given: only if the caller made it up
+        url = next(u for u in [*self._order[self._next :], *self._order[: self._next]] if u in offered)
+        self._next = (self._order.index(url) + 1) % len(self._order)
+        return url
 
     def remember(self, url: str, prompt: PromptKey) -> None:
         pass

@@ -15,7 +15,8 @@ from serve_fakes import FakeEngineCore
 import kvbridge.serve.proxy as proxy_mod
 from kvbridge.serve.api import create_app
 from kvbridge.serve.async_engine import AsyncEngine
-from kvbridge.serve.proxy import PROXY_KEY, create_proxy_app, decode_body, prefill_body
+from kvbridge.serve.proxy import PROXY_KEY, create_proxy_app
+from kvbridge.serve.proxy_legs import decode_body, prefill_body
 
 
 def test_bodies():
@@ -174,9 +175,10 @@ def test_client_hang_up_aborts_on_the_decode_node():
                 if not decode.has_unfinished_requests():
                     break
                 await asyncio.sleep(0.01)
-            return decode.num_aborted
+            health = await (await client.get("/health")).json()
+            return decode.num_aborted, health["decode"][urls[1]]
 
-    assert _run(main()) == 1
+    assert _run(main()) == (1, "ok")  # a client that hangs up says nothing about the decode node
 
 
 @pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": [' + b"9" * 10_000 + b"]}", b"\xff\xfe{"])
