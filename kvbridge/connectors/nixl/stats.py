@@ -8,6 +8,7 @@ Throughput is bytes over *wall time with a transfer in flight* (the union of the
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +27,14 @@ def busy_seconds(starts: np.ndarray, ends: np.ndarray) -> float:
     return float(np.sum(np.clip(reach - np.maximum(starts, prev_reach), 0.0, None)))
 
 
+class ReadTimes(NamedTuple):
+    """One confirmed read, on the worker's clock (time.monotonic)."""
+
+    posted: float  # the read was handed to NIXL (or the CUDA IPC copier)
+    landed: float  # its bytes were in place
+    confirmed: float  # the prefill engine said its lease held through the read: the blocks may be used
+
+
 class TransferStats:
     def __init__(self) -> None:
         self.num_transfers = 0
@@ -36,12 +45,18 @@ class TransferStats:
         self.num_descriptors = 0
         self._recent: deque[tuple[float, float, int]] = deque(maxlen=_WINDOW)  # (start, end, nbytes)
         self.last_error: str | None = None
+        self._confirm_s: deque[float] = deque(maxlen=_WINDOW)  # landed -> confirmed, per read
+        self.last_read: ReadTimes | None = None
 
     def record_done(self, start: float, end: float, nbytes: int, num_descriptors: int) -> None:
         self.num_transfers += 1
         self.bytes_transferred += nbytes
         self.num_descriptors += num_descriptors
         self._recent.append((start, end, nbytes))
+
+    def record_confirmed(self, posted: float, landed: float, confirmed: float) -> None:
+        self._confirm_s.append(confirmed - landed)
+        self.last_read = ReadTimes(posted, landed, confirmed)
 
     def recent(self) -> list[tuple[float, float, int]]:
         """(start, end, nbytes) of the most recent transfers, oldest first."""
@@ -56,6 +71,8 @@ class TransferStats:
         lat = recent[:, 1] - recent[:, 0]
         busy_s = busy_seconds(recent[:, 0], recent[:, 1])
         p50, p90, p99 = (np.percentile(lat, [50, 90, 99]) * 1e3).tolist() if len(lat) else (0.0, 0.0, 0.0)
+        confirm = np.asarray(self._confirm_s, dtype=np.float64)
+        confirm_p50, confirm_p99 = (np.percentile(confirm, [50, 99]) * 1e3).tolist() if len(confirm) else (0.0, 0.0)
         return {
             "num_transfers": self.num_transfers,
             "num_failures": self.num_failures,
@@ -67,6 +84,9 @@ class TransferStats:
             "latency_ms_p50": p50,
             "latency_ms_p90": p90,
             "latency_ms_p99": p99,
+            # bytes in place -> the prefill's word that the lease held (one side-channel round trip)
+            "confirm_ms_p50": confirm_p50,
+            "confirm_ms_p99": confirm_p99,
             # over the most recent transfers: bytes / wall time with at least one in flight
             "throughput_gbps": float(recent[:, 2].sum()) / busy_s / 1e9 if busy_s > 0 else 0.0,
         }

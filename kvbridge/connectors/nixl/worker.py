@@ -62,6 +62,7 @@ class NixlWorker:
         self._policy = options.peer_policy
         self._recvs: dict[str, RecvJob] = {}  # live and releasing reads, by local request id
         self._deadlines: dict[str, float] = {}  # local request id -> when its read must be confirmed
+        self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
             renew_interval_s=options.renew_interval_s, clock=self._clock,
@@ -174,6 +175,7 @@ class NixlWorker:
             job = self._recvs[rec.req_id]
             if rec.is_ok:
                 self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors)
+                self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
                 self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
@@ -185,6 +187,8 @@ class NixlWorker:
             if outcome.verdict is Verdict.REFUSED:
                 self.stats.num_expired_reads += 1
                 self._fail(job, outcome.reason)
+            elif (landed := self._landed.get(outcome.req_id)) is not None:
+                self.stats.record_confirmed(*landed, self._clock())
             self._finish_recv(outcome.req_id)
         busy = {job.remote for job in self._recvs.values()}
         dropped = self._peers.drop_idle(busy)
@@ -218,6 +222,7 @@ class NixlWorker:
     def _finish_recv(self, req_id: str) -> None:
         job = self._recvs.pop(req_id)
         self._deadlines.pop(req_id, None)
+        self._landed.pop(req_id, None)
         if job.local_block_ids:  # a release-only job never parked its request
             self._finished_recving.add(req_id)
 

@@ -67,6 +67,9 @@ def test_pd_matches_colocated_and_frees_everything(node: PrefillNode, reference:
         assert worker["num_transfers"] == sum(1 for p in params if p["remote_block_ids"])
         assert worker["bytes_transferred"] == sum(len(p["remote_block_ids"]) for p in params) * dec.engine.layout.block_nbytes
         assert worker["num_failures"] == 0 and worker["throughput_gbps"] > 0
+        assert worker["confirm_ms_p50"] > 0  # every read waited for its lease's confirmation
+        read = dec.engine.worker_connector.worker.stats.last_read
+        assert read.posted <= read.landed <= read.confirmed
         dec.engine.check_integrity()
         assert_all_free_or_cached(dec.get_stats())
 
