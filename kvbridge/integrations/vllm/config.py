@@ -23,6 +23,7 @@ from typing import Any
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.interfaces import advertised_host
 
 # Keys of kv_connector_extra_config that are KVTransferConfig fields rather than connector options.
 _CONFIG_FIELDS = ("side_channel_host", "side_channel_port", "flush_timeout_s")
@@ -58,6 +59,8 @@ class AdapterConfig:
                     f"kv_connector_extra_config.{ours} is vLLM's to set: use --kv-transfer-config's {theirs!r} instead"
                 )
         fields = {name: extra.pop(name) for name in _CONFIG_FIELDS if name in extra}
+        if "side_channel_host" in fields:  # peers connect to it: a wildcard becomes a reachable address
+            fields["side_channel_host"] = advertised_host(str(fields["side_channel_host"]), None)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ConfigError(
