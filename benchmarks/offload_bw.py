@@ -9,14 +9,19 @@ order); the host slots are contiguous, as the offload scheduler allocates them. 
 through the OffloadingConnector's own copy engine (`kvbridge.connectors.offload.copier`).
 
 Baseline, same run, same bytes: one contiguous pinned-memory copy (device -> pinned host) on CUDA;
-one contiguous memcpy between plain buffers on CPU. Each figure: warm-up, then median and min
-time of `--reps` repetitions; GB/s = 1e9 bytes per second. Index preparation is inside the timing.
+one contiguous memcpy between plain buffers on CPU, with every core the process may run on (torch's
+intra-op threads are set to that count, as a user's copy would have them; the copier's CPU path
+uses as many copy threads). Each figure: warm-up, then median and min time of `--reps`
+repetitions; the repetitions of all cases are interleaved (store, load, both, baselines, store,
+...), so a shared machine's load changes hit every case alike. GB/s = 1e9 bytes per second.
+Index preparation is inside the timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -34,17 +39,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_reps(fn, device: str, reps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-        sync(device)
-    times = []
+def time_interleaved(cases: dict, device: str, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per repetition of each case; repetition k of every case runs before repetition k+1 of any."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+            sync(device)
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
+        for name, fn in cases.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -71,6 +79,8 @@ def main() -> int:
     args = parser.parse_args()
 
     is_cuda = args.device.startswith("cuda")
+    num_cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(num_cores)  # the baseline copy gets the whole machine, like the copier
     n = args.num_blocks or (256 if is_cuda else 32)
     kv_blocks = args.kv_blocks or 4 * n
     layout = KVCacheLayout(kv_blocks, args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype)
@@ -102,13 +112,10 @@ def main() -> int:
     def baseline_load() -> None:  # pinned host -> device: the load's physical limit
         flat_dev.copy_(flat_host, non_blocking=is_cuda)
 
-    results = {
-        "store": summarize(time_reps(store, args.device, args.reps, args.warmup), nbytes),
-        "load": summarize(time_reps(load, args.device, args.reps, args.warmup), nbytes),
-        "bidir": summarize(time_reps(bidir, args.device, args.reps, args.warmup), 2 * nbytes),
-        "baseline": summarize(time_reps(baseline, args.device, args.reps, args.warmup), nbytes),
-        "baseline_load": summarize(time_reps(baseline_load, args.device, args.reps, args.warmup), nbytes),
-    }
+    load_before = os.getloadavg()
+    cases = {"store": store, "load": load, "bidir": bidir, "baseline": baseline, "baseline_load": baseline_load}
+    times = time_interleaved(cases, args.device, args.reps, args.warmup)
+    results = {name: summarize(t, 2 * nbytes if name == "bidir" else nbytes) for name, t in times.items()}
     copier.close()
     base, base_load = results["baseline"]["gbps"], results["baseline_load"]["gbps"]
     report = {
@@ -123,7 +130,9 @@ def main() -> int:
         "bidir_ratio": results["bidir"]["gbps"] / max(base, base_load),
         "details": results,
         "baseline": ("one contiguous copy of the same bytes, device->pinned host (store) and pinned host->device (load)"
-                     if is_cuda else "one contiguous CPU memcpy of the same bytes, each way"),
+                     if is_cuda else f"one contiguous CPU memcpy of the same bytes, each way, on {num_cores} threads"),
+        "copy_threads": getattr(copier, "num_threads", None),
+        "load_avg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "params": {
             "num_blocks": n, "kv_blocks": kv_blocks, "block_nbytes": layout.block_nbytes, "bytes_per_transfer": nbytes,
             "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,

@@ -30,6 +30,7 @@ class OffloadConfig:
     disk_capacity_bytes: int | None = None
     staging_blocks: int = 64  # CUDA: blocks gathered per DMA through the device staging buffer
     pin_memory: bool | None = None  # None: pin the host pool when the KV cache is on CUDA
+    copy_threads: int | None = None  # CPU KV cache: threads that copy blocks (None: one per core it may run on)
     debug_store_delay_s: float = 0.0  # test hook: each store sleeps this long on the copy thread
     debug_load_delay_s: float = 0.0  # test hook: each load sleeps this long
 
@@ -48,6 +49,8 @@ class OffloadConfig:
             )
         if self.staging_blocks <= 0:
             raise ConfigError(f"OffloadingConnector: extra.staging_blocks must be positive, got {self.staging_blocks}")
+        if self.copy_threads is not None and (not isinstance(self.copy_threads, int) or self.copy_threads <= 0):
+            raise ConfigError(f"OffloadingConnector: extra.copy_threads must be a positive integer, got {self.copy_threads!r}")
         if self.debug_store_delay_s < 0 or self.debug_load_delay_s < 0:
             raise ConfigError("OffloadingConnector: debug delays must be >= 0")
 

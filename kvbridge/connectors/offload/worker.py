@@ -73,7 +73,7 @@ class OffloadWorker:
         pin = self.config.pin_memory if self.config.pin_memory is not None else kv_cache.is_cuda
         self.block_nbytes = layout.block_nbytes
         self.host = HostTier(layout, num_slots, pin_memory=pin)
-        self.copier = make_copier(kv_cache, self.host.pool, self.config.staging_blocks)
+        self.copier = make_copier(kv_cache, self.host.pool, self.config.staging_blocks, self.config.copy_threads)
         if self.config.has_disk:
             self.disk = DiskTier(self.config.disk_dir, layout.compat_hash(self.model_id), layout.block_nbytes)
 

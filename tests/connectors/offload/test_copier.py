@@ -1,11 +1,15 @@
-"""The copy engine: run coalescing, and block copies on the CPU thread and the CUDA stream path."""
+"""The copy engine: run coalescing, and block copies on the CPU threads and the CUDA stream path."""
 
 from __future__ import annotations
+
+import random
+import threading
 
 import pytest
 import torch
 
-from kvbridge.connectors.offload.copier import coalesce_runs, make_copier, split_dst_contiguous
+from kvbridge.connectors.offload import copier as copier_module
+from kvbridge.connectors.offload.copier import coalesce_runs, make_copier, split_dst_contiguous, split_runs
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.layout import KVCacheLayout
 
@@ -20,6 +24,69 @@ def test_coalesce_runs_merges_adjacent_ids_on_both_sides():
 def test_split_dst_contiguous_respects_max_len():
     segments = split_dst_contiguous([9, 3, 7, 1, 2], [0, 1, 2, 5, 6], max_len=2)
     assert segments == [([9, 3], 0), ([7], 2), ([1, 2], 5)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_split_runs_cuts_into_even_shares_covering_every_block_once(seed):
+    print("seed", seed)
+    rng = random.Random(seed)
+    src = rng.sample(range(200), 60)
+    runs = coalesce_runs(sorted(src), list(range(60))) + coalesce_runs(src[:10], list(range(100, 110)))
+    total = sum(n for _, _, n in runs)
+    for num_shares in (1, 2, 3, 7, 500):
+        shares = split_runs(runs, num_shares)
+        assert len(shares) == min(num_shares, total)
+        blocks = [(s + i, d + i) for share in shares for s, d, n in share for i in range(n)]
+        assert blocks == [(s + i, d + i) for s, d, n in runs for i in range(n)]  # each once, in order
+        sizes = [sum(n for _, _, n in share) for share in shares]
+        assert max(sizes) - min(sizes) <= -(-total // num_shares)  # only the last share is short
+        assert all(size == sizes[0] for size in sizes[:-1])
+    assert split_runs([], 4) == []
+
+
+@pytest.fixture
+def shares(monkeypatch):
+    """Every share a ThreadCopier copies, as (thread name, runs)."""
+    seen: list[tuple[str, list]] = []
+    copy_share = copier_module._copy_share
+
+    def spy(src, dst, share):
+        seen.append((threading.current_thread().name, share))
+        copy_share(src, dst, share)
+
+    monkeypatch.setattr(copier_module, "_copy_share", spy)
+    return seen
+
+
+def test_thread_copier_copies_each_run_of_adjacent_blocks_at_once_split_over_its_threads(shares):
+    kv = torch.randn((40, *SHAPE), generator=torch.Generator().manual_seed(3))
+    host = torch.zeros((30, *SHAPE))
+    copier = make_copier(kv, host, copy_threads=3)
+    copier.MIN_SHARE_BYTES = 1  # share even these tiny blocks
+    gpu_ids, slots = [5, 6, 7, 8, 20, 21, 3, 30, 31, 32, 33, 34, 35], list(range(13))
+    assert copier.store(gpu_ids, slots).wait(10)
+    assert torch.equal(host[:13], kv[gpu_ids])
+    # runs of 4, 2, 1 and 6 blocks, cut into 3 shares of 5 blocks: 6 copies, not 13
+    assert sorted(run for _, share in shares for run in share) == [
+        (3, 6, 1), (5, 0, 4), (20, 4, 1), (21, 5, 1), (30, 7, 3), (33, 10, 3)
+    ]  # fmt: skip
+    assert len(shares) == 3 and all(name.startswith("kvbridge-offload-copy") for name, _ in shares)
+    shares.clear()
+    target = [0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 39]
+    assert copier.load(slots, target).wait(10)
+    assert torch.equal(kv[target], host[:13])
+    assert sorted(run for _, share in shares for run in share) == [(0, 0, 4), (4, 10, 1), (5, 11, 5), (10, 16, 2), (12, 39, 1)]
+    copier.close()
+
+
+def test_thread_copier_keeps_a_small_copy_in_one_share(shares):
+    kv, host = torch.randn((8, *SHAPE)), torch.zeros((4, *SHAPE))
+    copier = make_copier(kv, host, copy_threads=4)
+    assert copier.num_threads == 4
+    assert copier.store([1, 2, 6], [0, 1, 2]).wait(10)  # 3 blocks of 1.5 KiB: below MIN_SHARE_BYTES
+    assert torch.equal(host[:3], kv[[1, 2, 6]])
+    assert [share for _, share in shares] == [[(1, 0, 2), (6, 2, 1)]]
+    copier.close()
 
 
 def _check_round_trip(device: str, staging_blocks: int = 2) -> None:
