@@ -185,6 +185,8 @@ def test_config_errors_say_what_to_do():
         offload_llm({"host_blocks": 3})
     with pytest.raises(ConfigError, match="eviction_policy"):
         offload_llm({"eviction_policy": "mru"})
+    with pytest.raises(ConfigError, match="copy_threads must be a positive integer"):
+        offload_llm({"copy_threads": 0})
 
 
 @pytest.mark.gpu
