@@ -158,6 +158,21 @@ def wait_healthy(
             time.sleep(0.1)
 
 
+def wait_proxy_routes_to_all(proxy: ManagedProcess, timeout_s: float) -> None:
+    """Wait until the proxy's /health says every node is in rotation (`"status": "ok"`): its health
+    checks find a node a moment after the node answers its own /health. Raises NodeStartError."""
+    deadline = time.monotonic() + timeout_s
+    health: Any = "no answer"
+    while True:
+        with contextlib.suppress(OSError):
+            status, health = http_json(f"{proxy.url}/health", timeout_s=2.0)
+            if status == 200 and isinstance(health, dict) and health.get("status") == "ok":
+                return
+        if time.monotonic() > deadline:
+            raise NodeStartError(f"{proxy.name} does not route to every node after {timeout_s:.0f}s: {health}")
+        time.sleep(0.1)
+
+
 def cli_argv(command: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "kvbridge.cli", command, *args]
 
@@ -195,8 +210,9 @@ class PDCluster:
     """`num_prefill` prefill nodes, `num_decode` decode nodes and a proxy over them, as processes.
 
     `node_args` go to every `kvbridge serve` (e.g. `["--num-blocks", "64"]`, or `["--no-connector"]`).
-    Entering starts them and waits for health (`start()` + `wait()` split the two, so a caller can
-    work while they boot); leaving (or `stop()`) stops them all, whatever happened.
+    Entering starts them and waits for health, the proxy's view of every node included (`start()` +
+    `wait()` split the two, so a caller can work while they boot); leaving (or `stop()`) stops them
+    all, whatever happened.
     """
 
     def __init__(self, model: str = "tiny", num_prefill: int = 1, num_decode: int = 1, node_args=(), env=None,
@@ -232,6 +248,7 @@ class PDCluster:
     def wait(self) -> None:
         try:
             wait_healthy(self.processes, self.startup_timeout_s)
+            wait_proxy_routes_to_all(self.proxy, self.startup_timeout_s)
         except BaseException:
             self.stop()
             raise

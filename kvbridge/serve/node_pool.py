@@ -5,12 +5,13 @@ Each node is HEALTHY (in rotation) or EJECTED (skipped by routing). Two things m
     HEALTHY --a real request fails (unreachable, reset, 5xx, silent), or a health check fails--> EJECTED
     EJECTED --GET /health answers 200, from a check started after the ejection-------------> HEALTHY
 
-`start()` checks every node once before the proxy serves, so
-routing starts from what the nodes say. One asyncio task per node checks it: every `check_interval_s` while it is healthy; when
-ejected, after `min_backoff_s`, doubling up to `max_backoff_s` while it stays down. The tasks sleep
-between checks; an ejection wakes the node's task so that its first probe is not a whole healthy
-interval away. A check that started before an ejection cannot undo it: its answer may predate the
-failure.
+`start()` checks every node once before the proxy serves, so routing starts from what the nodes
+say. Then one asyncio task per node checks it: every `check_interval_s` while it is healthy; when
+ejected, after `min_backoff_s`, doubling up to `max_backoff_s` while it stays down, except while it
+answers that it is starting (a node loading its engine will serve soon: it is checked every
+`min_backoff_s`). The tasks sleep between checks; an ejection wakes the node's task so that its
+first check is not a whole healthy interval away. A check that started before an ejection cannot
+undo it: its answer may predate the failure.
 
 The proxy asks the pool, never its nodes' fields: `candidates()` for routing, `attempt(url)` around
 every use of a node (counts requests and requests in flight), `report_failure()`, and `snapshot()`
@@ -150,15 +151,16 @@ class NodePool:
         node.wake.set()
         logger.warning("%s node %s ejected: %s", self.role, node.url, reason)
 
-    def _record_check(self, node: _Node, started_at: float, error: str | None) -> None:
+    def _record_check(self, node: _Node, started_at: float, check: Check) -> None:
         now = asyncio.get_running_loop().time()
-        if error is not None:
-            if node.state is NodeState.EJECTED:
-                node.last_error = f"health check: {error}"
-                node.backoff_s = min(2 * node.backoff_s, self._max_backoff_s)
-                node.next_check_at = now + node.backoff_s
-            else:
-                self._eject(node, f"health check: {error}")
+        if check.error is not None:
+            if node.state is NodeState.HEALTHY:
+                self._eject(node, f"health check: {check.error}")
+                return
+            node.last_error = f"health check: {check.error}"
+            # A node that says it is starting will serve soon: no backoff while it does.
+            node.backoff_s = self._min_backoff_s if check.is_starting else min(2 * node.backoff_s, self._max_backoff_s)
+            node.next_check_at = now + node.backoff_s
             return
         if node.state is NodeState.EJECTED and started_at >= node.ejected_at:
             node.state = NodeState.HEALTHY
@@ -199,12 +201,26 @@ class NodePool:
         self._tasks = []
 
 
-async def probe(session: aiohttp.ClientSession, url: str) -> str | None:
-    """GET `url`/health: None when it answers 200, else why not. Never raises."""
+class Check(NamedTuple):
+    """What one health check found."""
+
+    error: str | None  # None: the node answered 200
+    is_starting: bool = False  # it answered 503 {"status": "starting"}: a node still loading its engine
+
+
+async def probe(session: aiohttp.ClientSession, url: str) -> Check:
+    """GET `url`/health. Never raises."""
     try:
         async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as resp:
-            return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+            if resp.status == 200:
+                return Check(None)
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError:
+                body = None
+            is_starting = isinstance(body, dict) and body.get("status") == "starting"
+            return Check(f"/health answered HTTP {resp.status}{' (starting)' if is_starting else ''}", is_starting)
     except TimeoutError:
-        return f"/health did not answer within {CHECK_TIMEOUT_S:g}s"
+        return Check(f"/health did not answer within {CHECK_TIMEOUT_S:g}s")
     except aiohttp.ClientError as exc:
-        return f"unreachable: {type(exc).__name__}: {exc}"
+        return Check(f"unreachable: {type(exc).__name__}: {exc}")

@@ -15,10 +15,12 @@ from kvbridge.serve.node_pool import NodePool, NodeState
 
 
 class HealthServer:
-    """A node that only answers GET /health, with `status`; counts the checks it got."""
+    """A node that only answers GET /health, with `status` (a 503 says "failed", or "starting"
+    with `is_starting`); counts the checks it got."""
 
     def __init__(self) -> None:
         self.status = 200
+        self.is_starting = False
         self.num_checks = 0
         app = web.Application()
         app.router.add_get("/health", self._health)
@@ -26,7 +28,8 @@ class HealthServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.num_checks += 1
-        return web.json_response({"status": "ok" if self.status == 200 else "starting"}, status=self.status)
+        status = "ok" if self.status == 200 else "starting" if self.is_starting else "failed"
+        return web.json_response({"status": status}, status=self.status)
 
     @property
     def url(self) -> str:
@@ -80,10 +83,11 @@ def test_a_failure_ejects_at_once_and_a_health_check_readmits():
     _run(main())
 
 
-def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop():
+@pytest.mark.parametrize("is_starting", [False, True])
+def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop(is_starting):
     async def main():
         node = HealthServer()
-        node.status = 503
+        node.status, node.is_starting = 503, is_starting
         await node.server.start_server()
         pool = NodePool("prefill", [node.url], check_interval_s=0.01, max_backoff_s=0.5)
         async with aiohttp.ClientSession() as session:
@@ -94,8 +98,10 @@ def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop():
         return node.num_checks, pool.snapshot()[0]
 
     num_checks, stats = _run(main())
-    # 0.25 s doubling to 0.5 s: about 4 checks in 1.5 s; a checker that spins would make thousands
+    # 0.25 s doubling to 0.5 s (a starting node: every 0.25 s): 4 to 7 checks in 1.5 s; a checker
+    # that spins would make thousands
     assert 2 <= num_checks <= 20, num_checks
+    assert stats.last_error.endswith("(starting)") == is_starting, stats
     assert stats.state is NodeState.EJECTED and stats.num_ejections == 1 and "503" in stats.last_error
 
 

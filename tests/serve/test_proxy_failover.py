@@ -19,7 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_cluster import _reference
 
-from kvbridge.serve.launcher import ManagedProcess, http_json, start_node, start_proxy, wait_healthy
+from kvbridge.serve.launcher import (
+    ManagedProcess,
+    http_json,
+    start_node,
+    start_proxy,
+    wait_healthy,
+    wait_proxy_routes_to_all,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -58,7 +65,7 @@ def cluster():
             c.expected = {(p, MAX_TOKENS): ids for p, ids in zip(short, _reference(short, MAX_TOKENS))}
             c.expected |= {(p, LONG_MAX_TOKENS): ids for p, ids in zip(LONG_PROMPTS, _reference(LONG_PROMPTS, LONG_MAX_TOKENS))}
             wait_healthy(c.processes, timeout_s=180)
-            _until(lambda: _proxy_sees_all_healthy(c), "the proxy sees every node healthy")
+            wait_proxy_routes_to_all(c.proxy, timeout_s=60)
             yield c
         finally:
             for proc in c.processes:
@@ -91,11 +98,6 @@ def _node_metric(metrics: dict, name: str, role: str, url: str) -> float:
 
 def _total(metrics: dict, name: str, **labels: str) -> float:
     return sum(v for (n, lbl), v in metrics.items() if n == name and all(dict(lbl).get(k) == w for k, w in labels.items()))
-
-
-def _proxy_sees_all_healthy(c: Cluster) -> bool:
-    status, health = http_json(f"{c.proxy.url}/health")
-    return status == 200 and health["status"] == "ok"
 
 
 def _body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:

@@ -25,7 +25,7 @@ from test_proxy import _cluster, _run
 
 import kvbridge.serve.proxy as proxy_mod
 import kvbridge.serve.proxy_release as release_mod
-from kvbridge.serve.launcher import http_json, start_node, start_proxy, wait_healthy
+from kvbridge.serve.launcher import http_json, start_node, start_proxy, wait_healthy, wait_proxy_routes_to_all
 
 needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="needs NIXL")
 
@@ -132,6 +132,7 @@ def cluster():
             proxy = start_proxy([prefill.url], [decode.url], log_dir, timeout_s=60)
             procs.append(proxy)
             wait_healthy(procs, timeout_s=180)
+            wait_proxy_routes_to_all(proxy, timeout_s=60)  # a prefill leg must reach the prefill node
             yield prefill, decode, proxy
         finally:
             for proc in procs:
