@@ -30,7 +30,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -152,14 +152,14 @@ class ThreadCopier(BlockCopier):
 
     Per direction one dispatch thread (a store and a load overlap; `before` may block on the disk).
     It coalesces a copy's blocks into runs adjacent on both sides, cuts the runs into about equal
-    shares of at least `MIN_SHARE_BYTES`, one per copy thread, and waits for them. The copy threads
-    (`num_threads`, default: the cores of the process's CPU affinity) are shared by both
-    directions, so no more copies run at once than there are cores. Each share is copied on its thread alone,
-    one `np.copyto` per run (it releases the GIL). Not torch's `copy_`: that forks its own
-    intra-op threads for every run (measured 0.73 of a memcpy for 2 MiB runs), and torch copies
-    running on several threads at once would each fork a team over the same cores;
-    `torch.set_num_threads(1)` on a copy thread is no cure, it also changes the default of every
-    thread torch starts later.
+    shares of at least `MIN_SHARE_BYTES`, one per copy thread, and waits for them (a copy of one
+    share it does itself). The copy threads (`num_threads`, default: the cores of the process's
+    CPU affinity) are shared by both directions, so no more copies run at once than there are
+    cores. Each share is copied on its thread alone, one `np.copyto` per run (it releases the
+    GIL). Not torch's `copy_`: that forks its own intra-op threads for every run (measured 0.73
+    of a memcpy for 2 MiB runs), and torch copies running on several threads at once would each
+    fork a team over the same cores; `torch.set_num_threads(1)` on a copy thread is no cure, it
+    also changes the default of every thread torch starts later.
     """
 
     MIN_SHARE_BYTES = 1 << 20  # below this, another thread costs more than it copies
@@ -179,7 +179,12 @@ class ThreadCopier(BlockCopier):
             runs = coalesce_runs(src_ids, dst_ids)
             num_shares = min(self.num_threads, len(src_ids) * self.block_nbytes // self.MIN_SHARE_BYTES)
             shares = split_runs(runs, num_shares)
-            for future in [self._copy_threads.submit(_copy_share, src, dst, share) for share in shares]:
+            if len(shares) == 1:  # small: no hand-off
+                _copy_share(src, dst, shares[0])
+                return
+            futures = [self._copy_threads.submit(_copy_share, src, dst, share) for share in shares]
+            wait(futures)  # all of them, even when one failed: none may still write once the copy is done
+            for future in futures:
                 future.result()
 
         return _FutureHandle(self._dispatch[direction].submit(job))
