@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from kvbridge import LLM, SamplingParams
-from kvbridge.serve.launcher import PDCluster, http_json, start_node, start_proxy, wait_healthy
+from kvbridge.serve.launcher import PDCluster, http_json, start_node, start_proxy, wait_healthy, wait_proxy_routes_to_all
 
 MAX_TOKENS = 6
 NODE_ARGS = ["--num-threads", "1", "--num-blocks", "256", "--max-model-len", "512"]
@@ -70,6 +70,7 @@ def test_plain_nodes_round_robin_through_the_proxy():
             proxy = start_proxy(urls, urls, log_dir, extra_args=["--routing", "round-robin"])
             expected = _reference(PROMPTS[:4])  # while the processes boot
             wait_healthy([*nodes, proxy], timeout_s=120)
+            wait_proxy_routes_to_all(proxy, timeout_s=60)  # round-robin over both, from the first request
             bodies = [_complete(proxy.url, p) for p in PROMPTS[:4]]
             states = _wait_all_blocks_released(urls)
         finally:
