@@ -59,7 +59,15 @@ import aiohttp
 from common import machine_info, versions
 
 from kvbridge.errors import NodeStartError
-from kvbridge.serve.launcher import ManagedProcess, cli_argv, http_json, start_node, start_proxy, wait_healthy
+from kvbridge.serve.launcher import (
+    ManagedProcess,
+    cli_argv,
+    http_json,
+    start_node,
+    start_proxy,
+    wait_healthy,
+    wait_proxy_routes_to_all,
+)
 
 ROUTINGS = ("load-prefix", "round-robin")
 BASELINE_ROUTING = "round-robin"
@@ -234,9 +242,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, item: Work
                     if not line.startswith(b"data: "):
                         continue
                     data = line[len(b"data: "):].strip()
-                    if data == b"[DONE]":
+                    if data == b"[DONE]":  # read on to the end: leaving early looks like a hang-up to the proxy
                         done = True
-                        break
+                        continue
                     chunk = json.loads(data)
                     if "error" in chunk:
                         outcome.fail("stream_error", json.dumps(chunk["error"]))
@@ -570,12 +578,17 @@ def run(args, faults: list[Fault]) -> dict:
             if attached:
                 runs["attached"] = run_once(args, args.proxy_url, schedule, reference, procs, node_urls, prefill_names, faults)
                 continue
+            down = [proc for proc in procs.values() if not proc.is_running()]  # killed in the last routing's run
+            for proc in down:
+                proc.restart()
+            wait_healthy(down, args.startup_timeout)
             reset_prefix_caches(list(node_urls.values()))  # every routing starts cold
             label = routing or "proxy-default"
             proxy = start_proxy([node_urls[n] for n in prefill_names], decode_urls, log_dir,
                                 extra_args=["--routing", routing] if routing else [], name=f"proxy-{label}")  # fmt: skip
             try:
                 wait_healthy([proxy], args.startup_timeout)
+                wait_proxy_routes_to_all(proxy, args.startup_timeout)
                 runs[label] = run_once(args, proxy.url, schedule, reference, procs, node_urls, prefill_names, faults)
             finally:
                 proxy.stop()
