@@ -2,6 +2,7 @@
 
 Routes (see docs/serving.md):
     POST /v1/completions               OpenAI-compatible completions, `stream: true` for SSE
+    POST /v1/chat/completions          OpenAI-compatible chat, the model's chat template (serve/chat.py)
     GET  /v1/models                    the one served model
     GET  /health                       200 once the engine is built, 503 before or after a failure
     GET  /metrics                      Prometheus text format
@@ -15,22 +16,26 @@ Run the app with `handler_cancellation=True` so a client that hangs up aborts it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.errors import InvalidRequestError
-from kvbridge.serve import protocol
+from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.admin import AdminAPI, AdminAuth
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvbridge.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvbridge.serve.stop_strings import ChoiceText, Delta
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,26 @@ class _Run:
         return None
 
 
+class _Job(NamedTuple):
+    """A validated request, ready for the engine."""
+
+    fields: protocol.CommonFields
+    prompt_ids: list[int]
+
+
+class _Wire(NamedTuple):
+    """How one route writes its answers (serve/protocol.py, serve/chat_protocol.py)."""
+
+    id_prefix: str
+    chunk_object: str
+    response: Callable[..., dict[str, Any]]  # (id, created, model, Choice, last output, kvbridge stats)
+    chunk: Callable[..., dict[str, Any]]  # (id, created, model, delta Choice, is_first)
+
+
+COMPLETIONS = _Wire("cmpl", "text_completion", protocol.completion_response, protocol.completion_chunk)
+CHAT = _Wire("chatcmpl", chat_protocol.CHAT_COMPLETION_CHUNK, chat_protocol.chat_response, chat_protocol.chat_chunk)
+
+
 class CompletionsAPI:
     """Handlers bound to one engine, its served model name and its metrics."""
 
@@ -84,36 +109,73 @@ class CompletionsAPI:
         self.model_name = model_name
         self.role = role
         self.metrics = ServerMetrics(role)
+        self._chat_template: ChatTemplate | ChatTemplateError | None = None  # loaded on the first chat request
 
-    async def _parse(self, request: web.Request) -> tuple[protocol.CompletionRequest, list[int]] | web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, self._completion_job, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, self._chat_job, CHAT)
+
+    async def _completion_job(self, body: Any) -> _Job:
+        req = protocol.parse_completion_request(body)
         try:
-            req = protocol.parse_completion_request(protocol.decode_body(await request.read()))
+            prompt_ids = req.prompt_token_ids or list(self.engine.engine.tokenizer.encode(req.prompt_text))
+        except ValueError as exc:  # UnicodeEncodeError: JSON may carry a lone surrogate ("\ud800")
+            raise InvalidRequestError(f"'prompt' cannot be tokenized: {exc}", "prompt") from None
+        return _Job(req.fields, prompt_ids)
+
+    async def _chat_job(self, body: Any) -> _Job:
+        req = chat_protocol.parse_chat_request(body, default_max_tokens=self.engine.engine.limits.max_model_len)
+        template = await self._template()
+        try:  # off the event loop: a 16 MiB conversation takes a while to render and tokenize
+            prompt_ids = await asyncio.to_thread(
+                lambda: template.encode(template.render(req.messages, req.add_generation_prompt))
+            )
+        except ValueError as exc:  # UnicodeEncodeError: JSON may carry a lone surrogate ("\ud800")
+            raise InvalidRequestError(f"'messages' cannot be tokenized: {exc}", "messages") from None
+        return _Job(req.fields, prompt_ids)
+
+    async def _template(self) -> ChatTemplate:
+        """The model's chat template, read from its checkpoint once; raises ChatTemplateError if it has none."""
+        if self._chat_template is None:
+            try:
+                checkpoint = self.engine.engine.config.model.model
+                self._chat_template = await asyncio.to_thread(load_chat_template, checkpoint)
+            except ChatTemplateError as exc:
+                self._chat_template = exc
+        if isinstance(self._chat_template, ChatTemplateError):
+            raise self._chat_template
+        return self._chat_template
+
+    async def _parse(self, request: web.Request, make_job) -> _Job | web.Response:
+        try:
+            job = await make_job(protocol.decode_body(await request.read()))
         except InvalidRequestError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param)
         except web.HTTPRequestEntityTooLarge as exc:
             return _error(413, f"the request body is too large: {exc.text}", "invalid_request_error")
-        if req.model is not None and req.model != self.model_name:
-            return _error(404, f"model {req.model!r} is not served here; use {self.model_name!r}", "model_not_found")
-        try:
-            prompt_ids = req.prompt_token_ids or list(self.engine.engine.tokenizer.encode(req.prompt_text))
-        except ValueError as exc:  # UnicodeEncodeError: JSON may carry a lone surrogate ("\ud800")
-            return _error(400, f"'prompt' cannot be tokenized: {exc}", "invalid_request_error", "prompt")
-        if not prompt_ids:
+        model = job.fields.model
+        if model is not None and model != self.model_name:
+            return _error(404, f"model {model!r} is not served here; use {self.model_name!r}", "model_not_found")
+        if not job.prompt_ids:
             return _error(400, "the prompt encodes to no tokens", "invalid_request_error", "prompt")
-        return req, prompt_ids
+        return job
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, make_job, wire: _Wire) -> web.StreamResponse:
         if not self.engine.is_ready:
             return _error(503, "the engine is not ready; poll GET /health", "service_unavailable")
-        parsed = await self._parse(request)
-        if isinstance(parsed, web.Response):
+        job = await self._parse(request, make_job)
+        if isinstance(job, web.Response):
             self.metrics.observe_rejected()
-            return parsed
-        req, prompt_ids = parsed
-        run = _Run(f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic())
+            return job
+        fields = job.fields
+        run = _Run(f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic())
+        choice = ChoiceText(fields.stop)
         self.metrics.running.inc()
         try:
-            outputs = self.engine.generate(run.request_id, prompt_ids, req.sampling_params, req.kv_transfer_params)
+            outputs = self.engine.generate(run.request_id, job.prompt_ids, fields.sampling_params, fields.kv_transfer_params)
+            # Closing the outputs aborts the request in the engine: a client gone, or a stop string matched.
             async with aclosing(outputs):
                 try:
                     run.saw(await anext(outputs))
@@ -126,9 +188,9 @@ class CompletionsAPI:
                 except EngineDeadError as exc:
                     run.outcome = "error"
                     return _error(503, str(exc), "service_unavailable")
-                if req.stream:
-                    return await self._stream(request, outputs, run)
-                return await self._collect(outputs, run)
+                if fields.stream:
+                    return await self._stream(request, outputs, run, choice, wire, fields.include_usage)
+                return await self._collect(outputs, run, choice, wire)
         except ConnectionResetError:
             logger.info("the client of %s hung up; request aborted", run.request_id)
             return web.Response(status=499)
@@ -150,10 +212,20 @@ class CompletionsAPI:
             run.outcome, len(last.prompt_token_ids), generated, last.num_cached_tokens, last.num_external_tokens
         )
 
-    async def _collect(self, outputs, run: _Run) -> web.Response:
+    async def _updates(self, outputs, run: _Run, choice: ChoiceText) -> AsyncIterator[Delta]:
+        """What each engine output adds to the choice, until the request finished or hit a stop string."""
+        output = run.last
+        while True:
+            yield choice.update(output.outputs[0], output.finished)
+            if choice.is_finished:
+                return
+            output = await anext(outputs)
+            run.saw(output)
+
+    async def _collect(self, outputs, run: _Run, choice: ChoiceText, wire: _Wire) -> web.Response:
         try:
-            async for output in outputs:
-                run.saw(output)
+            async for _ in self._updates(outputs, run, choice):
+                pass
         except EngineDeadError as exc:
             run.outcome = "error"
             return _error(503, str(exc), "service_unavailable")
@@ -161,34 +233,33 @@ class CompletionsAPI:
         run.outcome = "error" if failure else "ok"
         if failure:
             return _error(500, failure, "engine_error")
-        extra = self._kvbridge_stats(run)
-        return web.json_response(protocol.completion_response(run.request_id, run.created, self.model_name, run.last, extra))
+        answer = protocol.Choice(choice.text, choice.token_ids, choice.finish_reason)
+        body = wire.response(run.request_id, run.created, self.model_name, answer, run.last, self._kvbridge_stats(run))
+        return web.json_response(body)
 
-    async def _stream(self, request: web.Request, outputs, run: _Run) -> web.StreamResponse:
-        """SSE: one chunk per output that added tokens; the last one carries usage and stats."""
+    async def _stream(
+        self, request: web.Request, outputs, run: _Run, choice: ChoiceText, wire: _Wire, include_usage: bool
+    ) -> web.StreamResponse:
+        """SSE: one chunk per output that added tokens. The last one carries usage and stats, or with
+        `include_usage` a chunk of its own with no choices follows it (OpenAI's shape)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        sent_tokens, sent_text = 0, ""
-        output = run.last
+        is_first = True
         try:
-            while True:
-                completion = output.outputs[0] if output.outputs else None
-                if completion is not None and (len(completion.token_ids) > sent_tokens or output.finished):
-                    full_text = protocol.stable_text(completion.text, output.finished)
-                    text = full_text[len(sent_text):] if full_text.startswith(sent_text) else ""
-                    chunk = protocol.completion_chunk(
-                        run.request_id, run.created, self.model_name, text,
-                        list(completion.token_ids[sent_tokens:]), completion.finish_reason,
-                    )  # fmt: skip
-                    if output.finished:
-                        self._finish_chunk(chunk, run)
-                    await response.write(_sse(chunk))
-                    sent_tokens = len(completion.token_ids)
-                    sent_text = full_text if full_text.startswith(sent_text) else sent_text
-                if output.finished:
-                    break
-                output = await anext(outputs)
-                run.saw(output)
+            async for delta in self._updates(outputs, run, choice):
+                if not delta.token_ids and not choice.is_finished:
+                    continue
+                part = protocol.Choice(delta.text, delta.token_ids, choice.finish_reason)
+                chunk = wire.chunk(run.request_id, run.created, self.model_name, part, is_first)
+                is_first = False
+                if choice.is_finished:
+                    self._finish_chunk(chunk, run, with_stats=not include_usage)
+                await response.write(_sse(chunk))
+            if include_usage:
+                chunk = protocol.usage_chunk(run.request_id, run.created, self.model_name, wire.chunk_object, run.last)
+                chunk["kv_transfer_params"] = run.last.kv_transfer_params
+                chunk["kvbridge"] = self._kvbridge_stats(run)
+                await response.write(_sse(chunk))
         except EngineDeadError as exc:
             run.outcome = "error"
             await response.write(_sse(protocol.error_body(str(exc), "service_unavailable", 503)))
@@ -196,14 +267,15 @@ class CompletionsAPI:
         await response.write_eof()
         return response
 
-    def _finish_chunk(self, chunk: dict[str, Any], run: _Run) -> None:
+    def _finish_chunk(self, chunk: dict[str, Any], run: _Run, with_stats: bool) -> None:
         failure = run.failure
         run.outcome = "error" if failure else "ok"
         if failure:
             chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
-        chunk["usage"] = protocol.usage(run.last)
-        chunk["kv_transfer_params"] = run.last.kv_transfer_params
-        chunk["kvbridge"] = self._kvbridge_stats(run)
+        if with_stats:
+            chunk["usage"] = protocol.usage(run.last)
+            chunk["kv_transfer_params"] = run.last.kv_transfer_params
+            chunk["kvbridge"] = self._kvbridge_stats(run)
 
     def _kvbridge_stats(self, run: _Run) -> dict[str, Any]:
         layout = getattr(self.engine.engine, "layout", None)
@@ -233,6 +305,30 @@ class CompletionsAPI:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 4xx (no such route, a wrong method, a body too large) as OpenAI-shaped JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {exc.reason}"
+        if isinstance(exc, web.HTTPNotFound):
+            message += f"; this node serves {', '.join(ROUTES)}"
+        response = _error(exc.status, message, "invalid_request_error")
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception as exc:  # noqa: BLE001 - a bug answers JSON too, and the node serves on
+        logger.exception("%s %s raised", request.method, request.path)
+        return _error(500, f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}", "internal_error")
+
+
+ROUTES = (
+    "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics",
+    "GET /v1/kvbridge/state", "POST /v1/kvbridge/reset_prefix_cache",
+)  # fmt: skip
 API_KEY = web.AppKey("api", CompletionsAPI)
 
 
@@ -243,9 +339,10 @@ def create_app(
     With `admin_token`, the admin endpoints need it as a bearer token (serve/admin.py)."""
     api = CompletionsAPI(engine, model_name, role)
     admin, auth = AdminAPI(engine, role), AdminAuth(admin_token)
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors])
     app[API_KEY] = api
     app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics_text)

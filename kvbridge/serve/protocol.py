@@ -20,34 +20,35 @@ import json
 import math
 import reprlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbridge.connectors.nixl.params import parse_remote_prefill
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams
 from kvbridge.errors import InvalidRequestError, SamplingParamsError
+from kvbridge.serve.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default
-# Fields OpenAI defines that this server cannot honour: a truthy value is rejected, not ignored.
-UNSUPPORTED_FIELDS = ("logprobs", "echo", "best_of", "suffix", "logit_bias", "stop")
+# Fields OpenAI (or vLLM) defines that kvbridge cannot honour, why, and the values that ask for
+# nothing (the defaults clients send): any other value is a 400 naming the field, never ignored.
+NOT_ASKED = (None, False, 0, "", [], {})
+UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "logprobs": ("kvbridge does not return log-probabilities", NOT_ASKED),
+    "echo": ("kvbridge does not echo the prompt", NOT_ASKED),
+    "best_of": ("kvbridge returns one completion per prompt", (None, 1)),
+    "suffix": ("kvbridge does not insert text", NOT_ASKED),
+    "logit_bias": ("kvbridge's sampler takes no logit bias", NOT_ASKED),
+    "presence_penalty": ("kvbridge's sampler applies no penalties", NOT_ASKED),
+    "frequency_penalty": ("kvbridge's sampler applies no penalties", NOT_ASKED),
+    "repetition_penalty": ("kvbridge's sampler applies no penalties", (None, 1)),
+    "min_tokens": ("kvbridge cannot keep a completion from ending before a length", NOT_ASKED),
+}
 # A body is at most 3 levels deep (object, prompt list, token-id list); kv_transfer_params a few more.
 MAX_JSON_DEPTH = 32
 
 # Values quoted in error messages are cut short: a client's 8 MB list is not sent back to it.
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 2, 6, 4, 60, 60, 40
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    """A validated `/v1/completions` body. Exactly one of `prompt_text` / `prompt_token_ids` is set."""
-
-    model: str | None
-    prompt_text: str | None
-    prompt_token_ids: list[int] | None
-    sampling_params: SamplingParams
-    stream: bool
-    kv_transfer_params: dict[str, Any] | None
 
 
 def _fail(message: str, param: str | None = None) -> InvalidRequestError:
@@ -125,12 +126,13 @@ def _parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     )
 
 
-def _get(body: dict, name: str, check, expected: str, default: Any) -> Any:
+def _get(body: dict, name: str, check, expected: str, default: Any, parent: str | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
     if not check(value):
-        raise _fail(f"'{name}' must be {expected}, got {_BRIEF.repr(value)}", name)
+        path = f"{parent}.{name}" if parent else name
+        raise _fail(f"'{path}' must be {expected}, got {_BRIEF.repr(value)}", parent or name)
     return value
 
 
@@ -139,22 +141,52 @@ def _is_token_id_list(value: Any) -> bool:
     return isinstance(value, list) and len(value) <= MAX_STOP_TOKEN_IDS and all(_is_token_id(t) for t in value)
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a decoded JSON body. Raises InvalidRequestError (HTTP 400) naming the bad field."""
-    if not isinstance(body, dict):
-        raise _fail("the request body must be a JSON object")
-    if "prompt" not in body:
-        raise _fail("'prompt' is required", "prompt")
-    for name in UNSUPPORTED_FIELDS:
-        if body.get(name):
-            hint = "; use 'stop_token_ids'" if name == "stop" else ""
-            raise _fail(f"'{name}' is not supported by kvbridge{hint}", name)
+def check_unsupported(body: dict, fields: dict[str, tuple[str, tuple[Any, ...]]]) -> None:
+    """Refuse a field that asks for something kvbridge cannot do (400 naming it)."""
+    for name, (why, off) in fields.items():
+        if body.get(name) not in off:
+            raise _fail(f"'{name}' is not supported: {why}; leave it out", name)
+
+
+def _parse_stop(value: Any) -> tuple[str, ...]:
+    """`stop`: a string or a list of strings (OpenAI's form)."""
+    stop = [value] if isinstance(value, str) else value
+    expected = f"a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_STRING_CHARS} characters"
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop)
+    ):
+        raise _fail(f"'stop' must be {expected}, got {_BRIEF.repr(value)}", "stop")
+    return tuple(stop)
+
+
+class CommonFields(NamedTuple):
+    """The fields /v1/completions and /v1/chat/completions share, validated."""
+
+    model: str | None
+    sampling_params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated `/v1/completions` body. Exactly one of `prompt_text` / `prompt_token_ids` is set."""
+
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    fields: CommonFields
+
+
+def parse_common_fields(body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS) -> CommonFields:
+    """Sampling, stop strings, streaming and P/D fields. Raises InvalidRequestError naming the bad field."""
     if body.get("n") not in (None, 1):
         raise _fail("'n' must be 1: kvbridge returns one completion per request", "n")
-    prompt_text, prompt_token_ids = _parse_prompt(body["prompt"])
-
     model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
-    max_tokens = _get(body, "max_tokens", _is_int, "an integer >= 1", DEFAULT_MAX_TOKENS)
+    max_tokens = _get(body, max_tokens_field, _is_int, "an integer >= 1", default_max_tokens)
     temperature = _get(body, "temperature", _is_number, "0 or a number in [0.01, 100]", 1.0)
     top_p = _get(body, "top_p", _is_number, "a number in (0, 1]", 1.0)
     top_k = _get(body, "top_k", _is_int, "an integer >= 0 (0 or -1 for no cut)", 0)
@@ -162,8 +194,13 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     stop_token_ids = _get(
         body, "stop_token_ids", _is_token_id_list, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", []
     )
+    stop = () if body.get("stop") is None else _parse_stop(body["stop"])
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    stream_options = _get(body, "stream_options", lambda v: isinstance(v, dict), "a JSON object", {})
+    include_usage = _get(
+        stream_options, "include_usage", lambda v: isinstance(v, bool), "true or false", False, "stream_options"
+    )
     kv_transfer_params = _get(body, "kv_transfer_params", lambda v: isinstance(v, dict), "a JSON object", None)
     try:
         parse_remote_prefill(kv_transfer_params)  # a bad P/D hand-off is the client's error, not a mid-step one
@@ -180,8 +217,20 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             ignore_eos=ignore_eos,
         )
     except SamplingParamsError as exc:
-        raise _fail(str(exc).replace("SamplingParams.", ""), exc.field) from None
-    return CompletionRequest(model, prompt_text, prompt_token_ids, params, stream, kv_transfer_params)
+        param = max_tokens_field if exc.field == "max_tokens" else exc.field
+        raise _fail(str(exc).replace("SamplingParams.max_tokens", param).replace("SamplingParams.", ""), param) from None
+    return CommonFields(model, params, stop, stream, include_usage, kv_transfer_params)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a decoded JSON body. Raises InvalidRequestError (HTTP 400) naming the bad field."""
+    if not isinstance(body, dict):
+        raise _fail("the request body must be a JSON object")
+    if "prompt" not in body:
+        raise _fail("'prompt' is required", "prompt")
+    check_unsupported(body, UNSUPPORTED_FIELDS)
+    prompt_text, prompt_token_ids = _parse_prompt(body["prompt"])
+    return CompletionRequest(prompt_text, prompt_token_ids, parse_common_fields(body))
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", code: int = 400, param: str | None = None) -> dict:
@@ -224,11 +273,18 @@ def usage(output: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class Choice(NamedTuple):
+    """A choice as the client sees it (stop strings cut off), or what a chunk adds to it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
 def completion_response(
-    request_id: str, created: int, model: str, output: RequestOutput, extra: dict[str, Any]
+    request_id: str, created: int, model: str, choice: Choice, output: RequestOutput, extra: dict[str, Any]
 ) -> dict[str, Any]:
-    """The whole (non-streamed) response for a finished request."""
-    completion = output.outputs[0]
+    """The whole (non-streamed) response; `output` is the engine's last output for the request."""
     return {
         "id": request_id,
         "object": "text_completion",
@@ -237,9 +293,9 @@ def completion_response(
         "choices": [
             {
                 "index": 0,
-                "text": completion.text,
-                "token_ids": list(completion.token_ids),
-                "finish_reason": completion.finish_reason,
+                "text": choice.text,
+                "token_ids": choice.token_ids,
+                "finish_reason": choice.finish_reason,
                 "logprobs": None,
             }
         ],
@@ -249,20 +305,26 @@ def completion_response(
     }
 
 
-def stable_text(text: str, finished: bool) -> str:
-    """Text safe to stream: a trailing U+FFFD may be half a UTF-8 character that the next token
-    completes, so it is held back until the request finishes."""
-    return text if finished else text.rstrip("\ufffd")
-
-
-def completion_chunk(
-    request_id: str, created: int, model: str, text: str, token_ids: list[int], reason: str | None
-) -> dict[str, Any]:
+def completion_chunk(request_id: str, created: int, model: str, delta: Choice, is_first: bool) -> dict[str, Any]:
     """One SSE chunk: the text and token ids generated since the previous chunk."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": reason, "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "text": delta.text,
+                "token_ids": delta.token_ids,
+                "finish_reason": delta.finish_reason,
+                "logprobs": None,
+            }
+        ],
     }
+
+
+def usage_chunk(request_id: str, created: int, model: str, chunk_object: str, output: RequestOutput) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {"id": request_id, "object": chunk_object, "created": created, "model": model, "choices": [],
+            "usage": usage(output)}  # fmt: skip

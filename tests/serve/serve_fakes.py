@@ -12,7 +12,9 @@ from __future__ import annotations
 import threading
 import time
 
+from kvbridge.config import EngineConfig, ModelConfig
 from kvbridge.connectors.nixl.params import RemotePrefillParams
+from kvbridge.engine.request_limits import RequestLimits
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput
 from kvbridge.errors import InvalidRequestError
 
@@ -32,8 +34,10 @@ class FakeTokenizer:
 class FakeEngineCore:
     model_id = "fake"
 
-    def __init__(self, engine_id: str = "fake-engine", step_delay_s: float = 0.0) -> None:
+    def __init__(self, engine_id: str = "fake-engine", step_delay_s: float = 0.0, model: str = "tiny") -> None:
         self.tokenizer = FakeTokenizer()
+        self.config = EngineConfig(model=ModelConfig(model=model))  # `model`: where a chat template is read
+        self.limits = RequestLimits(vocab_size=256, max_model_len=64)
         self.engine_id = engine_id
         self.step_delay_s = step_delay_s
         self.requests: dict[str, dict] = {}

@@ -12,9 +12,11 @@ from kvbridge.serve import protocol
 def test_defaults_and_text_prompt():
     req = protocol.parse_completion_request({"prompt": "hi"})
     assert req.prompt_text == "hi" and req.prompt_token_ids is None
-    assert req.sampling_params.max_tokens == protocol.DEFAULT_MAX_TOKENS
-    assert req.sampling_params.temperature == 1.0
-    assert not req.stream and req.kv_transfer_params is None and req.model is None
+    fields = req.fields
+    assert fields.sampling_params.max_tokens == protocol.DEFAULT_MAX_TOKENS
+    assert fields.sampling_params.temperature == 1.0
+    assert not fields.stream and fields.kv_transfer_params is None and fields.model is None
+    assert fields.stop == () and not fields.include_usage
 
 
 @pytest.mark.parametrize(
@@ -39,14 +41,25 @@ def test_all_fields():
             "stop_token_ids": [2, 3],
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},
+            "stop": ["\n", "END"],
             "kv_transfer_params": {"do_remote_decode": True},
             "user": "ignored-openai-field",
+            # what clients send by default: asks for nothing, accepted
+            "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logprobs": None,
+            "best_of": 1, "min_tokens": 0, "logit_bias": {},
         }
-    )
-    p = req.sampling_params
+    )  # fmt: skip
+    fields = req.fields
+    p = fields.sampling_params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (5, 0.0, 0.5, 0, 7)
     assert p.stop_token_ids == (2, 3) and p.ignore_eos and p.is_greedy
-    assert req.stream and req.kv_transfer_params == {"do_remote_decode": True} and req.model == "tiny"
+    assert fields.stream and fields.kv_transfer_params == {"do_remote_decode": True} and fields.model == "tiny"
+    assert fields.stop == ("\n", "END") and fields.include_usage
+
+
+def test_a_stop_string_may_be_a_bare_string():
+    assert protocol.parse_completion_request({"prompt": "a", "stop": "###"}).fields.stop == ("###",)
 
 
 @pytest.mark.parametrize(
@@ -66,9 +79,22 @@ def test_all_fields():
         ({"prompt": "a", "stop_token_ids": [1, "x"]}, "stop_token_ids"),
         ({"prompt": "a", "kv_transfer_params": [1]}, "kv_transfer_params"),
         ({"prompt": "a", "kv_transfer_params": {"do_remote_prefill": True, "remote_port": 1}}, "kv_transfer_params"),
-        ({"prompt": "a", "stop": ["\n"]}, "stop"),
+        ({"prompt": "a", "stop": [""]}, "stop"),
+        ({"prompt": "a", "stop": ["a", 1]}, "stop"),
+        ({"prompt": "a", "stop": ["x"] * 17}, "stop"),
+        ({"prompt": "a", "stop": ["x" * 1001]}, "stop"),
+        ({"prompt": "a", "stop": {"s": 1}}, "stop"),
+        ({"prompt": "a", "stream_options": []}, "stream_options"),
+        ({"prompt": "a", "stream_options": {"include_usage": "yes"}}, "stream_options"),
         ({"prompt": "a", "n": 2}, "n"),
         ({"prompt": "a", "logprobs": 3}, "logprobs"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "best_of": 2}, "best_of"),
+        ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "a", "frequency_penalty": -1}, "frequency_penalty"),
+        ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt": "a", "min_tokens": 4}, "min_tokens"),
+        ({"prompt": "a", "logit_bias": {"5": 100}}, "logit_bias"),
     ],
 )
 def test_bad_fields_name_the_param(body, param):
@@ -105,8 +131,8 @@ def test_out_of_range_values_are_invalid_requests_naming_the_field(body, param):
 
 def test_largest_values_in_range_are_accepted():
     body = {"prompt": [0, 2**63 - 1], "temperature": 100, "seed": 2**64 - 1, "stop_token_ids": [0] * 1024, "n": None}
-    req = protocol.parse_completion_request(body)
-    assert req.sampling_params.seed == 2**64 - 1 and len(req.sampling_params.stop_token_ids) == 1024
+    params = protocol.parse_completion_request(body).fields.sampling_params
+    assert params.seed == 2**64 - 1 and len(params.stop_token_ids) == 1024
 
 
 @pytest.mark.parametrize(
@@ -147,7 +173,8 @@ def _output(**kw) -> RequestOutput:
 
 def test_completion_response_shape():
     out = _output()
-    body = protocol.completion_response("cmpl-1", 123, "tiny", out, protocol.kvbridge_stats(out, {"e2e_s": 0.5}))
+    choice = protocol.Choice("ab", [7, 8], "length")
+    body = protocol.completion_response("cmpl-1", 123, "tiny", choice, out, protocol.kvbridge_stats(out, {"e2e_s": 0.5}))
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "ab", "token_ids": [7, 8], "finish_reason": "length", "logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -162,9 +189,9 @@ def test_error_body_is_openai_shaped():
     }
 
 
-def test_stable_text_holds_back_a_trailing_replacement_char():
-    assert protocol.stable_text("ab\ufffd", finished=False) == "ab"
-    assert protocol.stable_text("ab\ufffd", finished=True) == "ab\ufffd"
+def test_usage_chunk_has_no_choices():
+    chunk = protocol.usage_chunk("cmpl-1", 123, "tiny", "text_completion", _output())
+    assert chunk["choices"] == [] and chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
 def test_external_kv_bytes_counts_whole_blocks():

@@ -1,0 +1,135 @@
+"""The OpenAI-compatible `/v1/chat/completions` wire format: parse a body, build responses.
+
+Pure functions on plain dicts, like serve/protocol.py, whose sampling, stop-string, streaming and
+P/D fields a chat body shares. The messages are turned into a prompt by the model's chat
+template (serve/chat.py). Beyond OpenAI's fields: `add_generation_prompt` (default true, as in
+vLLM), and in the response `choices[0].token_ids`, `kv_transfer_params` and `kvbridge`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.engine.outputs import RequestOutput
+from kvbridge.serve.protocol import (
+    NOT_ASKED,
+    UNSUPPORTED_FIELDS,
+    Choice,
+    CommonFields,
+    check_unsupported,
+    parse_common_fields,
+    usage,
+)
+from kvbridge.errors import InvalidRequestError
+
+# Chat has no echo, suffix or best_of; it has tools and formats kvbridge cannot honour.
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    **{k: v for k, v in UNSUPPORTED_FIELDS.items() if k not in ("echo", "suffix", "best_of")},
+    "top_logprobs": ("kvbridge does not return log-probabilities", NOT_ASKED),
+    "tools": ("kvbridge does not call tools", NOT_ASKED),
+    "functions": ("kvbridge does not call functions", NOT_ASKED),
+    "tool_choice": ("kvbridge does not call tools", (None, "none", "auto")),
+    "function_call": ("kvbridge does not call functions", (None, "none", "auto")),
+    "response_format": ("kvbridge answers in plain text only", (None, {"type": "text"})),
+}
+CHAT_COMPLETION_CHUNK = "chat.completion.chunk"
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated `/v1/chat/completions` body; `messages` are ready for the chat template."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    fields: CommonFields
+
+
+def _fail(message: str, param: str = "messages") -> InvalidRequestError:
+    return InvalidRequestError(message, param)
+
+
+def _content_text(content: Any, where: str) -> str | None:
+    """A message's content as the template sees it: a string; text parts are joined with newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "\n".join(p["text"] for p in content)
+    raise _fail(f"{where}.content must be a string, null, or a list of {{'type': 'text', 'text': ...}} parts")
+
+
+def _parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise _fail("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _fail(f"{where} must be an object with a string 'role'")
+        messages.append({**message, "content": _content_text(message.get("content"), where)})
+    return messages
+
+
+def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
+    """Validate a decoded JSON body. `default_max_tokens` applies when neither `max_completion_tokens`
+    nor `max_tokens` is given (the engine's max_model_len: the answer ends with the context).
+    Raises InvalidRequestError (HTTP 400) naming the bad field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    if "messages" not in body:
+        raise _fail("'messages' is required")
+    check_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
+    messages = _parse_messages(body["messages"])
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise _fail("'add_generation_prompt' must be true or false", "add_generation_prompt")
+    # max_completion_tokens replaced max_tokens in OpenAI's chat API; either is accepted.
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    fields = parse_common_fields(body, max_tokens_field, default_max_tokens)
+    return ChatRequest(messages, add_generation_prompt, fields)
+
+
+def chat_response(
+    request_id: str, created: int, model: str, choice: Choice, output: RequestOutput, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole (non-streamed) response; `output` is the engine's last output for the request."""
+    message = {"role": "assistant", "content": choice.text}
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "token_ids": choice.token_ids,
+                "finish_reason": choice.finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(output),
+        "kv_transfer_params": output.kv_transfer_params,
+        "kvbridge": extra,
+    }
+
+
+def chat_chunk(request_id: str, created: int, model: str, delta: Choice, is_first: bool) -> dict[str, Any]:
+    """One SSE chunk: the content generated since the previous chunk; the first names the role."""
+    content = {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
+    return {
+        "id": request_id,
+        "object": CHAT_COMPLETION_CHUNK,
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": content,
+                "token_ids": delta.token_ids,
+                "finish_reason": delta.finish_reason,
+                "logprobs": None,
+            }
+        ],
+    }
