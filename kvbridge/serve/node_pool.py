@@ -136,6 +136,15 @@ class NodePool:
             for n in self._nodes.values()
         ]  # fmt: skip
 
+    def check_integrity(self) -> None:
+        """Raises AssertionError when the bookkeeping is broken: a count below zero or above what
+        it counts within, an ejected node without a reason."""
+        for n in self._nodes.values():
+            assert 0 <= n.num_in_flight <= n.num_requests, f"{n.url}: {n.num_in_flight} in flight of {n.num_requests}"
+            assert 0 <= n.num_failures <= n.num_requests, f"{n.url}: {n.num_failures} failures of {n.num_requests}"
+            assert n.num_readmissions <= n.num_ejections, f"{n.url}: readmitted more often than ejected"
+            assert n.state is NodeState.HEALTHY or n.last_error, f"{n.url} is ejected without a reason"
+
     # ------------------------------------------------------------------ state changes
 
     def _eject(self, node: _Node, reason: str) -> None:

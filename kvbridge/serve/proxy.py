@@ -79,6 +79,11 @@ class PDProxy:
     def num_node_failures(self) -> int:
         return sum(node.num_failures for node in self._node_stats())
 
+    def check_integrity(self) -> None:
+        """Both node pools' bookkeeping holds (NodePool.check_integrity)."""
+        self.prefill_pool.check_integrity()
+        self.decode_pool.check_integrity()
+
     async def on_startup(self, app: web.Application) -> None:
         await self.upstream.start()
 

@@ -76,6 +76,7 @@ def test_a_failure_ejects_at_once_and_a_health_check_readmits():
                 await _until(lambda: pool.has_healthy(), "re-admission")
                 (stats,) = [s for s in pool.snapshot() if s.url == node.url]
                 assert (stats.num_ejections, stats.num_readmissions, stats.num_failures) == (2, 2, 1)
+                pool.check_integrity()
             finally:
                 await pool.close()
                 await node.server.close()

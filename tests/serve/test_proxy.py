@@ -59,6 +59,9 @@ async def _cluster(
         )  # fmt: skip
         async with TestClient(TestServer(app, handler_cancellation=True)) as client:
             yield client, urls
+            proxy = app[PROXY_KEY]
+            proxy.check_integrity()
+            assert all(n.num_in_flight == 0 for n in proxy.prefill_pool.snapshot() + proxy.decode_pool.snapshot())
     finally:
         for server in servers:
             await server.close()
