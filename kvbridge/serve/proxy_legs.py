@@ -251,7 +251,10 @@ class Upstream:
                 await response.write(f"data: {json.dumps({'error': {'message': failure, 'code': 502}})}\n\ndata: [DONE]\n\n".encode())
                 await response.write_eof()
                 return response, False
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client hung up after the last event: the answer was whole all the same
         return response, True
 
 
