@@ -48,13 +48,20 @@ PromptKey = tuple[int, ...]  # chained hashes of a prompt's whole chunks
 
 def prompt_key(prompt_text: str | None, prompt_token_ids: Sequence[int] | None) -> PromptKey:
     """The chained chunk hashes of a prompt (text or token ids); a partial last chunk is left out."""
-    prompt, size = (prompt_text, PREFIX_CHUNK_CHARS) if prompt_text is not None else (prompt_token_ids or [], PREFIX_CHUNK_TOKENS)
+    if prompt_text is not None:
+        chunks = [prompt_text[i : i + PREFIX_CHUNK_CHARS] for i in _chunk_starts(len(prompt_text), PREFIX_CHUNK_CHARS)]
+    else:
+        ids = prompt_token_ids or ()
+        chunks = [tuple(ids[i : i + PREFIX_CHUNK_TOKENS]) for i in _chunk_starts(len(ids), PREFIX_CHUNK_TOKENS)]
     hashes, parent = [], 0
-    for start in range(0, len(prompt) - size + 1, size):
-        chunk = prompt[start : start + size]
-        parent = hash((parent, chunk if isinstance(chunk, str) else tuple(chunk)))
+    for chunk in chunks:
+        parent = hash((parent, chunk))  # per-process hashing is enough: the map lives in this process
         hashes.append(parent)
     return tuple(hashes)
+
+
+def _chunk_starts(length: int, size: int) -> range:
+    return range(0, length - size + 1, size)
 
 
 class RoutingPolicy(Protocol):
