@@ -41,8 +41,9 @@ def timed(fn, device) -> float:
 
 
 def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: int) -> list[float]:
-    """Prefill `prompts`, then the time of each of `num_steps` decode steps of the whole batch."""
-    params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
+    """Prefill `prompts`, then the time of each of `num_steps` steps in which every request decodes."""
+    # Requests admitted early decode while later ones prefill: max_tokens leaves them all running.
+    params = SamplingParams(max_tokens=num_steps + len(prompts) + 1, temperature=0.0, ignore_eos=True)
     ids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -51,7 +52,10 @@ def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: i
         started.update(o.request_id for o in engine.step())
     device = engine.runner.device
     times = [timed(engine.step, device) for _ in range(num_steps)]
-    assert not engine.has_unfinished_requests()
+    assert engine.get_stats()["num_running"] == len(prompts), "a request finished inside the timed steps"
+    for request_id in ids:
+        engine.abort_request(request_id)
+    engine.step()
     return times
 
 

@@ -46,6 +46,9 @@ class RequestBatch(NamedTuple):
     offsets: torch.Tensor  # [B] row of the first new token in the step's flattened tokens
     block_table: torch.Tensor  # [B, NB] block ids covering each context, padded with any valid id
     num_queries: int  # query slots per request (>= max(num_new))
+    # The query slots are exactly the step's tokens, in order (no padding slot, no other batch):
+    # q and the output need no reordering.
+    is_whole_step: bool
 
 
 class PaddedBatch(NamedTuple):
@@ -85,8 +88,7 @@ def build_metadata(
         batches.append(batch)
         first_output_row += targets.shape[1]
     positions, slot_blocks, slot_offsets, output_rows = per_token[:, :num_tokens]
-    if len(requests) == 1 and requests[0].num_queries == 1:
-        # Decodes only: the tokens are the batch's rows, in order (what a decode graph replays).
+    if len(requests) == 1 and requests[0].is_whole_step:
         batches[0] = batches[0]._replace(query_rows=None)
         output_rows = None
     return AttentionMetadata(positions, slot_blocks, slot_offsets, tuple(batches), output_rows)

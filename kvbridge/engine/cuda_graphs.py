@@ -4,8 +4,9 @@ On a GPU an eager decode step costs mostly Python and kernel launches (about 40 
 layer), not arithmetic. `DecodeGraphs` captures the whole decode forward (attention metadata,
 every layer, the final norm and the LM head) once per bucket and replays it: a step whose
 requests all compute one token is padded to the next batch size of `BATCH_BUCKETS` and its block
-table to the next power of two of blocks (at least `MIN_TABLE_BLOCKS`, at most the width of
-`max_model_len`), its inputs are copied into the graph's static buffer, and the graph replays.
+table to a width of `table_width` (the next multiple of an eighth of the power of two below it, at
+least `MIN_TABLE_BLOCKS`, at most the width of `max_model_len`; past the minimum, attention reads
+at most 1/8 more keys than the step needs), its inputs are copied into the graph's static buffer, and the graph replays.
 A bucket is captured the first time a step needs it (a warm-up run of that step on the capture
 stream, then the capture), so only shapes that occur cost memory and start-up time.
 
@@ -53,8 +54,11 @@ def _capture_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device_index)
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def table_width(num_blocks: int) -> int:
+    """The bucketed block-table width for contexts of up to `num_blocks` blocks: a multiple of
+    1/8 of the power of two at or below it, at least MIN_TABLE_BLOCKS (8, 16, ..., 64, 72, 80, ...)."""
+    step = max(MIN_TABLE_BLOCKS, 1 << max(num_blocks.bit_length() - 4, 0))
+    return max(MIN_TABLE_BLOCKS, -(-num_blocks // step) * step)
 
 
 class DecodeGraphs:
@@ -78,7 +82,7 @@ class DecodeGraphs:
         if not inputs.is_decode_only or num_reqs > BATCH_BUCKETS[-1]:
             return None
         batch = next(b for b in BATCH_BUCKETS if b >= num_reqs)
-        width = max(MIN_TABLE_BLOCKS, _next_power_of_two(num_table_blocks(inputs.spans, self.block_size)))
+        width = table_width(num_table_blocks(inputs.spans, self.block_size))
         return GraphKey(batch, min(width, self.max_table_blocks))
 
     def run(self, inputs: StepInputs, key: GraphKey) -> torch.Tensor:
@@ -111,7 +115,7 @@ class DecodeGraphs:
         if self._logits_fn is None:
             raise RuntimeError("DecodeGraphs used after release()")
         input_ids, packed = inputs.split((num_reqs, inputs.numel() - num_reqs))
-        return self._logits_fn(input_ids, [unpack_requests(packed, num_reqs, num_queries=1)])
+        return self._logits_fn(input_ids, [unpack_requests(packed, num_reqs, num_queries=1, is_whole_step=True)])
 
     def release(self) -> None:
         """Free every graph, its pool and the references to the model and KV cache. Idempotent."""

@@ -125,10 +125,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1).view(num_tokens, -1, self.head_dim)
+        q, k = RotaryEmbedding.rotate(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)  # one rotation
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.rotate(q, rope), RotaryEmbedding.rotate(k, rope)
         out = attention(self.layer, q, k, v)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -50,10 +50,10 @@ def pack_requests(spans: Sequence[SeqSpan], block_size: int, table_width: int | 
     return [*(s.start for s in spans), *(s.num_new for s in spans), *(s.offset for s in spans), *table]
 
 
-def unpack_requests(packed: torch.Tensor, num_reqs: int, num_queries: int) -> RequestBatch:
+def unpack_requests(packed: torch.Tensor, num_reqs: int, num_queries: int, is_whole_step: bool) -> RequestBatch:
     """The `RequestBatch` whose `pack_requests` output is the 1-D tensor `packed` (views, no copy)."""
     starts, num_new, offsets, table = packed.split((num_reqs, num_reqs, num_reqs, packed.numel() - 3 * num_reqs))
-    return RequestBatch(starts, num_new, offsets, table.view(num_reqs, -1), num_queries)
+    return RequestBatch(starts, num_new, offsets, table.view(num_reqs, -1), num_queries, is_whole_step)
 
 
 def copy_to_device(segments: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
@@ -76,5 +76,9 @@ def to_device(inputs: StepInputs, block_size: int, device: torch.device) -> Devi
     groups = split_decodes(inputs.spans)
     segments = [inputs.token_ids, inputs.sample_rows, *(pack_requests(g, block_size) for g in groups)]
     input_ids, sample_rows, *packed = copy_to_device(segments, device)
-    requests = [unpack_requests(p, len(g), max(s.num_new for s in g)) for p, g in zip(packed, groups)]
+    requests = []
+    for group, group_packed in zip(groups, packed):
+        num_queries = max(s.num_new for s in group)
+        is_whole_step = len(groups) == 1 and all(s.num_new == num_queries for s in group)
+        requests.append(unpack_requests(group_packed, len(group), num_queries, is_whole_step))
     return DeviceInputs(input_ids, sample_rows, requests)

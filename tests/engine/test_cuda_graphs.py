@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.engine.cuda_graphs import MIN_TABLE_BLOCKS, table_width
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
-
-pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0)
 NUM_BLOCKS = 256
@@ -73,6 +72,14 @@ class Traffic:
                 self.running[req_id] = (req, blocks, to_go - 1)
 
 
+def test_table_widths_cover_the_context_with_little_padding():
+    widths = [table_width(n) for n in range(1, 5000)]
+    assert all(w >= n for n, w in enumerate(widths, start=1))
+    assert all(w < n + max(MIN_TABLE_BLOCKS, n // 8) for n, w in enumerate(widths, start=1))
+    assert len(set(widths)) < 60, "few enough widths that graphs get reused"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_as_requests_join_and_leave(dtype):
     seed = 31
@@ -104,6 +111,7 @@ def test_graph_replay_equals_eager_as_requests_join_and_leave(dtype):
     eager.shutdown()
 
 
+@pytest.mark.gpu
 def test_graph_hooks_run_around_the_replay():
     runner = make_runner("float32", enforce_eager=False)
     req = Request("r", list(range(40, 60)), GREEDY, 16)
@@ -132,6 +140,7 @@ def decode_a_few_steps(runner: ModelRunner, batch: int) -> None:
         out = runner.execute(SchedulerOutput(items))
 
 
+@pytest.mark.gpu
 def test_shutdown_frees_the_graphs():
     # The first runner creates per-process state (the capture stream's cuBLAS workspace).
     runner = make_runner("bfloat16", enforce_eager=False)
