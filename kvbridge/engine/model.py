@@ -46,27 +46,47 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with Hugging Face `rope_scaling` applied."""
+    """[head_dim // 2] float32 inverse frequencies, scaled as transformers' `modeling_rope_utils` does.
+
+    "dynamic" (NTK) is plain RoPE for sequences up to `max_position_embeddings`: transformers rescales
+    only past it, by the current sequence length, which a KV cache shared across requests cannot
+    follow; `RotaryEmbedding` refuses tables past `args.max_position` for it.
+    """
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
-    scaling = args.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        pass
-    elif rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
-        inv_freq = _llama3_scaled(inv_freq, scaling)
-    else:
-        raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
+    scaling = args.rope_scaling
+    match args.rope_type:
+        case "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        case "llama3":
+            inv_freq = _llama3_scaled(inv_freq, scaling)
+        case "yarn":
+            inv_freq = _yarn_scaled(inv_freq, scaling, args.head_dim, args.rope_theta)
     return inv_freq.float()
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature, 1 for every other type."""
+    if args.rope_type != "yarn":
+        return 1.0
+    scaling = args.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all_dim:  # DeepSeek's form
+        return mscale(factor, m) / mscale(factor, m_all_dim)
+    return mscale(factor)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
     factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    original_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    original_len = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = original_len / low_freq_factor
     high_freq_wavelen = original_len / high_freq_factor
@@ -77,6 +97,25 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, out)
 
 
+def _yarn_scaled(inv_freq: torch.Tensor, scaling: dict, head_dim: int, theta: float) -> torch.Tensor:
+    # YaRN (arXiv 2309.00071): dimensions turning more than `beta_fast` times over the original context
+    # are kept, those turning fewer than `beta_slow` times are divided by `factor`, a linear ramp between.
+    factor = float(scaling["factor"])
+    original_len = scaling["original_max_position_embeddings"]
+
+    def dim_of(num_rotations: float) -> float:  # the dimension that turns `num_rotations` times
+        return head_dim * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 1: interpolate
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
 class RotaryEmbedding:
     """cos/sin tables for positions [0, max_len). Plain attributes (not buffers): `release()` drops them.
 
@@ -85,10 +124,16 @@ class RotaryEmbedding:
     """
 
     def __init__(self, args: ModelArgs, max_len: int, device: torch.device | str) -> None:
+        if args.rope_type == "dynamic" and max_len > args.max_position:
+            raise ModelLoadError(
+                f"dynamic RoPE scaling is exact only up to {args.max_position} positions (past them transformers "
+                f"rescales by the sequence length); asked for {max_len}"
+            )
         inv_freq = rope_inv_freq(args).to(device)  # [head_dim // 2]
+        scale = rope_attention_factor(args)
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
-        self.cos: torch.Tensor | None = torch.cat((freqs, freqs), dim=-1).cos()  # [max_len, head_dim]
-        self.signed_sin: torch.Tensor | None = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        self.cos: torch.Tensor | None = torch.cat((freqs, freqs), dim=-1).cos() * scale  # [max_len, head_dim]
+        self.signed_sin: torch.Tensor | None = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale
         self.max_len = max_len
 
     def lookup(self, positions: torch.Tensor) -> Rope:

@@ -17,6 +17,15 @@ BYTE_VOCAB_BOS = 256
 BYTE_VOCAB_EOS = 257
 BYTE_VOCAB_PAD = 258
 
+# The Hugging Face RoPE scaling types kvbridge runs, with the keys each needs (formulas in model.py).
+# `rope_scaling` holds them as transformers' `rope_parameters` does, less `rope_theta`.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -35,7 +44,7 @@ class ModelArgs:
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
-    # Hugging Face `rope_scaling` (None, or {"rope_type": "llama3" | "linear", ...}); see model.py.
+    # None (plain RoPE), or {"rope_type": one of ROPE_SCALING_KEYS, its keys..., optional ones}; see model.py.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -50,6 +59,25 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ConfigError(f"ModelArgs.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling(self.rope_scaling)
+
+    @staticmethod
+    def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+        rope_type = scaling.get("rope_type")
+        if rope_type not in ROPE_SCALING_KEYS:
+            raise ConfigError(
+                f"RoPE scaling type {rope_type!r} is not supported; kvbridge runs {', '.join(ROPE_SCALING_KEYS)} "
+                "(or none)"
+            )
+        missing = [key for key in ROPE_SCALING_KEYS[rope_type] if not isinstance(scaling.get(key), int | float)]
+        if missing:
+            raise ConfigError(f"RoPE scaling type {rope_type!r} needs numbers for {missing}, got {scaling}")
+
+    @property
+    def rope_type(self) -> str:
+        """"default" (no scaling) or the key of ROPE_SCALING_KEYS that `rope_scaling` names."""
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
 
     @property
     def num_queries_per_kv(self) -> int:

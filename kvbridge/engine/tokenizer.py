@@ -1,4 +1,4 @@
-"""Tokenizers: byte-level (built-in presets, checkpoints without tokenizer.json) and tokenizer.json.
+"""Tokenizers: byte-level (built-in presets) and a checkpoint's tokenizer.json.
 
 Both expose the same small interface the engine uses:
 
@@ -8,7 +8,8 @@ Both expose the same small interface the engine uses:
     eos_token_ids: tuple[int, ...] # every id that ends generation (generation_config may list several)
     vocab_size: int
 
-Nothing is fetched at run time: `load_tokenizer` reads only files inside the checkpoint directory.
+Nothing is fetched at run time: `load_tokenizer` reads only files inside the checkpoint directory,
+and a checkpoint without tokenizer.json is refused rather than given a tokenizer it was not trained with.
 """
 
 from __future__ import annotations
@@ -109,14 +110,26 @@ def special_token_ids(checkpoint_dir: str) -> tuple[int | None, tuple[int, ...]]
     return (bos if isinstance(bos, int) else None), eos
 
 
-def load_tokenizer(checkpoint_dir: str, vocab_size: int) -> Tokenizer:
-    """tokenizer.json from `checkpoint_dir` when present, else a byte-level tokenizer.
-
-    The byte-level fallback gives meaningful ids only for byte-level models; it exists so a
-    checkpoint without a tokenizer can still run from token-id prompts.
-    """
-    bos, eos = special_token_ids(checkpoint_dir)
+def load_tokenizer(checkpoint_dir: str) -> HFTokenizer:
+    """tokenizer.json from `checkpoint_dir`; ModelLoadError saying how to make one when it is missing."""
     path = os.path.join(checkpoint_dir, "tokenizer.json")
-    if os.path.exists(path):
-        return HFTokenizer(path, bos, eos)
-    return ByteTokenizer(vocab_size, bos_token_id=bos, eos_token_ids=eos, add_bos=bos is not None)
+    if not os.path.exists(path):
+        raise ModelLoadError(_missing_tokenizer_json(checkpoint_dir))
+    return HFTokenizer(path, *special_token_ids(checkpoint_dir))
+
+
+# A "slow" tokenizer's files: transformers converts them to tokenizer.json, the `tokenizers` library cannot.
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
+
+
+def _missing_tokenizer_json(checkpoint_dir: str) -> str:
+    found = [name for name in SLOW_TOKENIZER_FILES if os.path.exists(os.path.join(checkpoint_dir, name))]
+    has = f" (it has {', '.join(found)})" if found else ""
+    sentencepiece = " and the sentencepiece package" if "tokenizer.model" in found else ""
+    return (
+        f"{checkpoint_dir} has no tokenizer.json{has}; kvbridge reads only tokenizer.json, the fast "
+        f"tokenizer file. Write it once with transformers{sentencepiece} installed: python -c \"from "
+        f"transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{checkpoint_dir}')"
+        f".save_pretrained('{checkpoint_dir}')\", or copy in the tokenizer.json of the model these "
+        "weights come from"
+    )

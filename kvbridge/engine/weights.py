@@ -21,7 +21,7 @@ from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model import LlamaForCausalLM
 from kvbridge.engine.presets import PRESETS, ModelArgs, get_preset, is_preset
 from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from kvbridge.errors import ModelLoadError
+from kvbridge.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -51,7 +51,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     args, max_position = read_hf_config(path)
     model = load_checkpoint(path, args, device, dtype)
     model_id = checkpoint_id(os.path.join(path, "config.json"), safetensors_files(path))  # pages cached by the load
-    return LoadedModel(model.eval(), load_tokenizer(path, args.vocab_size), model_id, max_position)
+    return LoadedModel(model.eval(), load_tokenizer(path), model_id, max_position)
 
 
 def random_model(
@@ -122,9 +122,12 @@ def read_hf_config(path: str) -> tuple[ModelArgs, int]:
         raise ModelLoadError(
             f"{path}: architectures={archs} is not supported; kvbridge runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}/config.json: hidden_act={cfg['hidden_act']!r}; kvbridge's MLP is SwiGLU (silu)")
     try:
         num_heads = cfg["num_attention_heads"]
-        max_position = int(cfg.get("max_position_embeddings", 4096))
+        rope = read_rope_config(cfg)
+        max_position = rope.max_position
         sliding = cfg.get("sliding_window")
         if sliding and (arch != "Qwen2ForCausalLM" or cfg.get("use_sliding_window")):
             # Attention here is always full; capping the context at the window keeps it exact.
@@ -138,18 +141,57 @@ def read_hf_config(path: str) -> tuple[ModelArgs, int]:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             intermediate_size=cfg["intermediate_size"],
             max_position=max_position,
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=rope.theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=rope.scaling,
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_id=cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else None,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path}/config.json lacks {exc.args[0]!r}") from None
+    except ConfigError as exc:
+        raise ModelLoadError(f"{path}/config.json: {exc}") from None
     return args, max_position
+
+
+class RopeConfig(NamedTuple):
+    theta: float
+    scaling: dict | None  # ModelArgs.rope_scaling
+    max_position: int  # the context the scaling is made for
+
+
+def read_rope_config(cfg: dict) -> RopeConfig:
+    """RoPE from either form of config.json, resolved as transformers resolves it.
+
+    transformers < 5 writes a top-level `rope_theta` and `rope_scaling` ({"type" or "rope_type",
+    ...}); transformers >= 5 writes `rope_parameters` ({"rope_type", "rope_theta", ...}).
+    `rope_scaling` wins over `rope_parameters`; a `rope_theta` inside wins over the top-level one.
+    Raises ConfigError (unsupported forms) or KeyError (missing keys).
+    """
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ConfigError(f"per-layer-type RoPE parameters are not supported: {params}")
+    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial}: kvbridge rotates whole heads")
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    max_position = int(cfg["max_position_embeddings"])
+    if rope_type == "default":
+        return RopeConfig(theta, None, max_position)
+    if rope_type in ("llama3", "yarn"):
+        original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or max_position
+    if rope_type == "yarn":
+        # YaRN stretches the original context by `factor` (derived from the two lengths when null).
+        original = params["original_max_position_embeddings"]
+        if params.get("factor") is None:
+            params["factor"] = max_position / original
+        max_position = max(max_position, int(params["factor"] * original))
+    return RopeConfig(theta, {"rope_type": rope_type, **params}, max_position)
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -177,10 +219,19 @@ def load_checkpoint(path: str, args: ModelArgs, device: torch.device, dtype: tor
         model = LlamaForCausalLM(args)
     expected = set(model.state_dict())
     state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
     for file in safetensors_files(path):
         for name, tensor in load_file(file, device="cpu").items():
-            if name in expected:  # skips e.g. rotary_emb.inv_freq buffers of old exports
+            if name in expected:
                 state[name] = tensor.to(device=device, dtype=dtype)
+            elif not name.endswith("rotary_emb.inv_freq"):  # old exports saved this derived buffer
+                unexpected.append(name)
+    if unexpected:
+        raise ModelLoadError(
+            f"{path}: checkpoint has {len(unexpected)} tensors kvbridge's model has no place for, e.g. "
+            f"{sorted(unexpected)[:3]} (an o_proj bias from Llama's attention_bias, say); dropping them would "
+            "change the model"
+        )
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")

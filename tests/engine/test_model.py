@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -55,8 +57,29 @@ def test_llama3_rope_scaling_divides_only_low_frequencies():
     scaled = rope_inv_freq(scaled_args)
     assert scaled[0] == plain[0]  # highest frequency untouched
     torch.testing.assert_close(scaled[-1], plain[-1] / 8)  # lowest frequency divided by factor
-    with pytest.raises(ModelLoadError, match="not supported"):
-        rope_inv_freq(with_overrides(TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_unsupported_or_incomplete_rope_scaling_is_refused():
+    with pytest.raises(ConfigError, match="'longrope' is not supported"):
+        with_overrides(TINY, rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ConfigError, match="needs numbers for \\['original_max_position_embeddings'\\]"):
+        with_overrides(TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+def test_yarn_keeps_high_frequencies_and_scales_attention():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    plain, scaled = RotaryEmbedding(TINY, 64, "cpu"), RotaryEmbedding(with_overrides(TINY, rope_scaling=yarn), 64, "cpu")
+    inv_plain, inv_scaled = rope_inv_freq(TINY), rope_inv_freq(with_overrides(TINY, rope_scaling=yarn))
+    assert inv_scaled[0] == inv_plain[0] and torch.isclose(inv_scaled[-1], inv_plain[-1] / 4)
+    mscale = 0.1 * math.log(4.0) + 1.0
+    torch.testing.assert_close(scaled.cos[0], plain.cos[0] * mscale)  # position 0: cos 1 times the temperature
+
+
+def test_dynamic_rope_refuses_tables_past_max_position():
+    dynamic = with_overrides(TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.testing.assert_close(RotaryEmbedding(dynamic, 64, "cpu").cos, RotaryEmbedding(TINY, 64, "cpu").cos)
+    with pytest.raises(ModelLoadError, match="exact only up to 4096"):
+        RotaryEmbedding(dynamic, 4097, "cpu")
 
 
 def test_random_weights_depend_on_seed_only():

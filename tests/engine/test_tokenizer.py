@@ -42,7 +42,7 @@ def test_byte_tokenizer_without_bos():
 def test_tokenizer_json_is_used_when_present(tmp_path):
     write_tokenizer_json(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    tok = load_tokenizer(str(tmp_path), vocab_size=len(WORDS))
+    tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, HFTokenizer)
     assert tok.encode("hello kv bridge !") == [1, 3, 5, 6, 7]
     assert tok.decode([1, 3, 4, 2]) == "hello world"
@@ -53,15 +53,24 @@ def test_generation_config_eos_wins_and_may_list_several(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
     assert special_token_ids(str(tmp_path)) == (1, (7, 2))
-    tok = load_tokenizer(str(tmp_path), vocab_size=512)
-    assert isinstance(tok, ByteTokenizer)  # no tokenizer.json: byte-level fallback
+    write_tokenizer_json(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
     assert tok.eos_token_id == 7 and tok.eos_token_ids == (7, 2)
+
+
+def test_no_tokenizer_json_is_refused_naming_the_files_found(tmp_path):
+    """No byte-level fallback: a real model's ids would be garbage. The error says how to convert."""
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("")
+    with pytest.raises(ModelLoadError, match=r"no tokenizer.json \(it has vocab.json, merges.txt\); .*AutoTokenizer") as err:
+        load_tokenizer(str(tmp_path))
+    assert "sentencepiece" not in str(err.value)  # only a tokenizer.model needs it
 
 
 def test_malformed_files_raise_model_load_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(ModelLoadError, match="tokenizer"):
-        load_tokenizer(str(tmp_path), vocab_size=512)
+        load_tokenizer(str(tmp_path))
     (tmp_path / "generation_config.json").write_text("[")
     with pytest.raises(ModelLoadError, match="generation_config.json"):
         special_token_ids(str(tmp_path))

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvbridge import LLM, SamplingParams
@@ -22,7 +22,7 @@ from kvbridge.engine.presets import ModelArgs, get_preset, with_overrides
 from kvbridge.engine.reference import dense_greedy, dense_logits
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.engine.weights import random_model
+from kvbridge.engine.weights import random_model, read_hf_config, read_rope_config
 from kvbridge.errors import ConfigError, ModelLoadError
 
 LLAMA = ModelArgs(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -42,8 +42,17 @@ def hf_names(num_layers: int, qkv_bias: bool, tied: bool) -> set[str]:
     return names
 
 
+def write_word_tokenizer(path) -> None:
+    """A tokenizer.json: a checkpoint without one is refused."""
+    words = ["<unk>", "<s>", "</s>", "hello", "world"]
+    Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+
+
 def write_checkpoint(path, args: ModelArgs, arch: str, seed: int = 0, num_shards: int = 1, **config_extra):
-    """A random model saved the way transformers saves it; returns the model (float32, CPU)."""
+    """A random model saved the way transformers < 5 saved it; returns the model (float32, CPU).
+
+    test_hf_parity.py checks checkpoints that transformers itself writes.
+    """
     model = random_model(args, seed)
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     if args.tie_word_embeddings:
@@ -72,6 +81,7 @@ def write_checkpoint(path, args: ModelArgs, arch: str, seed: int = 0, num_shards
     }  # fmt: skip
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+    write_word_tokenizer(path)
     return model
 
 
@@ -94,7 +104,7 @@ def test_llama_sharded(tmp_path):
     assert runner.model_id == checkpoint_id(str(tmp_path / "config.json"), files)
     assert runner.model_id.startswith("LlamaForCausalLM:") and len(runner.model_id.split(":")[1]) == 32
     assert runner.layout.num_kv_heads == 2 and runner.layout.head_dim == 16
-    assert runner.tokenizer.eos_token_id == 2  # byte-level fallback, ids from config.json
+    assert runner.tokenizer.eos_token_id == 2  # from config.json
     runner.shutdown()
 
 
@@ -164,6 +174,87 @@ def test_no_safetensors(tmp_path):
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
         ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+def test_sentencepiece_only_tokenizer_is_refused_with_the_fix(tmp_path):
+    """No silent byte-level tokenizer: the error names what is missing and how to write it."""
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM")
+    os.remove(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
+    with pytest.raises(ModelLoadError, match="no tokenizer.json \\(it has tokenizer.model\\).*sentencepiece.*save_pretrained"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+    os.remove(tmp_path / "tokenizer.model")
+    with pytest.raises(ModelLoadError, match="no tokenizer.json; .*copy in the tokenizer.json"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+def test_tensors_the_model_cannot_hold_are_refused(tmp_path):
+    """Llama's attention_bias also biases o_proj, which kvbridge's model lacks: never dropped silently."""
+    write_checkpoint(tmp_path, with_overrides(LLAMA, qkv_bias=True), "LlamaForCausalLM", attention_bias=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="1 tensors kvbridge's model has no place for.*o_proj.bias"):
+        ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "'longrope' is not supported"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "'linear' needs numbers for \\['factor'\\]"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"max_position_embeddings": None}, "lacks 'max_position_embeddings'"),
+    ],
+)
+def test_config_forms_kvbridge_cannot_run_are_refused(tmp_path, config, error):
+    write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM", **config)
+    if config.get("max_position_embeddings", 0) is None:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        del cfg["max_position_embeddings"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=error):
+        read_hf_config(str(tmp_path))
+
+
+BASE = {"max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize(
+    ("config", "theta", "scaling", "max_position"),
+    [
+        ({}, 10000.0, None, 1024),  # transformers' default theta
+        ({"rope_theta": 5e5}, 5e5, None, 1024),  # transformers < 5
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, 5e5, None, 1024),  # >= 5
+        ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5}}, 5e5, None, 1024),  # inside wins
+        ({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}},
+         5e5, {"rope_type": "linear", "factor": 2.0}, 1024),
+        # rope_scaling wins over rope_parameters, as in transformers
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters": {"rope_type": "default"}},
+         1e4, {"rope_type": "dynamic", "factor": 2.0}, 1024),
+        # llama3 and yarn: original_max_position_embeddings defaults to max_position_embeddings ...
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+         1e4, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024}, 1024),
+        # ... and yarn's context is factor x original, its factor derived from the two lengths when null
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}},
+         1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 2048),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 256}},
+         1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),
+        # a top-level original length wins, as transformers does for it
+        ({"original_max_position_embeddings": 128, "rope_scaling": {"type": "yarn", "factor": 2.0,
+                                                                     "original_max_position_embeddings": 512}},
+         1e4, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}, 1024),
+    ],
+)  # fmt: skip
+def test_rope_config_forms(config, theta, scaling, max_position):
+    assert read_rope_config({**BASE, **config}) == (theta, scaling, max_position)
+
+
+def test_per_layer_rope_parameters_are_refused():
+    nested = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}
+    with pytest.raises(ConfigError, match="per-layer-type"):
+        read_rope_config({**BASE, "rope_parameters": nested})
 
 
 # ---------------------------------------------------------------- checkpoint identity
