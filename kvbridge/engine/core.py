@@ -223,7 +223,9 @@ class EngineCore:
             worker_pending = self.worker_connector.flush(max(0.0, deadline - time.monotonic())).pending_req_ids
             self._empty_step()  # reports what the worker's flush finished, hands down what comes next
 
-        has_ended = lambda: not self.scheduler.has_pending_transfers()  # noqa: E731
+        def has_ended() -> bool:
+            return not self.scheduler.has_pending_transfers()
+
         if has_ended() or drive_until(has_ended, deadline, progress=advance):
             return frozenset()
         return worker_pending | self.scheduler.conn.pending_req_ids()
