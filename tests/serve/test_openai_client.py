@@ -1,0 +1,109 @@
+"""The official `openai` client against a real `kvbridge serve` process over a tiny chat checkpoint:
+completions and chat, plain and streamed, the models list, stop strings and errors. Answers are
+checked against an in-process `LLM` over the same checkpoint (greedy)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+from chat_checkpoint import write_chat_checkpoint
+
+from kvbridge import LLM, SamplingParams
+from kvbridge.serve.chat import load_chat_template
+from kvbridge.serve.launcher import start_node, wait_healthy
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-chat"
+MAX_MODEL_LEN = 128
+MAX_TOKENS = 8
+PROMPT = "hello world how are you"
+MESSAGES = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hello world"}]
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+class Node:
+    def __init__(self, url: str, checkpoint: str) -> None:
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        template = load_chat_template(checkpoint)
+        chat_ids = template.encode(template.render(MESSAGES, add_generation_prompt=True))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        with LLM(model=checkpoint, max_model_len=MAX_MODEL_LEN) as llm:  # the reference
+            prompt_out, chat_out = llm.generate([PROMPT, {"prompt_token_ids": chat_ids}], params)
+        self.expected_text = prompt_out.outputs[0].text
+        self.expected_chat = chat_out.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def node():
+    with tempfile.TemporaryDirectory(prefix="kvbridge-chat-") as tmp:
+        checkpoint = write_chat_checkpoint(f"{tmp}/model")
+        args = ["--no-connector", "--served-model-name", MODEL, "--num-threads", "1", "--num-blocks", "64",
+                "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+        proc = start_node("node", "both", tmp, model=checkpoint, extra_args=args)
+        try:
+            reference = Node(proc.url, checkpoint)  # computed while the node boots
+            wait_healthy([proc], timeout_s=120)
+            yield reference
+        finally:
+            proc.stop()
+
+
+def test_models_list(node):
+    assert [m.id for m in node.client.models.list()] == [MODEL]
+
+
+def test_completion(node):
+    completion = node.client.completions.create(model=MODEL, prompt=PROMPT, **GREEDY)
+    assert completion.choices[0].text == node.expected_text and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == MAX_TOKENS
+
+
+def test_streamed_completion_with_usage(node):
+    stream = node.client.completions.create(
+        model=MODEL, prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == node.expected_text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat(node):
+    chat = node.client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == node.expected_chat
+    assert chat.usage.completion_tokens == MAX_TOKENS
+
+
+def test_streamed_chat_with_usage(node):
+    stream = node.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == node.expected_chat
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(node, stream):
+    words = node.expected_text.split()
+    if len(words) < 2:
+        pytest.skip(f"the random model's greedy text {node.expected_text!r} has fewer than two words")
+    stop = " " + words[1]
+    cut = node.expected_text[: node.expected_text.index(stop)]
+    answer = node.client.completions.create(model=MODEL, prompt=PROMPT, stop=[stop], stream=stream, **GREEDY)
+    chunks = list(answer) if stream else [answer]
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_errors(node):
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        node.client.completions.create(model=MODEL, prompt=PROMPT, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        node.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        node.client.chat.completions.create(model="other", messages=MESSAGES)
+    with pytest.raises(openai.NotFoundError):
+        node.client.embeddings.create(model=MODEL, input="x")  # a route the node does not have
