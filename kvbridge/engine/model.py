@@ -61,6 +61,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
             inv_freq = _llama3_scaled(inv_freq, scaling)
         case "yarn":
             inv_freq = _yarn_scaled(inv_freq, scaling, args.head_dim, args.rope_theta)
+        # "default", and "dynamic" within its context: unscaled
     return inv_freq.float()
 
 

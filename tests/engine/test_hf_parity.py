@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models
+from test_weights import write_word_tokenizer
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.engine.model import RotaryEmbedding
@@ -47,7 +47,8 @@ class Case:
 
 CASES = {
     # The user's bug: theta 500000 inside rope_parameters was read as 10000.
-    "llama-rope_parameters-theta": Case("llama", {"rope_type": "default", "rope_theta": 500000.0}, ablate=DEFAULT_THETA),
+    "llama-rope_parameters-theta": Case("llama", {"rope_type": "default", "rope_theta": 500000.0},
+                                        ablate=DEFAULT_THETA),
     "llama-v4-theta-tied": Case("llama", {"rope_type": "default", "rope_theta": 500000.0}, "v4", DEFAULT_THETA,
                                 tie_word_embeddings=True),
     "llama-llama3": Case("llama", {**LLAMA3, "rope_theta": 10000.0}),  # theta 1e4: every band of llama3 is hit
@@ -97,8 +98,7 @@ def hf_model(case: Case, seed: int):
 def save_checkpoint(model, case: Case, path) -> None:
     """`save_pretrained`, a word-level tokenizer.json, and config.json in the case's form."""
     model.save_pretrained(path)
-    words = ["<unk>", "<s>", "</s>", "hello", "world"]
-    Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    write_word_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
     assert "rope_parameters" in config and "rope_theta" not in config  # the form transformers >= 5 writes
     if case.form.startswith("v4"):  # what transformers < 5 wrote

@@ -68,7 +68,8 @@ def test_unsupported_or_incomplete_rope_scaling_is_refused():
 
 def test_yarn_keeps_high_frequencies_and_scales_attention():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    plain, scaled = RotaryEmbedding(TINY, 64, "cpu"), RotaryEmbedding(with_overrides(TINY, rope_scaling=yarn), 64, "cpu")
+    plain = RotaryEmbedding(TINY, 64, "cpu")
+    scaled = RotaryEmbedding(with_overrides(TINY, rope_scaling=yarn), 64, "cpu")
     inv_plain, inv_scaled = rope_inv_freq(TINY), rope_inv_freq(with_overrides(TINY, rope_scaling=yarn))
     assert inv_scaled[0] == inv_plain[0] and torch.isclose(inv_scaled[-1], inv_plain[-1] / 4)
     mscale = 0.1 * math.log(4.0) + 1.0

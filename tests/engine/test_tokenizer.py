@@ -62,7 +62,8 @@ def test_no_tokenizer_json_is_refused_naming_the_files_found(tmp_path):
     """No byte-level fallback: a real model's ids would be garbage. The error says how to convert."""
     (tmp_path / "vocab.json").write_text("{}")
     (tmp_path / "merges.txt").write_text("")
-    with pytest.raises(ModelLoadError, match=r"no tokenizer.json \(it has vocab.json, merges.txt\); .*AutoTokenizer") as err:
+    missing = r"no tokenizer.json \(it has vocab.json, merges.txt\); .*AutoTokenizer"
+    with pytest.raises(ModelLoadError, match=missing) as err:
         load_tokenizer(str(tmp_path))
     assert "sentencepiece" not in str(err.value)  # only a tokenizer.model needs it
 

@@ -45,7 +45,8 @@ def hf_names(num_layers: int, qkv_bias: bool, tied: bool) -> set[str]:
 def write_word_tokenizer(path) -> None:
     """A tokenizer.json: a checkpoint without one is refused."""
     words = ["<unk>", "<s>", "</s>", "hello", "world"]
-    Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.save(str(path / "tokenizer.json"))
 
 
 def write_checkpoint(path, args: ModelArgs, arch: str, seed: int = 0, num_shards: int = 1, **config_extra):
@@ -181,7 +182,7 @@ def test_sentencepiece_only_tokenizer_is_refused_with_the_fix(tmp_path):
     write_checkpoint(tmp_path, LLAMA, "LlamaForCausalLM")
     os.remove(tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
-    with pytest.raises(ModelLoadError, match="no tokenizer.json \\(it has tokenizer.model\\).*sentencepiece.*save_pretrained"):
+    with pytest.raises(ModelLoadError, match=r"no tokenizer.json \(it has tokenizer.model\).*sentencepiece.*save_"):
         ModelRunner(ModelConfig(model=str(tmp_path)), CacheConfig(num_blocks=4))
     os.remove(tmp_path / "tokenizer.model")
     with pytest.raises(ModelLoadError, match="no tokenizer.json; .*copy in the tokenizer.json"):
