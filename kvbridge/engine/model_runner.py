@@ -221,8 +221,13 @@ class ModelRunner:
         requests = {s.request.request_id: s.request for s in scheduler_output.scheduled}
         params = [requests[r].sampling_params for r in step.req_ids]
         generators = [self._generator_for(r, p) for r, p in zip(step.req_ids, params)]
+        # Penalties and min_tokens read each request's tokens (references: nothing is copied).
+        histories = [
+            sampler.TokenHistory(requests[r].prompt_token_ids, requests[r].output_token_ids) for r in step.req_ids
+        ]
+        tokens = sampler.sample(step.logits, params, generators, histories, self.tokenizer.eos_token_ids)
         sampled, errors = {}, {}
-        for req_id, token in zip(step.req_ids, sampler.sample(step.logits, params, generators)):
+        for req_id, token in zip(step.req_ids, tokens):
             if isinstance(token, Exception):
                 errors[req_id] = f"request {req_id} failed: sampling raised {type(token).__name__}: {token}"
             else:

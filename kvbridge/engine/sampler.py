@@ -1,4 +1,5 @@
-"""Token sampling: greedy at temperature 0; otherwise temperature, top-k, top-p.
+"""Token sampling: penalties and min_tokens first; then greedy at temperature 0, otherwise
+temperature, top-k, top-p.
 
 A request with `SamplingParams.seed` draws from its own `torch.Generator`, owned by the model
 runner for the request's lifetime, so its completion does not depend on what it was batched
@@ -12,6 +13,7 @@ which on a GPU answers NaN with a device-side assert that ends the whole process
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +43,47 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+class TokenHistory(NamedTuple):
+    """A request's tokens so far, for the parameters that depend on them."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """logits [V] -> logits [V] with the repetition, presence and frequency penalties applied (as vLLM does:
+    repetition over prompt and output tokens, presence and frequency over output tokens)."""
+    vocab_size = logits.shape[-1]
+    output = torch.tensor(history.output_token_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(output, minlength=vocab_size).to(logits.dtype)  # [V]
+    if params.repetition_penalty != 1.0:
+        prompt = torch.tensor(history.prompt_token_ids, dtype=torch.long, device=logits.device)
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
+        seen[prompt] = True
+        seen |= counts > 0
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def suppress_stop_tokens(logits: torch.Tensor, params: SamplingParams, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """logits [V] with EOS (unless ignore_eos) and stop_token_ids at -inf: for a request short of min_tokens."""
+    ids = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+    ids = torch.tensor([t for t in ids if t < logits.shape[-1]], dtype=torch.long, device=logits.device)
+    return logits.index_fill(0, ids, float("-inf"))
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, history: TokenHistory, eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """logits [V] as the request's parameters that depend on its tokens change them."""
+    if params.has_penalties:
+        logits = apply_penalties(logits, params, history)
+    if len(history.output_token_ids) < params.min_tokens:
+        logits = suppress_stop_tokens(logits, params, eos_token_ids)
+    return logits
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits [V] float32 -> one token id."""
     if params.is_greedy:
@@ -53,23 +96,35 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[TokenHistory] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> list[int | Exception]:
     """logits [N, V] -> N token ids, row i sampled with params[i] and generators[i]; a row whose
-    sampling raised holds the exception instead (an engine fault is raised).
+    sampling raised holds the exception instead (an engine fault is raised). `histories[i]` holds
+    row i's tokens; it may be None only when no row's params need them (`needs_token_history`).
 
-    Greedy rows are taken in one argmax; the others one row at a time (each may own a generator).
+    Greedy rows without penalties are taken in one argmax; the others one row at a time (each may
+    own a generator and a history).
     """
     logits = logits.float()
     tokens: list[int | Exception] = torch.argmax(logits, dim=-1).tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
-        if not p.is_greedy:
-            try:
-                tokens[i] = sample_one(logits[i], p, gen)
-            except Exception as exc:  # noqa: BLE001 - this row's request fails, the others keep their tokens
-                if is_engine_fault(exc):
-                    raise
-                tokens[i] = exc
+        if p.is_greedy and not p.needs_token_history:
+            continue
+        try:
+            row = logits[i]
+            if p.needs_token_history:
+                if histories is None:
+                    raise ValueError("penalties and min_tokens need the request's tokens; pass `histories`")
+                row = adjust_logits(row, p, histories[i], eos_token_ids)
+            tokens[i] = int(torch.argmax(row)) if p.is_greedy else sample_one(row, p, gen)
+        except Exception as exc:  # noqa: BLE001 - this row's request fails, the others keep their tokens
+            if is_engine_fault(exc):
+                raise
+            tokens[i] = exc
     return tokens
 
 

@@ -20,6 +20,10 @@ MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes an unsigned 64-bit
 MAX_TOKEN_ID = (1 << 63) - 1  # token ids travel as int64 tensors
 # The scheduler checks every sampled token against them; 4M of them slowed every other request to 28 s.
 MAX_STOP_TOKEN_IDS = 1024
+MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
+# repetition_penalty divides positive logits (multiplies negative ones): far outside this, a repeated
+# token is certain or impossible already, and the extremes only risk overflow.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 def _check(ok: bool, name: str, expected: str, value: object) -> None:
@@ -41,6 +45,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # OpenAI's penalties, on the output so far: logit -= presence * (count > 0) + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's / transformers', on the prompt and the output: a seen token's logit / p if > 0, else * p.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # until this many are generated, EOS and stop_token_ids cannot be sampled
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -57,7 +67,26 @@ class SamplingParams:
         _check(num_stop <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", num_stop)
         bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
         _check(bad is None, "stop_token_ids", "token ids >= 0", bad)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            in_range = math.isfinite(value) and abs(value) <= MAX_ABS_PENALTY
+            _check(in_range, name, f"in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}]", value)
+        rp = self.repetition_penalty
+        _check(
+            math.isfinite(rp) and MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY,
+            "repetition_penalty", f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1: none)", rp,
+        )  # fmt: skip
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]", self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_token_history(self) -> bool:
+        """The sampler must see the request's tokens (penalties, min_tokens)."""
+        return self.has_penalties or self.min_tokens > 0

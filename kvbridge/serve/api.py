@@ -171,7 +171,7 @@ class CompletionsAPI:
             return job
         fields = job.fields
         run = _Run(f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic())
-        choice = ChoiceText(fields.stop)
+        choice = ChoiceText(fields.stop, fields.sampling_params.min_tokens)
         self.metrics.running.inc()
         try:
             outputs = self.engine.generate(run.request_id, job.prompt_ids, fields.sampling_params, fields.kv_transfer_params)

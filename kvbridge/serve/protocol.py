@@ -5,7 +5,7 @@ every POST body and the `*_response` / `*_chunk` builders on the engine's `Reque
 proxy and the demo read the same shapes. Nothing here imports torch or aiohttp.
 
 Non-standard fields, all optional for clients:
-  request: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, `kv_transfer_params`;
+  request: `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`, `kv_transfer_params`;
   response: `choices[i].token_ids`, top-level `kv_transfer_params`, and a `kvbridge` dict with
   per-request cache and transfer figures (see `kvbridge_stats`).
 
@@ -38,10 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("kvbridge returns one completion per prompt", (None, 1)),
     "suffix": ("kvbridge does not insert text", NOT_ASKED),
     "logit_bias": ("kvbridge's sampler takes no logit bias", NOT_ASKED),
-    "presence_penalty": ("kvbridge's sampler applies no penalties", NOT_ASKED),
-    "frequency_penalty": ("kvbridge's sampler applies no penalties", NOT_ASKED),
-    "repetition_penalty": ("kvbridge's sampler applies no penalties", (None, 1)),
-    "min_tokens": ("kvbridge cannot keep a completion from ending before a length", NOT_ASKED),
 }
 # A body is at most 3 levels deep (object, prompt list, token-id list); kv_transfer_params a few more.
 MAX_JSON_DEPTH = 32
@@ -194,6 +190,10 @@ def parse_common_fields(body: dict, max_tokens_field: str = "max_tokens", defaul
     stop_token_ids = _get(
         body, "stop_token_ids", _is_token_id_list, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", []
     )
+    presence_penalty = _get(body, "presence_penalty", _is_number, "a number in [-2, 2]", 0.0)
+    frequency_penalty = _get(body, "frequency_penalty", _is_number, "a number in [-2, 2]", 0.0)
+    repetition_penalty = _get(body, "repetition_penalty", _is_number, "a number in [0.01, 100] (1: none)", 1.0)
+    min_tokens = _get(body, "min_tokens", _is_int, "an integer in [0, max_tokens]", 0)
     stop = () if body.get("stop") is None else _parse_stop(body["stop"])
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
@@ -215,6 +215,10 @@ def parse_common_fields(body: dict, max_tokens_field: str = "max_tokens", defaul
             seed=seed,
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos,
+            presence_penalty=_float(presence_penalty),
+            frequency_penalty=_float(frequency_penalty),
+            repetition_penalty=_float(repetition_penalty),
+            min_tokens=min_tokens,
         )
     except SamplingParamsError as exc:
         param = max_tokens_field if exc.field == "max_tokens" else exc.field

@@ -54,8 +54,9 @@ class ChoiceText:
     update that sets `finish_reason`, `text` and `token_ids` hold the whole answer.
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens  # no stop string ends a completion shorter than this (as in vLLM)
         self._max_stop_len = max(map(len, self.stop), default=0)
         self._num_searched = 0  # characters of settled text already searched for stop strings
         self.text = ""  # every character handed out so far
@@ -68,7 +69,7 @@ class ChoiceText:
     def update(self, completion: CompletionOutput, finished: bool) -> Delta:
         # A trailing U+FFFD may be half a character the next token completes: not settled yet.
         settled = completion.text if finished else completion.text.rstrip(INCOMPLETE_CHAR)
-        hit = self._search(settled)
+        hit = self._search(settled, len(completion.token_ids))
         if hit is not None:
             settled, self.is_stopped, self.finish_reason = settled[:hit], True, "stop"
         elif finished:
@@ -85,10 +86,10 @@ class ChoiceText:
         self.num_sent_tokens = len(self.token_ids)
         return delta
 
-    def _search(self, settled: str) -> int | None:
+    def _search(self, settled: str, num_tokens: int) -> int | None:
         """Where a stop string first starts, searching only text that could hold a new match."""
         if not self.stop:
             return None
         start = max(self._num_searched - self._max_stop_len + 1, 0)
         self._num_searched = len(settled)
-        return find_stop(settled, self.stop, start)
+        return find_stop(settled, self.stop, start) if num_tokens >= self.min_tokens else None

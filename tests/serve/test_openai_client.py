@@ -100,7 +100,9 @@ def test_stop_string(node, stream):
 
 def test_errors(node):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        node.client.completions.create(model=MODEL, prompt=PROMPT, presence_penalty=0.5)
+        node.client.completions.create(model=MODEL, prompt=PROMPT, presence_penalty=2.5)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        node.client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2)
     with pytest.raises(openai.BadRequestError, match="'n'"):
         node.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
     with pytest.raises(openai.NotFoundError, match="not served"):

@@ -45,15 +45,16 @@ def test_all_fields():
             "stop": ["\n", "END"],
             "kv_transfer_params": {"do_remote_decode": True},
             "user": "ignored-openai-field",
+            "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_tokens": 2,
             # what clients send by default: asks for nothing, accepted
-            "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logprobs": None,
-            "best_of": 1, "min_tokens": 0, "logit_bias": {},
+            "logprobs": None, "best_of": 1, "logit_bias": {}, "echo": False,
         }
     )  # fmt: skip
     fields = req.fields
     p = fields.sampling_params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (5, 0.0, 0.5, 0, 7)
     assert p.stop_token_ids == (2, 3) and p.ignore_eos and p.is_greedy
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -1.0, 1.2, 2)
     assert fields.stream and fields.kv_transfer_params == {"do_remote_decode": True} and fields.model == "tiny"
     assert fields.stop == ("\n", "END") and fields.include_usage
 
@@ -90,10 +91,8 @@ def test_a_stop_string_may_be_a_bare_string():
         ({"prompt": "a", "logprobs": 3}, "logprobs"),
         ({"prompt": "a", "echo": True}, "echo"),
         ({"prompt": "a", "best_of": 2}, "best_of"),
-        ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "a", "frequency_penalty": -1}, "frequency_penalty"),
-        ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"prompt": "a", "min_tokens": 4}, "min_tokens"),
+        ({"prompt": "a", "presence_penalty": "high"}, "presence_penalty"),
+        ({"prompt": "a", "min_tokens": 1.5}, "min_tokens"),
         ({"prompt": "a", "logit_bias": {"5": 100}}, "logit_bias"),
     ],
 )
@@ -120,6 +119,12 @@ def test_bad_fields_name_the_param(body, param):
         ({"prompt": "a", "stop_token_ids": [1] * 4_000_000}, "stop_token_ids"),
         ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids"),
         ({"prompt": [1, 2**63]}, "prompt"),
+        ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "a", "frequency_penalty": -10**400}, "frequency_penalty"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "a", "repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"prompt": "a", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "a", "min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
     ],
 )
 def test_out_of_range_values_are_invalid_requests_naming_the_field(body, param):
