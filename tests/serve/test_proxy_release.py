@@ -162,7 +162,7 @@ def _wait_no_held_blocks(node) -> dict:
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": 2}, "n"),
-        ({"stop": ["."]}, "stop"),
+        ({"best_of": 2}, "best_of"),
         ({"prompt": ""}, "prompt"),
         ({"stream": "yes"}, "stream"),
     ],
