@@ -26,11 +26,14 @@ What each test attacks from outside:
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -165,23 +168,57 @@ def test_kvbridge_proxy_drives_vllm_servers(pd, stream):
           f"total {out.total_s * 1e3:.0f} ms, read {delta(after, before, BYTES) / 2**20:.1f} MiB")  # fmt: skip
 
 
-def test_kvbridge_proxy_frees_prefill_blocks_when_decode_node_is_unreachable(pd, tmp_path):
-    """A proxy whose decode node does not listen: the prefill leg succeeds, the decode leg gets a 502,
-    and the proxy releases the prefill's lease over the side channel instead of leaving it to expire."""
-    (dead_port,) = free_ports(1)
-    proxy = start_proxy([pd.prefill.url], [f"http://127.0.0.1:{dead_port}"], str(tmp_path), timeout_s=30.0)
-    try:
-        _wait_answers(proxy.url)  # 503 "degraded": its decode node is down
-        prefill_before = _wait_leases_ended(pd)
-        with pytest.raises(VLLMRequestError, match="answered 502"):
-            complete(proxy.url, greedy(random_prompt(seed=20, num_tokens=PROMPT_LEN), MAX_TOKENS))
-        # Freed at once by the proxy's release, well before the 30 s lease would expire.
-        after = _wait_leases_ended(pd)
-        health = _wait_proxy_health(proxy.url, lambda h: h["num_kv_releases"] + h["num_kv_release_failures"] > 0)
-    finally:
-        proxy.stop()
+def test_kvbridge_proxy_frees_prefill_blocks_when_the_decode_node_fails(pd, tmp_path):
+    """A decode node that answers health checks but fails every completion: the prefill leg succeeds,
+    the decode leg fails (no other decode node to retry on), the client gets a 502, and the proxy
+    releases the prefill's lease over the side channel instead of leaving it to expire."""
+    with _failing_decode_node() as decode_url:
+        proxy = start_proxy([pd.prefill.url], [decode_url], str(tmp_path), timeout_s=30.0)
+        try:
+            _wait_answers(proxy.url)
+            prefill_before = _wait_leases_ended(pd)
+            with pytest.raises(VLLMRequestError, match="answered 502"):
+                complete(proxy.url, greedy(random_prompt(seed=20, num_tokens=PROMPT_LEN), MAX_TOKENS))
+            # Freed at once by the proxy's release, well before the 30 s lease would expire.
+            after = _wait_leases_ended(pd)
+            health = _wait_proxy_health(proxy.url, lambda h: h["num_kv_releases"] + h["num_kv_release_failures"] > 0)
+        finally:
+            proxy.stop()
     assert delta(after, prefill_before, EXPIRED_LEASES) == 0
     assert health["num_kv_releases"] == 1 and health["num_kv_release_failures"] == 0, health
+
+
+@contextlib.contextmanager
+def _failing_decode_node():
+    """A node on loopback whose /health is 200 and whose completions are all HTTP 500."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._reply(200, {"status": "ok"})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._reply(500, {"error": {"message": "this decode node fails every request", "code": 500}})
+
+        def _reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_kvbridge_proxy_streams_with_stream_options(pd):
