@@ -2,18 +2,23 @@
 the `tokenizers` library, and a tokenizer_config.json with a chat template and special tokens.
 
     path = write_chat_checkpoint(tmp_path)          # a directory `kvbridge serve --model` loads
+    with chat_node() as (url, path): ...            # a `kvbridge serve` process over one
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from kvbridge.engine.presets import ModelArgs
 from kvbridge.engine.weights import random_model
+from kvbridge.serve.launcher import start_node, wait_healthy
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = ["hello", "world", "how", "are", "you", "fine", "thanks", "the", "a", "is", "cat", "dog", "END", "."]
@@ -69,3 +74,24 @@ def write_chat_checkpoint(path, chat_template: str | None = CHAT_TEMPLATE, seed:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f)
     return path
+
+
+SERVED_NAME = "tiny-chat"
+MAX_MODEL_LEN = 128
+
+
+@contextlib.contextmanager
+def chat_node(before_healthy=lambda url, path: None) -> Iterator[tuple[str, str]]:
+    """(url, checkpoint) of a plain `kvbridge serve` node over a fresh chat checkpoint, served as
+    SERVED_NAME; `before_healthy(url, path)` runs while it boots. Always stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvbridge-chat-") as tmp:
+        path = write_chat_checkpoint(os.path.join(tmp, "model"))
+        args = ["--no-connector", "--served-model-name", SERVED_NAME, "--num-threads", "1", "--num-blocks", "64",
+                "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+        proc = start_node("node", "both", tmp, model=path, extra_args=args)
+        try:
+            before_healthy(proc.url, path)
+            wait_healthy([proc], timeout_s=120)
+            yield proc.url, path
+        finally:
+            proc.stop()

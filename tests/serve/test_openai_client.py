@@ -4,19 +4,15 @@ checked against an in-process `LLM` over the same checkpoint (greedy)."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
-from chat_checkpoint import write_chat_checkpoint
+from chat_checkpoint import MAX_MODEL_LEN, SERVED_NAME, chat_node
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.serve.chat import load_chat_template
-from kvbridge.serve.launcher import start_node, wait_healthy
 
 openai = pytest.importorskip("openai")
 
-MODEL = "tiny-chat"
-MAX_MODEL_LEN = 128
+MODEL = SERVED_NAME
 MAX_TOKENS = 8
 PROMPT = "hello world how are you"
 MESSAGES = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hello world"}]
@@ -24,6 +20,8 @@ GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos
 
 
 class Node:
+    """An openai client of the node, and the reference answers."""
+
     def __init__(self, url: str, checkpoint: str) -> None:
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         template = load_chat_template(checkpoint)
@@ -37,17 +35,9 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node():
-    with tempfile.TemporaryDirectory(prefix="kvbridge-chat-") as tmp:
-        checkpoint = write_chat_checkpoint(f"{tmp}/model")
-        args = ["--no-connector", "--served-model-name", MODEL, "--num-threads", "1", "--num-blocks", "64",
-                "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
-        proc = start_node("node", "both", tmp, model=checkpoint, extra_args=args)
-        try:
-            reference = Node(proc.url, checkpoint)  # computed while the node boots
-            wait_healthy([proc], timeout_s=120)
-            yield reference
-        finally:
-            proc.stop()
+    references = []
+    with chat_node(lambda url, path: references.append(Node(url, path))):  # computed while the node boots
+        yield references[0]
 
 
 def test_models_list(node):
