@@ -49,6 +49,9 @@ class RequestBatch(NamedTuple):
     # The query slots are exactly the step's tokens, in order (no padding slot, no other batch):
     # q and the output need no reordering.
     is_whole_step: bool
+    # Every request starts at position 0: its keys are its new tokens, read from k/v as they are
+    # rather than gathered back from the cache.
+    is_from_start: bool
 
 
 class PaddedBatch(NamedTuple):
@@ -57,7 +60,9 @@ class PaddedBatch(NamedTuple):
     query_rows: torch.Tensor | None  # [B * Q] row of q of each query slot (padding repeats the last); None: q as is
     block_table: torch.Tensor  # [B, NB]
     mask: torch.Tensor  # [B, 1, group * Q, L] (or [B, 1, 1, L] when Q == 1) additive: 0 or -inf, q's dtype
-    key_pad: torch.Tensor  # [B, 1, L, 1] bool, True = slot past the context (zeroed before SDPA)
+    # [B, NB, bs, 1, 1] bool, True = slot past the context (zeroed after the gather); None: the keys
+    # are the batch's new tokens (`RequestBatch.is_from_start`), L = Q.
+    key_pad: torch.Tensor | None
     num_queries: int
 
 
@@ -100,7 +105,8 @@ def _pad(
     """(the padded batch, [1, B * Q] token row of each query slot or `num_tokens` for padding,
     [4, B * Q] position, slot block, slot offset and output row of each query slot)."""
     device = req.starts.device
-    num_reqs, num_keys = req.block_table.shape[0], req.block_table.shape[1] * block_size
+    num_reqs = req.block_table.shape[0]
+    num_keys = req.num_queries if req.is_from_start else req.block_table.shape[1] * block_size
     slot = torch.arange(req.num_queries, device=device)  # [Q]
     is_real = slot[None, :] < req.num_new[:, None]  # [B, Q]
     index = torch.minimum(slot[None, :], req.num_new[:, None] - 1)  # [B, Q]: padding repeats the last token
@@ -114,9 +120,12 @@ def _pad(
         visible = visible[:, None].expand(-1, group, -1, -1).reshape(num_reqs, 1, group * req.num_queries, num_keys)
     # Additive, built once per step (SDPA would convert a bool mask in every layer). Key 0 is always
     # visible, so no row is all -inf.
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-    is_past_context = key_pos[None, :] >= (req.starts + req.num_new)[:, None]  # [B, L]
-    batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, is_past_context[:, None, :, None], req.num_queries)
+    mask = torch.full(visible.shape, float("-inf"), dtype=dtype, device=device).masked_fill_(visible, 0.0)
+    key_pad = None
+    if not req.is_from_start:
+        is_past_context = key_pos[None, :] >= (req.starts + req.num_new)[:, None]  # [B, L]
+        key_pad = is_past_context.view(num_reqs, -1, block_size, 1, 1)
+    batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, key_pad, req.num_queries)
     targets = torch.where(is_real, query_rows, num_tokens).reshape(1, -1)
     slot_blocks = req.block_table.gather(1, query_pos // block_size)  # [B, Q]
     output_rows = first_output_row + torch.arange(num_reqs * req.num_queries, device=device)
@@ -124,11 +133,31 @@ def _pad(
     return batch, targets, per_slot
 
 
-def _gather(kv_half: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """kv_half [NB, bs, Hkv, D] (K or V of one layer), block_table [B, nb] -> [B, Hkv, nb * bs, D]."""
-    blocks = kv_half[block_table]  # [B, nb, bs, Hkv, D], a copy
+def _gather(kv_half: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+    """kv_half [NB, bs, Hkv, D] (K or V of one layer) -> the batch's keys [B, Hkv, nb * bs, D]."""
+    blocks = kv_half[batch.block_table]  # [B, nb, bs, Hkv, D], a copy
+    # Slots past a context hold stale bytes (maybe NaN); a masked NaN still poisons SDPA. Zeroed
+    # while the copy is contiguous: on the transposed view the fill runs several times slower.
+    blocks.masked_fill_(batch.key_pad, 0.0)
     b, nb, bs, hkv, d = blocks.shape
     return blocks.view(b, nb * bs, hkv, d).transpose(1, 2)
+
+
+def _new_keys(x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+    """x [T, Hkv, D] (the step's new K or V) -> the batch's keys [B, Hkv, Q, D] when they are its new tokens."""
+    rows = x if batch.query_rows is None else x[batch.query_rows]
+    return rows.view(-1, batch.num_queries, *x.shape[1:]).transpose(1, 2)
+
+
+def _lone_decode(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's decode: qf [1, Hkv, group, D], k/v [1, Hkv, L, D] -> [1, Hkv, group, D].
+
+    SDPA's kernels run one thread block per KV head over all L keys here, a handful for the whole
+    GPU; two matmuls spread the keys over it (on an H200, 24 us instead of 91 us at L = 4,608).
+    """
+    scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale).add_(mask)  # [1, Hkv, group, L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -162,21 +191,25 @@ class PagedAttention:
         kv_layer = self.kv_cache[:, layer]  # [NB, 2, bs, Hkv, D], strided
         kv_layer[:, 0][meta.slot_blocks, meta.slot_offsets] = k.to(kv_layer.dtype)
         kv_layer[:, 1][meta.slot_blocks, meta.slot_offsets] = v.to(kv_layer.dtype)
-        outs = [self._attend(kv_layer, q, batch, k.shape[1]) for batch in meta.batches]
+        outs = [self._attend(kv_layer, q, k, v, batch) for batch in meta.batches]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if meta.output_rows is None else out[meta.output_rows]
 
-    def _attend(self, kv_layer: torch.Tensor, q: torch.Tensor, batch: PaddedBatch, num_kv_heads: int) -> torch.Tensor:
+    def _attend(
+        self, kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PaddedBatch
+    ) -> torch.Tensor:
         # -> [B * Q, Hq, D], one row per query slot.
         num_reqs, num_queries = batch.block_table.shape[0], batch.num_queries
         queries = q if batch.query_rows is None else q[batch.query_rows]
-        qf = _fold_gqa(queries.view(num_reqs, num_queries, *q.shape[1:]), num_kv_heads)
-        k = _gather(kv_layer[:, 0], batch.block_table)  # [B, Hkv, L, D]
-        v = _gather(kv_layer[:, 1], batch.block_table)
-        # Slots past a context hold stale bytes (maybe NaN); a masked NaN still poisons SDPA.
-        k.masked_fill_(batch.key_pad, 0.0)  # in place: the gathers are copies
-        v.masked_fill_(batch.key_pad, 0.0)
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=batch.mask, scale=self.scale)
+        qf = _fold_gqa(queries.view(num_reqs, num_queries, *q.shape[1:]), k.shape[1])
+        if batch.key_pad is None:
+            keys, values = _new_keys(k, batch), _new_keys(v, batch)  # [B, Hkv, Q, D]
+        else:
+            keys, values = _gather(kv_layer[:, 0], batch), _gather(kv_layer[:, 1], batch)  # [B, Hkv, L, D]
+        if num_reqs == 1 and num_queries == 1:
+            out = _lone_decode(qf, keys, values, batch.mask, self.scale)
+        else:
+            out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=batch.mask, scale=self.scale)
         return _unfold_gqa(out, num_queries).reshape(num_reqs * num_queries, *q.shape[1:])
 
 

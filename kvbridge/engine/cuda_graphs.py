@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from kvbridge.engine.attention import RequestBatch
-from kvbridge.engine.step_inputs import StepInputs, num_table_blocks, pack_requests, unpack_requests
+from kvbridge.engine.step_inputs import StepInputs, copy_to_device, num_table_blocks, pack_requests, unpack_requests
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_TABLE_BLOCKS = 8
@@ -90,17 +90,19 @@ class DecodeGraphs:
         when it is new). Writes the step's K/V like the eager forward."""
         spans, num_pad = inputs.spans, key.num_reqs - len(inputs.spans)
         padded = [*spans, *(replace(spans[-1], offset=row) for row in range(len(spans), key.num_reqs))]
-        static = [*inputs.token_ids, *(inputs.token_ids[-1:] * num_pad), *pack_requests(padded, self.block_size, key.table_width)]
-        host = torch.tensor([*static, *inputs.sample_rows], dtype=torch.long).pin_memory()
+        token_ids = [*inputs.token_ids, *(inputs.token_ids[-1:] * num_pad)]
+        static, sample_rows = copy_to_device(
+            [token_ids + pack_requests(padded, self.block_size, key.table_width), inputs.sample_rows], self.device
+        )
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(host[: len(static)], key.num_reqs)
-        graph.inputs.copy_(host[: len(static)], non_blocking=True)
+            graph = self._graphs[key] = self._capture(static, key.num_reqs)
+        graph.inputs.copy_(static)
         graph.graph.replay()
-        return graph.logits[host[len(static) :].to(self.device, non_blocking=True)]
+        return graph.logits[sample_rows]
 
     def _capture(self, inputs: torch.Tensor, num_reqs: int) -> DecodeGraph:
-        static_inputs = inputs.to(self.device)  # outside the graph's pool: it outlives every replay
+        static_inputs = inputs.clone()  # outside the graph's pool: it outlives every replay
         stream = _capture_stream(self.device.index if self.device.index is not None else torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -115,7 +117,7 @@ class DecodeGraphs:
         if self._logits_fn is None:
             raise RuntimeError("DecodeGraphs used after release()")
         input_ids, packed = inputs.split((num_reqs, inputs.numel() - num_reqs))
-        return self._logits_fn(input_ids, [unpack_requests(packed, num_reqs, num_queries=1, is_whole_step=True)])
+        return self._logits_fn(input_ids, [unpack_requests(packed, num_reqs, 1, is_whole_step=True, is_from_start=False)])
 
     def release(self) -> None:
         """Free every graph, its pool and the references to the model and KV cache. Idempotent."""

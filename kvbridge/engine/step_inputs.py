@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvbridge.engine.attention import RequestBatch, SeqSpan
@@ -50,16 +51,18 @@ def pack_requests(spans: Sequence[SeqSpan], block_size: int, table_width: int | 
     return [*(s.start for s in spans), *(s.num_new for s in spans), *(s.offset for s in spans), *table]
 
 
-def unpack_requests(packed: torch.Tensor, num_reqs: int, num_queries: int, is_whole_step: bool) -> RequestBatch:
+def unpack_requests(
+    packed: torch.Tensor, num_reqs: int, num_queries: int, is_whole_step: bool, is_from_start: bool
+) -> RequestBatch:
     """The `RequestBatch` whose `pack_requests` output is the 1-D tensor `packed` (views, no copy)."""
     starts, num_new, offsets, table = packed.split((num_reqs, num_reqs, num_reqs, packed.numel() - 3 * num_reqs))
-    return RequestBatch(starts, num_new, offsets, table.view(num_reqs, -1), num_queries, is_whole_step)
+    return RequestBatch(starts, num_new, offsets, table.view(num_reqs, -1), num_queries, is_whole_step, is_from_start)
 
 
 def copy_to_device(segments: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
     """One int64 tensor per segment on `device`, through a single host -> device copy that does not
     wait for the device (from pinned memory, which torch reuses only once the copy has completed)."""
-    host = torch.tensor(list(itertools.chain.from_iterable(segments)), dtype=torch.long)
+    host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(segments), dtype=np.int64))
     if device.type == "cuda":
         host = host.pin_memory()
     return list(host.to(device, non_blocking=True).split([len(s) for s in segments]))
@@ -80,5 +83,6 @@ def to_device(inputs: StepInputs, block_size: int, device: torch.device) -> Devi
     for group, group_packed in zip(groups, packed):
         num_queries = max(s.num_new for s in group)
         is_whole_step = len(groups) == 1 and all(s.num_new == num_queries for s in group)
-        requests.append(unpack_requests(group_packed, len(group), num_queries, is_whole_step))
+        is_from_start = all(s.start == 0 for s in group)
+        requests.append(unpack_requests(group_packed, len(group), num_queries, is_whole_step, is_from_start))
     return DeviceInputs(input_ids, sample_rows, requests)
