@@ -17,68 +17,24 @@ Run the app with `handler_cancellation=True` so a client that hangs up aborts it
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from kvbridge.engine.outputs import RequestOutput
 from kvbridge.errors import InvalidRequestError
 from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.admin import AdminAPI, AdminAuth
+from kvbridge.serve.answers import CHAT, COMPLETIONS, AnswerWriter, RequestRun, Wire, error_response
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvbridge.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
-from kvbridge.serve.stop_strings import ChoiceText, Delta
+from kvbridge.serve.stop_strings import ChoiceText
 
 logger = logging.getLogger(__name__)
-
-
-def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
-    return web.json_response(protocol.error_body(message, err_type, status, param), status=status)
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-@dataclass
-class _Run:
-    """One request's progress as the handler sees it."""
-
-    request_id: str
-    created: int
-    arrival: float
-    ttft_at: float | None = None
-    last: RequestOutput | None = None
-    outcome: str = "aborted"  # until it finishes: cancellation and hang-ups land here
-
-    def saw(self, output: RequestOutput) -> None:
-        self.last = output
-        if self.ttft_at is None and output.outputs and output.outputs[0].token_ids:
-            self.ttft_at = time.monotonic()
-
-    def timings(self) -> dict[str, float]:
-        timings = {"e2e_s": time.monotonic() - self.arrival}
-        if self.ttft_at is not None:
-            timings["ttft_s"] = self.ttft_at - self.arrival
-        return timings
-
-    @property
-    def failure(self) -> str | None:
-        """The engine's error message if the request ended in error, else None."""
-        last = self.last
-        if last is not None and (last.error or protocol.finish_reason(last) == "error"):
-            error = last.error or "engine error"
-            return error if self.request_id in error else f"request {self.request_id} failed: {error}"
-        return None
 
 
 class _Job(NamedTuple):
@@ -86,19 +42,6 @@ class _Job(NamedTuple):
 
     fields: protocol.CommonFields
     prompt_ids: list[int]
-
-
-class _Wire(NamedTuple):
-    """How one route writes its answers (serve/protocol.py, serve/chat_protocol.py)."""
-
-    id_prefix: str
-    chunk_object: str
-    response: Callable[..., dict[str, Any]]  # (id, created, model, Choice, last output, kvbridge stats)
-    chunk: Callable[..., dict[str, Any]]  # (id, created, model, delta Choice, is_first)
-
-
-COMPLETIONS = _Wire("cmpl", "text_completion", protocol.completion_response, protocol.completion_chunk)
-CHAT = _Wire("chatcmpl", chat_protocol.CHAT_COMPLETION_CHUNK, chat_protocol.chat_response, chat_protocol.chat_chunk)
 
 
 class CompletionsAPI:
@@ -109,6 +52,7 @@ class CompletionsAPI:
         self.model_name = model_name
         self.role = role
         self.metrics = ServerMetrics(role)
+        self.answers = AnswerWriter(model_name, self._kvbridge_stats)
         self._chat_template: ChatTemplate | ChatTemplateError | None = None  # loaded on the first chat request
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -152,25 +96,25 @@ class CompletionsAPI:
         try:
             job = await make_job(protocol.decode_body(await request.read()))
         except InvalidRequestError as exc:
-            return _error(400, str(exc), "invalid_request_error", exc.param)
+            return error_response(400, str(exc), "invalid_request_error", exc.param)
         except web.HTTPRequestEntityTooLarge as exc:
-            return _error(413, f"the request body is too large: {exc.text}", "invalid_request_error")
+            return error_response(413, f"the request body is too large: {exc.text}", "invalid_request_error")
         model = job.fields.model
         if model is not None and model != self.model_name:
-            return _error(404, f"model {model!r} is not served here; use {self.model_name!r}", "model_not_found")
+            return error_response(404, f"model {model!r} is not served here; use {self.model_name!r}", "model_not_found")
         if not job.prompt_ids:
-            return _error(400, "the prompt encodes to no tokens", "invalid_request_error", "prompt")
+            return error_response(400, "the prompt encodes to no tokens", "invalid_request_error", "prompt")
         return job
 
-    async def _serve(self, request: web.Request, make_job, wire: _Wire) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, make_job, wire: Wire) -> web.StreamResponse:
         if not self.engine.is_ready:
-            return _error(503, "the engine is not ready; poll GET /health", "service_unavailable")
+            return error_response(503, "the engine is not ready; poll GET /health", "service_unavailable")
         job = await self._parse(request, make_job)
         if isinstance(job, web.Response):
             self.metrics.observe_rejected()
             return job
         fields = job.fields
-        run = _Run(f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic())
+        run = RequestRun(f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic())
         choice = ChoiceText(fields.stop, fields.sampling_params.min_tokens)
         self.metrics.running.inc()
         try:
@@ -181,16 +125,16 @@ class CompletionsAPI:
                     run.saw(await anext(outputs))
                 except ValueError as exc:  # the engine rejected the input
                     run.outcome = "bad_request"
-                    return _error(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+                    return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
                 except RequestFailedError as exc:
                     run.outcome = "error"
-                    return _error(500, str(exc), "engine_error")
+                    return error_response(500, str(exc), "engine_error")
                 except EngineDeadError as exc:
                     run.outcome = "error"
-                    return _error(503, str(exc), "service_unavailable")
+                    return error_response(503, str(exc), "service_unavailable")
                 if fields.stream:
-                    return await self._stream(request, outputs, run, choice, wire, fields.include_usage)
-                return await self._collect(outputs, run, choice, wire)
+                    return await self.answers.stream(request, outputs, run, choice, wire, fields.include_usage)
+                return await self.answers.collect(outputs, run, choice, wire)
         except ConnectionResetError:
             logger.info("the client of %s hung up; request aborted", run.request_id)
             return web.Response(status=499)
@@ -198,7 +142,7 @@ class CompletionsAPI:
             self.metrics.running.dec()
             self._observe(run)
 
-    def _observe(self, run: _Run) -> None:
+    def _observe(self, run: RequestRun) -> None:
         last = run.last
         if run.outcome not in ("ok", "error") or last is None:
             self.metrics.observe_rejected(run.outcome)
@@ -212,72 +156,7 @@ class CompletionsAPI:
             run.outcome, len(last.prompt_token_ids), generated, last.num_cached_tokens, last.num_external_tokens
         )
 
-    async def _updates(self, outputs, run: _Run, choice: ChoiceText) -> AsyncIterator[Delta]:
-        """What each engine output adds to the choice, until the request finished or hit a stop string."""
-        output = run.last
-        while True:
-            yield choice.update(output.outputs[0], output.finished)
-            if choice.is_finished:
-                return
-            output = await anext(outputs)
-            run.saw(output)
-
-    async def _collect(self, outputs, run: _Run, choice: ChoiceText, wire: _Wire) -> web.Response:
-        try:
-            async for _ in self._updates(outputs, run, choice):
-                pass
-        except EngineDeadError as exc:
-            run.outcome = "error"
-            return _error(503, str(exc), "service_unavailable")
-        failure = run.failure
-        run.outcome = "error" if failure else "ok"
-        if failure:
-            return _error(500, failure, "engine_error")
-        answer = protocol.Choice(choice.text, choice.token_ids, choice.finish_reason)
-        body = wire.response(run.request_id, run.created, self.model_name, answer, run.last, self._kvbridge_stats(run))
-        return web.json_response(body)
-
-    async def _stream(
-        self, request: web.Request, outputs, run: _Run, choice: ChoiceText, wire: _Wire, include_usage: bool
-    ) -> web.StreamResponse:
-        """SSE: one chunk per output that added tokens. The last one carries usage and stats, or with
-        `include_usage` a chunk of its own with no choices follows it (OpenAI's shape)."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        is_first = True
-        try:
-            async for delta in self._updates(outputs, run, choice):
-                if not delta.token_ids and not choice.is_finished:
-                    continue
-                part = protocol.Choice(delta.text, delta.token_ids, choice.finish_reason)
-                chunk = wire.chunk(run.request_id, run.created, self.model_name, part, is_first)
-                is_first = False
-                if choice.is_finished:
-                    self._finish_chunk(chunk, run, with_stats=not include_usage)
-                await response.write(_sse(chunk))
-            if include_usage:
-                chunk = protocol.usage_chunk(run.request_id, run.created, self.model_name, wire.chunk_object, run.last)
-                chunk["kv_transfer_params"] = run.last.kv_transfer_params
-                chunk["kvbridge"] = self._kvbridge_stats(run)
-                await response.write(_sse(chunk))
-        except EngineDeadError as exc:
-            run.outcome = "error"
-            await response.write(_sse(protocol.error_body(str(exc), "service_unavailable", 503)))
-        await response.write(_sse("[DONE]"))
-        await response.write_eof()
-        return response
-
-    def _finish_chunk(self, chunk: dict[str, Any], run: _Run, with_stats: bool) -> None:
-        failure = run.failure
-        run.outcome = "error" if failure else "ok"
-        if failure:
-            chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
-        if with_stats:
-            chunk["usage"] = protocol.usage(run.last)
-            chunk["kv_transfer_params"] = run.last.kv_transfer_params
-            chunk["kvbridge"] = self._kvbridge_stats(run)
-
-    def _kvbridge_stats(self, run: _Run) -> dict[str, Any]:
+    def _kvbridge_stats(self, run: RequestRun) -> dict[str, Any]:
         layout = getattr(self.engine.engine, "layout", None)
         block_size, block_nbytes = (layout.block_size, layout.block_nbytes) if layout is not None else (0, 0)
         return protocol.kvbridge_stats(run.last, run.timings(), block_size, block_nbytes)
@@ -316,13 +195,13 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         message = f"{request.method} {request.path}: {exc.reason}"
         if isinstance(exc, web.HTTPNotFound):
             message += f"; this node serves {', '.join(ROUTES)}"
-        response = _error(exc.status, message, "invalid_request_error")
+        response = error_response(exc.status, message, "invalid_request_error")
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
         return response
     except Exception as exc:  # noqa: BLE001 - a bug answers JSON too, and the node serves on
         logger.exception("%s %s raised", request.method, request.path)
-        return _error(500, f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}", "internal_error")
+        return error_response(500, f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}", "internal_error")
 
 
 ROUTES = (

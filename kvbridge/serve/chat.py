@@ -77,8 +77,11 @@ def _token_text(value: Any) -> str | None:
 def _template_source(checkpoint_dir: str, config: dict[str, Any]) -> str | None:
     path = os.path.join(checkpoint_dir, "chat_template.jinja")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+            raise ChatTemplateError(f"cannot read {path}: {exc}", "messages") from None
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
