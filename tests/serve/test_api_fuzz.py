@@ -94,7 +94,7 @@ def kv_transfer_params(side_channel_port: int) -> st.SearchStrategy:
 
 
 def fields(side_channel_port: int) -> dict[str, st.SearchStrategy]:
-    """Every field the API reads (and the unsupported ones), each: plausible values or junk."""
+    """Every field the API reads (and the refused ones), each: plausible values or junk."""
     text_prompt = st.text(min_size=1, max_size=24)
     id_prompt = st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=24)
     return {
@@ -111,7 +111,14 @@ def fields(side_channel_port: int) -> dict[str, st.SearchStrategy]:
         "n": field(st.sampled_from([1, 2, 0, 1.0])),
         "model": field(st.sampled_from(["tiny", "other"])),
         "kv_transfer_params": kv_transfer_params(side_channel_port),
-        **{name: junk for name in ("logprobs", "echo", "best_of", "suffix", "logit_bias", "stop")},
+        "stop": field(st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=4),
+                                st.just(["x"] * 17), st.just("x" * 1001))),  # fmt: skip
+        "presence_penalty": field(floats),
+        "frequency_penalty": field(floats),
+        "repetition_penalty": field(floats),
+        "min_tokens": field(st.sampled_from([0, 1, MAX_CHEAP_TOKENS, MAX_CHEAP_TOKENS + 1, -1, 2**63])),
+        "stream_options": field(st.fixed_dictionaries({"include_usage": field(st.booleans())})),
+        **{name: junk for name in ("logprobs", "echo", "best_of", "suffix", "logit_bias")},
     }
 
 
@@ -128,7 +135,13 @@ def valid_fields() -> dict[str, st.SearchStrategy]:
         "n": st.sampled_from([1, None]),
         "model": st.sampled_from(["tiny", None]),
         "kv_transfer_params": st.sampled_from([None, {}, {"do_remote_decode": True}, {"do_remote_decode": False}]),
-        **{name: st.sampled_from([None, False, 0, ""]) for name in ("logprobs", "echo", "suffix", "stop")},
+        "stop": st.sampled_from([None, "a", ["b", " "], [], "\n"]),
+        "presence_penalty": st.sampled_from([0, -2, 0.5, 2]),
+        "frequency_penalty": st.sampled_from([0, -2, 0.5, 2]),
+        "repetition_penalty": st.sampled_from([1, 0.01, 1.3, 100]),
+        "min_tokens": st.sampled_from([0, 1]),
+        "stream_options": st.sampled_from([None, {}, {"include_usage": True}]),
+        **{name: st.sampled_from([None, False, 0, ""]) for name in ("logprobs", "echo", "suffix")},
     }
 
 
