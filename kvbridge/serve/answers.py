@@ -68,12 +68,15 @@ class Wire(NamedTuple):
 
     id_prefix: str
     chunk_object: str
+    prompt_param: str  # the field a 400 about the prompt names: `prompt`, or `messages` for chat
     response: Callable[..., dict[str, Any]]  # (id, created, model, Choice, last output, kvbridge stats)
     chunk: Callable[..., dict[str, Any]]  # (id, created, model, delta Choice, is_first)
 
 
-COMPLETIONS = Wire("cmpl", "text_completion", protocol.completion_response, protocol.completion_chunk)
-CHAT = Wire("chatcmpl", chat_protocol.CHAT_COMPLETION_CHUNK, chat_protocol.chat_response, chat_protocol.chat_chunk)
+COMPLETIONS = Wire("cmpl", "text_completion", "prompt", protocol.completion_response, protocol.completion_chunk)
+CHAT = Wire(
+    "chatcmpl", chat_protocol.CHAT_COMPLETION_CHUNK, "messages", chat_protocol.chat_response, chat_protocol.chat_chunk
+)
 
 
 class AnswerWriter:

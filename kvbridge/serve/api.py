@@ -92,7 +92,7 @@ class CompletionsAPI:
             raise self._chat_template
         return self._chat_template
 
-    async def _parse(self, request: web.Request, make_job) -> _Job | web.Response:
+    async def _parse(self, request: web.Request, make_job, wire: Wire) -> _Job | web.Response:
         try:
             job = await make_job(protocol.decode_body(await request.read()))
         except InvalidRequestError as exc:
@@ -101,15 +101,16 @@ class CompletionsAPI:
             return error_response(413, f"the request body is too large: {exc.text}", "invalid_request_error")
         model = job.fields.model
         if model is not None and model != self.model_name:
-            return error_response(404, f"model {model!r} is not served here; use {self.model_name!r}", "model_not_found")
+            message = f"model {model!r} is not served here; use {self.model_name!r}"
+            return error_response(404, message, "model_not_found")
         if not job.prompt_ids:
-            return error_response(400, "the prompt encodes to no tokens", "invalid_request_error", "prompt")
+            return error_response(400, "the prompt encodes to no tokens", "invalid_request_error", wire.prompt_param)
         return job
 
     async def _serve(self, request: web.Request, make_job, wire: Wire) -> web.StreamResponse:
         if not self.engine.is_ready:
             return error_response(503, "the engine is not ready; poll GET /health", "service_unavailable")
-        job = await self._parse(request, make_job)
+        job = await self._parse(request, make_job, wire)
         if isinstance(job, web.Response):
             self.metrics.observe_rejected()
             return job
@@ -118,14 +119,17 @@ class CompletionsAPI:
         choice = ChoiceText(fields.stop, fields.sampling_params.min_tokens)
         self.metrics.running.inc()
         try:
-            outputs = self.engine.generate(run.request_id, job.prompt_ids, fields.sampling_params, fields.kv_transfer_params)
+            params, kv_params = fields.sampling_params, fields.kv_transfer_params
+            outputs = self.engine.generate(run.request_id, job.prompt_ids, params, kv_params)
             # Closing the outputs aborts the request in the engine: a client gone, or a stop string matched.
             async with aclosing(outputs):
                 try:
                     run.saw(await anext(outputs))
                 except ValueError as exc:  # the engine rejected the input
                     run.outcome = "bad_request"
-                    return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+                    param = getattr(exc, "param", None)
+                    param = wire.prompt_param if param == "prompt" else param  # chat: the messages made it
+                    return error_response(400, str(exc), "invalid_request_error", param)
                 except RequestFailedError as exc:
                     run.outcome = "error"
                     return error_response(500, str(exc), "engine_error")
@@ -201,7 +205,8 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return response
     except Exception as exc:  # noqa: BLE001 - a bug answers JSON too, and the node serves on
         logger.exception("%s %s raised", request.method, request.path)
-        return error_response(500, f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}", "internal_error")
+        message = f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}"
+        return error_response(500, message, "internal_error")
 
 
 ROUTES = (

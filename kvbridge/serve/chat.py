@@ -39,7 +39,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters; transformers' does not, and templates rely on it.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -141,7 +143,8 @@ def load_chat_template(checkpoint_dir: str) -> ChatTemplate:
         )
     tokenizer_path = os.path.join(checkpoint_dir, "tokenizer.json")
     if not os.path.exists(tokenizer_path):
-        raise ChatTemplateError(f"the checkpoint {checkpoint_dir} has a chat template but no tokenizer.json", "messages")
+        message = f"the checkpoint {checkpoint_dir} has a chat template but no tokenizer.json"
+        raise ChatTemplateError(message, "messages")
     fallback = _read_json(os.path.join(checkpoint_dir, "special_tokens_map.json"))
     special_tokens = {}
     for name in SPECIAL_TOKEN_NAMES:

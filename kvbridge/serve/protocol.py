@@ -177,7 +177,9 @@ class CompletionRequest:
     fields: CommonFields
 
 
-def parse_common_fields(body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS) -> CommonFields:
+def parse_common_fields(
+    body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> CommonFields:
     """Sampling, stop strings, streaming and P/D fields. Raises InvalidRequestError naming the bad field."""
     if body.get("n") not in (None, 1):
         raise _fail("'n' must be 1: kvbridge returns one completion per request", "n")
@@ -222,7 +224,8 @@ def parse_common_fields(body: dict, max_tokens_field: str = "max_tokens", defaul
         )
     except SamplingParamsError as exc:
         param = max_tokens_field if exc.field == "max_tokens" else exc.field
-        raise _fail(str(exc).replace("SamplingParams.max_tokens", param).replace("SamplingParams.", ""), param) from None
+        message = str(exc).replace("SamplingParams.max_tokens", param).replace("SamplingParams.", "")
+        raise _fail(message, param) from None
     return CommonFields(model, params, stop, stream, include_usage, kv_transfer_params)
 
 

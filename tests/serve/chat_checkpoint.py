@@ -67,7 +67,8 @@ def write_chat_checkpoint(path, chat_template: str | None = CHAT_TEMPLATE, seed:
     _tokenizer().save(os.path.join(path, "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "unk_token": "<unk>",
-        "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False},
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False,
+                      "rstrip": False, "single_word": False},
     }  # fmt: skip
     if chat_template is not None:
         tokenizer_config["chat_template"] = chat_template

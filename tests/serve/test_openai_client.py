@@ -95,6 +95,9 @@ def test_errors(node):
         node.client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2)
     with pytest.raises(openai.BadRequestError, match="'n'"):
         node.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="tokens") as info:  # the engine's limit, about the messages
+        node.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 200}])
+    assert info.value.body["param"] == "messages"
     with pytest.raises(openai.NotFoundError, match="not served"):
         node.client.chat.completions.create(model="other", messages=MESSAGES)
     with pytest.raises(openai.NotFoundError):

@@ -179,7 +179,8 @@ def _output(**kw) -> RequestOutput:
 def test_completion_response_shape():
     out = _output()
     choice = protocol.Choice("ab", [7, 8], "length")
-    body = protocol.completion_response("cmpl-1", 123, "tiny", choice, out, protocol.kvbridge_stats(out, {"e2e_s": 0.5}))
+    stats = protocol.kvbridge_stats(out, {"e2e_s": 0.5})
+    body = protocol.completion_response("cmpl-1", 123, "tiny", choice, out, stats)
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "ab", "token_ids": [7, 8], "finish_reason": "length", "logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
