@@ -72,12 +72,13 @@ def dense_step_times(model, prompts: list[list[int]], num_steps: int, layout, de
     attn.pos, attn.num_new = prompt_len, 1
     times = []
     for step in range(num_steps):
-        def decode():
-            nonlocal tokens
-            positions = torch.full((batch,), prompt_len + step, device=device)
-            tokens = model.compute_logits(model(tokens, positions, attn)).argmax(-1)
-            tokens.tolist()  # the engine hands token ids to Python every step too
-        times.append(timed(decode, device))
+        sync(device)
+        start = time.perf_counter()
+        positions = torch.full((batch,), prompt_len + step, device=device)
+        tokens = model.compute_logits(model(tokens, positions, attn)).argmax(-1)
+        tokens.tolist()  # the engine hands token ids to Python every step too
+        sync(device)
+        times.append(time.perf_counter() - start)
         attn.pos += 1
     return times
 
