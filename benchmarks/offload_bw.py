@@ -12,7 +12,8 @@ Baseline, same run, same bytes: one contiguous pinned-memory copy (device -> pin
 and for both directions at once both copies on two streams (`baseline_bidir`);
 one contiguous memcpy between plain buffers on CPU, with every core the process may run on (torch's
 intra-op threads are set to that count, as a user's copy would have them; the copier's CPU path
-uses as many copy threads). Each figure: warm-up, then median and min time of `--reps`
+uses as many copy threads); for comparison, on CPU, the store as the copier did it before
+2026-12-01 (`store_torch_copy_per_run`: one torch `copy_` per run, on one thread). Each figure: warm-up, then median and min time of `--reps`
 repetitions; the repetitions of all cases are interleaved (store, load, both, baselines, store,
 ...), so a shared machine's load changes hit every case alike. GB/s = 1e9 bytes per second.
 Index preparation is inside the timing.
@@ -26,12 +27,13 @@ import os
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from common import machine_info, versions
 
-from kvbridge.connectors.offload.copier import make_copier
+from kvbridge.connectors.offload.copier import coalesce_runs, make_copier
 from kvbridge.layout import KVCacheLayout
 
 
@@ -115,6 +117,18 @@ def main() -> int:
 
     load_before = os.getloadavg()
     cases = {"store": store, "load": load, "bidir": bidir, "baseline": baseline, "baseline_load": baseline_load}
+    if not is_cuda:  # the copier's CPU path before 2026-12-01: one torch copy_ per run, on one thread
+        one_thread = ThreadPoolExecutor(1)
+        store_runs = coalesce_runs(store_ids, list(range(n)))
+
+        def store_torch_copy_per_run() -> None:
+            def job() -> None:
+                for src, dst, num in store_runs:
+                    host[dst : dst + num].copy_(kv[src : src + num])
+
+            one_thread.submit(job).result()
+
+        cases["store_torch_copy_per_run"] = store_torch_copy_per_run
     if is_cuda:
         streams = torch.cuda.Stream(args.device), torch.cuda.Stream(args.device)
         other_dev, other_host = kv[n : 2 * n], host[n : 2 * n]
@@ -140,6 +154,9 @@ def main() -> int:
         "store_ratio": results["store"]["gbps"] / base,
         "load_ratio": results["load"]["gbps"] / base_load,
         "bidir_ratio": results["bidir"]["gbps"] / max(base, base_load),
+        "store_torch_copy_per_run_ratio": (
+            None if is_cuda else results["store_torch_copy_per_run"]["gbps"] / base
+        ),  # the old CPU path, same run
         "baseline_bidir_gbps": results["baseline_bidir"]["gbps"] if is_cuda else None,
         "bidir_vs_baseline_bidir": results["bidir"]["gbps"] / results["baseline_bidir"]["gbps"] if is_cuda else None,
         # the same ratios from each case's fastest repetition: what a shared machine's load hides least
