@@ -1,13 +1,15 @@
 """One request's answer, written from the engine's outputs: a whole JSON response or an SSE stream.
 
-`CompletionsAPI` (serve/api.py) validates a request, starts it in the engine, and hands the outputs to an
-`AnswerWriter` with the request's `RequestRun`, its `ChoiceText` (stop strings) and the route's `Wire`
-(the shapes of serve/protocol.py or serve/chat_protocol.py). The writer drives the outputs until the
-request finished or hit a stop string; the caller closes them, which aborts an unfinished request.
+`CompletionsAPI` (serve/api.py) validates a request and starts one engine request per choice (`n`).
+It hands their outputs to an `AnswerWriter` as `ChoiceRun`s (each with its `RequestRun` and its
+`ChoiceText`, which cuts stop strings) with the route's `Wire` (the shapes of serve/protocol.py or
+serve/chat_protocol.py). The writer drives every choice until it finished or hit a stop string; the
+caller then closes the outputs, which aborts an engine request that is still running.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -69,7 +71,7 @@ class Wire(NamedTuple):
     id_prefix: str
     chunk_object: str
     prompt_param: str  # the field a 400 about the prompt names: `prompt`, or `messages` for chat
-    response: Callable[..., dict[str, Any]]  # (id, created, model, Choice, last output, kvbridge stats)
+    response: Callable[..., dict[str, Any]]  # (id, created, model, Choices, last outputs, kvbridge stats)
     chunk: Callable[..., dict[str, Any]]  # (id, created, model, delta Choice, is_first)
 
 
@@ -79,75 +81,129 @@ CHAT = Wire(
 )
 
 
+@dataclass
+class ChoiceRun:
+    """One choice of a request: its engine request, its visible text, the engine's outputs for it."""
+
+    index: int
+    run: RequestRun
+    text: ChoiceText
+    outputs: AsyncIterator[RequestOutput]
+    is_first_chunk: bool = True
+
+    async def updates(self) -> AsyncIterator[Delta]:
+        """What each engine output adds to the choice, until the request finished or hit a stop string."""
+        output = self.run.last
+        while True:
+            yield self.text.update(output.outputs[0], output.finished)
+            if self.text.is_finished:
+                return
+            output = await anext(self.outputs)
+            self.run.saw(output)
+
+    def answer(self) -> protocol.Choice:
+        """The whole choice (once it finished)."""
+        return protocol.Choice(self.index, self.text.text, self.text.token_ids, self.text.finish_reason)
+
+    def settle(self) -> str | None:
+        """Record the outcome of a finished choice; returns the engine's error, if any."""
+        failure = self.run.failure
+        self.run.outcome = "error" if failure else "ok"
+        return failure
+
+
+async def interleave(choices: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Delta]]:
+    """Every choice's deltas as they come, until all finished. Each choice is driven by a task of its
+    own; the first that raises (EngineDeadError) ends the iteration, and all are cancelled on exit,
+    which leaves no engine output being awaited when the caller closes them."""
+    queue: asyncio.Queue[tuple[ChoiceRun, Delta] | asyncio.Task] = asyncio.Queue()
+
+    async def drive(choice: ChoiceRun) -> None:
+        async for delta in choice.updates():
+            queue.put_nowait((choice, delta))
+
+    tasks = [asyncio.ensure_future(drive(c)) for c in choices]
+    for task in tasks:
+        task.add_done_callback(queue.put_nowait)
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await queue.get()
+            if isinstance(item, asyncio.Task):
+                num_running -= 1
+                if not item.cancelled() and item.exception() is not None:
+                    raise item.exception()
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class AnswerWriter:
-    """Writes answers for one served model; `kvbridge_stats(run)` gives a run's `kvbridge` figures."""
+    """Writes answers for one served model; `kvbridge_stats(run)` gives a run's `kvbridge` figures
+    (with n > 1: those of choice 0's engine request)."""
 
     def __init__(self, model_name: str, kvbridge_stats: Callable[[RequestRun], dict[str, Any]]) -> None:
         self.model_name = model_name
         self._kvbridge_stats = kvbridge_stats
 
-    @staticmethod
-    async def _updates(outputs, run: RequestRun, choice: ChoiceText) -> AsyncIterator[Delta]:
-        """What each engine output adds to the choice, until the request finished or hit a stop string."""
-        output = run.last
-        while True:
-            yield choice.update(output.outputs[0], output.finished)
-            if choice.is_finished:
-                return
-            output = await anext(outputs)
-            run.saw(output)
-
-    async def collect(self, outputs, run: RequestRun, choice: ChoiceText, wire: Wire) -> web.Response:
+    async def collect(self, request_id: str, created: int, choices: list[ChoiceRun], wire: Wire) -> web.Response:
         try:
-            async for _ in self._updates(outputs, run, choice):
+            async for _ in interleave(choices):
                 pass
         except EngineDeadError as exc:
-            run.outcome = "error"
+            for choice in choices:
+                choice.run.outcome = "error"
             return error_response(503, str(exc), "service_unavailable")
-        failure = run.failure
-        run.outcome = "error" if failure else "ok"
+        failure = next((f for f in [c.settle() for c in choices] if f is not None), None)
         if failure:
             return error_response(500, failure, "engine_error")
-        answer = protocol.Choice(choice.text, choice.token_ids, choice.finish_reason)
-        body = wire.response(run.request_id, run.created, self.model_name, answer, run.last, self._kvbridge_stats(run))
+        outputs = [c.run.last for c in choices]
+        stats = self._kvbridge_stats(choices[0].run)
+        body = wire.response(request_id, created, self.model_name, [c.answer() for c in choices], outputs, stats)
         return web.json_response(body)
 
     async def stream(
-        self, request: web.Request, outputs, run: RequestRun, choice: ChoiceText, wire: Wire, include_usage: bool
-    ) -> web.StreamResponse:
-        """SSE: one chunk per output that added tokens. The last one carries usage and stats, or with
-        `include_usage` a chunk of its own with no choices follows it (OpenAI's shape)."""
+        self, request: web.Request, request_id: str, created: int, choices: list[ChoiceRun], wire: Wire,
+        include_usage: bool,
+    ) -> web.StreamResponse:  # fmt: skip
+        """SSE: one chunk per output that added tokens to a choice. The chunk that finishes the last
+        choice carries usage and stats, or with `include_usage` a chunk of its own with no choices
+        follows (OpenAI's shape)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        is_first = True
+        num_unfinished = len(choices)
         try:
-            async for delta in self._updates(outputs, run, choice):
-                if not delta.token_ids and not choice.is_finished:
+            async for choice, delta in interleave(choices):
+                if not delta.token_ids and not delta.is_last:
                     continue
-                part = protocol.Choice(delta.text, delta.token_ids, choice.finish_reason)
-                chunk = wire.chunk(run.request_id, run.created, self.model_name, part, is_first)
-                is_first = False
-                if choice.is_finished:
-                    self._finish_chunk(chunk, run, with_stats=not include_usage)
+                part = protocol.Choice(choice.index, delta.text, delta.token_ids, delta.finish_reason)
+                chunk = wire.chunk(request_id, created, self.model_name, part, choice.is_first_chunk)
+                choice.is_first_chunk = False
+                if delta.is_last:
+                    num_unfinished -= 1
+                    if failure := choice.settle():
+                        chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
+                    if not num_unfinished and not include_usage:
+                        self._add_totals(chunk, choices)
                 await response.write(sse(chunk))
             if include_usage:
-                chunk = protocol.usage_chunk(run.request_id, run.created, self.model_name, wire.chunk_object, run.last)
-                chunk["kv_transfer_params"] = run.last.kv_transfer_params
-                chunk["kvbridge"] = self._kvbridge_stats(run)
-                await response.write(sse(chunk))
+                outputs = [c.run.last for c in choices]
+                chunk = protocol.usage_chunk(request_id, created, self.model_name, wire.chunk_object, outputs)
+                await response.write(sse(self._add_totals(chunk, choices)))
         except EngineDeadError as exc:
-            run.outcome = "error"
+            for choice in choices:
+                choice.run.outcome = "error"
             await response.write(sse(protocol.error_body(str(exc), "service_unavailable", 503)))
         await response.write(sse("[DONE]"))
         await response.write_eof()
         return response
 
-    def _finish_chunk(self, chunk: dict[str, Any], run: RequestRun, with_stats: bool) -> None:
-        failure = run.failure
-        run.outcome = "error" if failure else "ok"
-        if failure:
-            chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
-        if with_stats:
-            chunk["usage"] = protocol.usage(run.last)
-            chunk["kv_transfer_params"] = run.last.kv_transfer_params
-            chunk["kvbridge"] = self._kvbridge_stats(run)
+    def _add_totals(self, chunk: dict[str, Any], choices: list[ChoiceRun]) -> dict[str, Any]:
+        """What the last chunk carries: usage, the connector's params, the kvbridge figures."""
+        chunk["usage"] = protocol.usage([c.run.last for c in choices])
+        chunk["kv_transfer_params"] = choices[0].run.last.kv_transfer_params
+        chunk["kvbridge"] = self._kvbridge_stats(choices[0].run)
+        return chunk

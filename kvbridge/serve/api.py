@@ -17,10 +17,11 @@ Run the app with `handler_cancellation=True` so a client that hangs up aborts it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -28,7 +29,8 @@ from aiohttp import web
 from kvbridge.errors import InvalidRequestError
 from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.admin import AdminAPI, AdminAuth
-from kvbridge.serve.answers import CHAT, COMPLETIONS, AnswerWriter, RequestRun, Wire, error_response
+from kvbridge.engine.sampling_params import MAX_SEED, SamplingParams
+from kvbridge.serve.answers import CHAT, COMPLETIONS, AnswerWriter, ChoiceRun, RequestRun, Wire, error_response
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvbridge.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -42,6 +44,14 @@ class _Job(NamedTuple):
 
     fields: protocol.CommonFields
     prompt_ids: list[int]
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: a seeded request's choices each draw from their own seed (seed + index),
+    or all n would be the same."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
 
 
 class CompletionsAPI:
@@ -115,36 +125,54 @@ class CompletionsAPI:
             self.metrics.observe_rejected()
             return job
         fields = job.fields
-        run = RequestRun(f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic())
-        choice = ChoiceText(fields.stop, fields.sampling_params.min_tokens)
+        request_id, created = f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         self.metrics.running.inc()
+        choices: list[ChoiceRun] = []
         try:
-            params, kv_params = fields.sampling_params, fields.kv_transfer_params
-            outputs = self.engine.generate(run.request_id, job.prompt_ids, params, kv_params)
-            # Closing the outputs aborts the request in the engine: a client gone, or a stop string matched.
-            async with aclosing(outputs):
-                try:
-                    run.saw(await anext(outputs))
-                except ValueError as exc:  # the engine rejected the input
-                    run.outcome = "bad_request"
-                    param = getattr(exc, "param", None)
-                    param = wire.prompt_param if param == "prompt" else param  # chat: the messages made it
-                    return error_response(400, str(exc), "invalid_request_error", param)
-                except RequestFailedError as exc:
-                    run.outcome = "error"
-                    return error_response(500, str(exc), "engine_error")
-                except EngineDeadError as exc:
-                    run.outcome = "error"
-                    return error_response(503, str(exc), "service_unavailable")
+            # Closing the outputs aborts what is still running: the client is gone, a stop string matched.
+            async with AsyncExitStack() as stack:
+                for index in range(fields.n):
+                    run_id = request_id if fields.n == 1 else f"{request_id}-{index}"
+                    run = RequestRun(run_id, created, time.monotonic())
+                    params = _choice_params(fields.sampling_params, index)
+                    outputs = self.engine.generate(run.request_id, job.prompt_ids, params, fields.kv_transfer_params)
+                    await stack.enter_async_context(aclosing(outputs))
+                    choices.append(ChoiceRun(index, run, ChoiceText(fields.stop, params.min_tokens), outputs))
+                if (refusal := await self._first_outputs(choices, wire)) is not None:
+                    return refusal
                 if fields.stream:
-                    return await self.answers.stream(request, outputs, run, choice, wire, fields.include_usage)
-                return await self.answers.collect(outputs, run, choice, wire)
+                    return await self.answers.stream(request, request_id, created, choices, wire, fields.include_usage)
+                return await self.answers.collect(request_id, created, choices, wire)
         except ConnectionResetError:
-            logger.info("the client of %s hung up; request aborted", run.request_id)
+            logger.info("the client of %s hung up; request aborted", request_id)
             return web.Response(status=499)
         finally:
             self.metrics.running.dec()
-            self._observe(run)
+            for choice in choices:
+                self._observe(choice.run)
+
+    async def _first_outputs(self, choices: list[ChoiceRun], wire: Wire) -> web.Response | None:
+        """Wait for each choice's first output; the error response if the engine refused a choice."""
+        firsts = await asyncio.gather(*(anext(c.outputs) for c in choices), return_exceptions=True)
+        for choice, first in zip(choices, firsts):
+            if not isinstance(first, BaseException):
+                choice.run.saw(first)
+        for choice, first in zip(choices, firsts):
+            match first:
+                case ValueError():  # the engine rejected the input
+                    choice.run.outcome = "bad_request"
+                    param = getattr(first, "param", None)
+                    param = wire.prompt_param if param == "prompt" else param  # chat: the messages made it
+                    return error_response(400, str(first), "invalid_request_error", param)
+                case RequestFailedError():
+                    choice.run.outcome = "error"
+                    return error_response(500, str(first), "engine_error")
+                case EngineDeadError():
+                    choice.run.outcome = "error"
+                    return error_response(503, str(first), "service_unavailable")
+                case BaseException():
+                    raise first
+        return None
 
     def _observe(self, run: RequestRun) -> None:
         last = run.last

@@ -91,10 +91,10 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
 
 
 def chat_response(
-    request_id: str, created: int, model: str, choice: Choice, output: RequestOutput, extra: dict[str, Any]
-) -> dict[str, Any]:
-    """The whole (non-streamed) response; `output` is the engine's last output for the request."""
-    message = {"role": "assistant", "content": choice.text}
+    request_id: str, created: int, model: str, choices: list[Choice], outputs: list[RequestOutput],
+    extra: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The whole (non-streamed) response; `outputs` are the engine's last outputs, one per choice."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -102,21 +102,22 @@ def chat_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": message,
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text},
                 "token_ids": choice.token_ids,
                 "finish_reason": choice.finish_reason,
                 "logprobs": None,
             }
+            for choice in choices
         ],
-        "usage": usage(output),
-        "kv_transfer_params": output.kv_transfer_params,
+        "usage": usage(outputs),
+        "kv_transfer_params": outputs[0].kv_transfer_params,
         "kvbridge": extra,
     }
 
 
 def chat_chunk(request_id: str, created: int, model: str, delta: Choice, is_first: bool) -> dict[str, Any]:
-    """One SSE chunk: the content generated since the previous chunk; the first names the role."""
+    """One SSE chunk: the content one choice generated since its previous chunk; its first names the role."""
     content = {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
     return {
         "id": request_id,
@@ -125,7 +126,7 @@ def chat_chunk(request_id: str, created: int, model: str, delta: Choice, is_firs
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": delta.index,
                 "delta": content,
                 "token_ids": delta.token_ids,
                 "finish_reason": delta.finish_reason,

@@ -29,6 +29,7 @@ from kvbridge.errors import InvalidRequestError, SamplingParamsError
 from kvbridge.serve.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default
+MAX_N = 16  # choices per request: each is an engine request of its own
 # Fields OpenAI (or vLLM) defines that kvbridge cannot honour, why, and the values that ask for
 # nothing (the defaults clients send): any other value is a 400 naming the field, never ignored.
 NOT_ASKED = (None, False, 0, "", [], {})
@@ -162,6 +163,7 @@ class CommonFields(NamedTuple):
 
     model: str | None
     sampling_params: SamplingParams
+    n: int  # choices: engine requests of the same prompt
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -181,8 +183,7 @@ def parse_common_fields(
     body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS
 ) -> CommonFields:
     """Sampling, stop strings, streaming and P/D fields. Raises InvalidRequestError naming the bad field."""
-    if body.get("n") not in (None, 1):
-        raise _fail("'n' must be 1: kvbridge returns one completion per request", "n")
+    n = _get(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]", 1)
     model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
     max_tokens = _get(body, max_tokens_field, _is_int, "an integer >= 1", default_max_tokens)
     temperature = _get(body, "temperature", _is_number, "0 or a number in [0.01, 100]", 1.0)
@@ -204,6 +205,8 @@ def parse_common_fields(
         stream_options, "include_usage", lambda v: isinstance(v, bool), "true or false", False, "stream_options"
     )
     kv_transfer_params = _get(body, "kv_transfer_params", lambda v: isinstance(v, dict), "a JSON object", None)
+    if n > 1 and kv_transfer_params:
+        raise _fail("'n' must be 1 with kv_transfer_params: a P/D hand-off moves one request's KV", "n")
     try:
         parse_remote_prefill(kv_transfer_params)  # a bad P/D hand-off is the client's error, not a mid-step one
     except InvalidRequestError as exc:
@@ -226,7 +229,7 @@ def parse_common_fields(
         param = max_tokens_field if exc.field == "max_tokens" else exc.field
         message = str(exc).replace("SamplingParams.max_tokens", param).replace("SamplingParams.", "")
         raise _fail(message, param) from None
-    return CommonFields(model, params, stop, stream, include_usage, kv_transfer_params)
+    return CommonFields(model, params, n, stop, stream, include_usage, kv_transfer_params)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -274,24 +277,28 @@ def kvbridge_stats(
     return stats
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
-    prompt = len(output.prompt_token_ids)
-    completion = len(output.outputs[0].token_ids) if output.outputs else 0
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """Token counts of a request's engine outputs, one per choice: each prompt counts once (the n
+    choices of one prompt share it), every choice's tokens count."""
+    prompt = len(outputs[0].prompt_token_ids)
+    completion = sum(len(out.outputs[0].token_ids) for out in outputs if out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class Choice(NamedTuple):
     """A choice as the client sees it (stop strings cut off), or what a chunk adds to it."""
 
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
 
 
 def completion_response(
-    request_id: str, created: int, model: str, choice: Choice, output: RequestOutput, extra: dict[str, Any]
-) -> dict[str, Any]:
-    """The whole (non-streamed) response; `output` is the engine's last output for the request."""
+    request_id: str, created: int, model: str, choices: list[Choice], outputs: list[RequestOutput],
+    extra: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The whole (non-streamed) response; `outputs` are the engine's last outputs, one per choice."""
     return {
         "id": request_id,
         "object": "text_completion",
@@ -299,21 +306,22 @@ def completion_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": choice.index,
                 "text": choice.text,
                 "token_ids": choice.token_ids,
                 "finish_reason": choice.finish_reason,
                 "logprobs": None,
             }
+            for choice in choices
         ],
-        "usage": usage(output),
-        "kv_transfer_params": output.kv_transfer_params,
+        "usage": usage(outputs),
+        "kv_transfer_params": outputs[0].kv_transfer_params,
         "kvbridge": extra,
     }
 
 
 def completion_chunk(request_id: str, created: int, model: str, delta: Choice, is_first: bool) -> dict[str, Any]:
-    """One SSE chunk: the text and token ids generated since the previous chunk."""
+    """One SSE chunk: the text and token ids one choice generated since its previous chunk."""
     return {
         "id": request_id,
         "object": "text_completion",
@@ -321,7 +329,7 @@ def completion_chunk(request_id: str, created: int, model: str, delta: Choice, i
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": delta.index,
                 "text": delta.text,
                 "token_ids": delta.token_ids,
                 "finish_reason": delta.finish_reason,
@@ -331,7 +339,9 @@ def completion_chunk(request_id: str, created: int, model: str, delta: Choice, i
     }
 
 
-def usage_chunk(request_id: str, created: int, model: str, chunk_object: str, output: RequestOutput) -> dict[str, Any]:
+def usage_chunk(
+    request_id: str, created: int, model: str, chunk_object: str, outputs: list[RequestOutput]
+) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
     return {"id": request_id, "object": chunk_object, "created": created, "model": model, "choices": [],
-            "usage": usage(output)}  # fmt: skip
+            "usage": usage(outputs)}  # fmt: skip

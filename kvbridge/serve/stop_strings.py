@@ -41,10 +41,13 @@ def partial_stop_len(text: str, stop: Sequence[str]) -> int:
 
 
 class Delta(NamedTuple):
-    """What a choice gained since the previous update: text safe to send, new token ids."""
+    """What a choice gained since the previous update: text safe to send, new token ids, and, in the
+    last update, why the choice finished."""
 
     text: str
     token_ids: list[int]
+    is_last: bool = False
+    finish_reason: str | None = None
 
 
 class ChoiceText:
@@ -82,7 +85,7 @@ class ChoiceText:
         # Decoding more tokens only appends to a settled text; should a tokenizer rewrite it, wait.
         new_text = visible[len(self.text) :] if visible.startswith(self.text) else ""
         self.text += new_text
-        delta = Delta(new_text, self.token_ids[self.num_sent_tokens :])
+        delta = Delta(new_text, self.token_ids[self.num_sent_tokens :], self.is_finished, self.finish_reason)
         self.num_sent_tokens = len(self.token_ids)
         return delta
 

@@ -106,7 +106,7 @@ def test_a_chat_stop_string(checkpoint):
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
         ({**CHAT, "presence_penalty": 3.0}, "presence_penalty"),
         ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
-        ({**CHAT, "n": 3}, "n"),
+        ({**CHAT, "n": 17}, "n"),
         ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
         ({**CHAT, "messages": []}, "messages"),
         ({**CHAT, "messages": [{"content": "no role"}]}, "messages"),
@@ -121,6 +121,51 @@ def test_chat_refusals_name_the_field(checkpoint, body, param):
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", error
     assert param in error["message"] or param == "messages", error
+
+
+def test_n_choices_are_n_engine_requests_of_the_same_prompt():
+    status, raw, fake = _post({"prompt": "a", "max_tokens": 3, "n": 3}, "/v1/completions")
+    body = json.loads(raw)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["text"] == "bcd" and c["finish_reason"] == "length" for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}  # the prompt once
+    assert fake.num_finished == 3
+
+
+def test_n_streamed_chat_choices_interleave_by_index(checkpoint):
+    body = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    status, raw, _ = _post(body, model=checkpoint)
+    chunks = _sse_events(raw)
+    assert status == 200 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and all("role" not in c["delta"] for c in mine[1:])
+        assert "".join(c["delta"]["content"] for c in mine) == bytes([6, 7, 8]).decode()
+        assert [c["finish_reason"] for c in mine][-1] == "length" and mine[-1]["token_ids"] == [8]
+
+
+def test_n_choices_each_stop_at_a_stop_string_and_abort():
+    body = {"prompt": "a", "max_tokens": 1000, "stop": "de", "n": 2, "stream": True}
+    status, raw, fake = _post(body, "/v1/completions", step_delay_s=0.002)
+    chunks = _sse_events(raw)
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)}
+    assert status == 200 and texts == {0: "bc", 1: "bc"} and fake.num_aborted == 2
+    assert chunks[-1]["usage"]["completion_tokens"] == 8  # "bcde" twice: up to the token that completed "de"
+
+
+def test_a_client_that_hangs_up_aborts_every_choice():
+    async def scenario(client, fake, engine):
+        body = {"prompt": "a", "max_tokens": 100_000, "stream": True, "n": 2}
+        resp = await client.post("/v1/completions", json=body)
+        await resp.content.readline()  # the first chunk arrived: the requests run
+        resp.close()
+        for _ in range(300):
+            if not fake.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return fake.num_aborted, engine.num_running
+
+    assert _serve(scenario, FakeEngineCore(step_delay_s=0.002)) == (2, 0)
 
 
 def test_chat_accepts_text_parts_and_the_defaults_clients_send(checkpoint):

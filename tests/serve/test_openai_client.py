@@ -75,6 +75,19 @@ def test_streamed_chat_with_usage(node):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_n_seeded_choices_differ_and_repeat(node):
+    def ask():
+        chat = node.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, n=3, seed=7, temperature=1.0, max_tokens=MAX_TOKENS,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)]
+
+    first = ask()
+    assert len(set(first)) == 3, first  # each choice draws from its own seed (seed + index)
+    assert ask() == first
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string(node, stream):
     words = node.expected_text.split()
@@ -94,7 +107,7 @@ def test_errors(node):
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         node.client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2)
     with pytest.raises(openai.BadRequestError, match="'n'"):
-        node.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        node.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
     with pytest.raises(openai.BadRequestError, match="tokens") as info:  # the engine's limit, about the messages
         node.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 200}])
     assert info.value.body["param"] == "messages"

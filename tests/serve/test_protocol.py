@@ -41,9 +41,9 @@ def test_all_fields():
             "stop_token_ids": [2, 3],
             "ignore_eos": True,
             "stream": True,
+            "n": 3,
             "stream_options": {"include_usage": True},
             "stop": ["\n", "END"],
-            "kv_transfer_params": {"do_remote_decode": True},
             "user": "ignored-openai-field",
             "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_tokens": 2,
             # what clients send by default: asks for nothing, accepted
@@ -51,11 +51,12 @@ def test_all_fields():
         }
     )  # fmt: skip
     fields = req.fields
+    assert fields.n == 3
     p = fields.sampling_params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (5, 0.0, 0.5, 0, 7)
     assert p.stop_token_ids == (2, 3) and p.ignore_eos and p.is_greedy
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -1.0, 1.2, 2)
-    assert fields.stream and fields.kv_transfer_params == {"do_remote_decode": True} and fields.model == "tiny"
+    assert fields.stream and fields.kv_transfer_params is None and fields.model == "tiny"
     assert fields.stop == ("\n", "END") and fields.include_usage
 
 
@@ -87,7 +88,9 @@ def test_a_stop_string_may_be_a_bare_string():
         ({"prompt": "a", "stop": {"s": 1}}, "stop"),
         ({"prompt": "a", "stream_options": []}, "stream_options"),
         ({"prompt": "a", "stream_options": {"include_usage": "yes"}}, "stream_options"),
-        ({"prompt": "a", "n": 2}, "n"),
+        ({"prompt": "a", "n": 17}, "n"),
+        ({"prompt": "a", "n": 0}, "n"),
+        ({"prompt": "a", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n"),
         ({"prompt": "a", "logprobs": 3}, "logprobs"),
         ({"prompt": "a", "echo": True}, "echo"),
         ({"prompt": "a", "best_of": 2}, "best_of"),
@@ -178,9 +181,9 @@ def _output(**kw) -> RequestOutput:
 
 def test_completion_response_shape():
     out = _output()
-    choice = protocol.Choice("ab", [7, 8], "length")
+    choice = protocol.Choice(0, "ab", [7, 8], "length")
     stats = protocol.kvbridge_stats(out, {"e2e_s": 0.5})
-    body = protocol.completion_response("cmpl-1", 123, "tiny", choice, out, stats)
+    body = protocol.completion_response("cmpl-1", 123, "tiny", [choice], [out], stats)
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "ab", "token_ids": [7, 8], "finish_reason": "length", "logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -196,8 +199,13 @@ def test_error_body_is_openai_shaped():
 
 
 def test_usage_chunk_has_no_choices():
-    chunk = protocol.usage_chunk("cmpl-1", 123, "tiny", "text_completion", _output())
+    chunk = protocol.usage_chunk("cmpl-1", 123, "tiny", "text_completion", [_output()])
     assert chunk["choices"] == [] and chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_usage_counts_the_shared_prompt_once_and_every_choice():
+    two = [_output(), _output(outputs=[CompletionOutput(0, [9], "c", "stop")])]
+    assert protocol.usage(two) == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
 def test_external_kv_bytes_counts_whole_blocks():
