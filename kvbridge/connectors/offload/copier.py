@@ -152,11 +152,11 @@ class ThreadCopier(BlockCopier):
 
     Per direction one dispatch thread (a store and a load overlap; `before` may block on the disk).
     It coalesces a copy's blocks into runs adjacent on both sides, cuts the runs into about equal
-    shares of at least `MIN_SHARE_BYTES`, one per copy thread, and waits for them (a copy of one
-    share it does itself). The copy threads (`num_threads`, default: the cores of the process's
-    CPU affinity) are shared by both directions, so no more copies run at once than there are
-    cores. Each share is copied on its thread alone, one `np.copyto` per run (it releases the
-    GIL). Not torch's `copy_`: that forks its own intra-op threads for every run (measured 0.73
+    shares of at least `MIN_SHARE_BYTES`, one per copy thread (`num_threads`, default: the cores
+    of the process's CPU affinity), copies the first share itself and waits for the others, which
+    a pool of `num_threads - 1` threads shared by both directions copies: one direction copies on
+    `num_threads` threads, both at once on one more. Each share is copied on its thread alone, one
+    `np.copyto` per run (it releases the GIL). Not torch's `copy_`: that forks its own intra-op threads for every run (measured 0.73
     of a memcpy for 2 MiB runs), and torch copies running on several threads at once would each
     fork a team over the same cores; `torch.set_num_threads(1)` on a copy thread is no cure, it
     also changes the default of every thread torch starts later.
@@ -170,7 +170,8 @@ class ThreadCopier(BlockCopier):
         self.block_nbytes = host_pool[0].nbytes
         self._kv_bytes, self._host_bytes = _byte_array(kv_cache), _byte_array(host_pool)
         self._dispatch = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-{d}") for d in ("store", "load")}
-        self._copy_threads = ThreadPoolExecutor(self.num_threads, thread_name_prefix="kvbridge-offload-copy")
+        # the dispatch thread copies a share too: one direction alone copies on `num_threads` threads
+        self._copy_threads = ThreadPoolExecutor(max(1, self.num_threads - 1), thread_name_prefix="kvbridge-offload-copy")
 
     def _run(self, direction: str, before, src, src_ids, dst, dst_ids) -> CopyHandle:
         def job() -> None:
@@ -178,12 +179,12 @@ class ThreadCopier(BlockCopier):
                 before()
             runs = coalesce_runs(src_ids, dst_ids)
             num_shares = min(self.num_threads, len(src_ids) * self.block_nbytes // self.MIN_SHARE_BYTES)
-            shares = split_runs(runs, num_shares)
-            if len(shares) == 1:  # small: no hand-off
-                _copy_share(src, dst, shares[0])
-                return
-            futures = [self._copy_threads.submit(_copy_share, src, dst, share) for share in shares]
-            wait(futures)  # all of them, even when one failed: none may still write once the copy is done
+            first, *others = split_runs(runs, num_shares) or [[]]
+            futures = [self._copy_threads.submit(_copy_share, src, dst, share) for share in others]
+            try:
+                _copy_share(src, dst, first)  # one wake-up fewer on the way: this thread copies too
+            finally:
+                wait(futures)  # all of them, even when one failed: none may still write once the copy is done
             for future in futures:
                 future.result()
 

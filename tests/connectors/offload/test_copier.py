@@ -70,7 +70,9 @@ def test_thread_copier_copies_each_run_of_adjacent_blocks_at_once_split_over_its
     assert sorted(run for _, share in shares for run in share) == [
         (3, 6, 1), (5, 0, 4), (20, 4, 1), (21, 5, 1), (30, 7, 3), (33, 10, 3)
     ]  # fmt: skip
-    assert len(shares) == 3 and all(name.startswith("kvbridge-offload-copy") for name, _ in shares)
+    names = [name for name, _ in shares]
+    assert len(shares) == 3 and names.count("kvbridge-offload-store_0") == 1  # the dispatch thread copies one
+    assert all(name.startswith("kvbridge-offload-copy") for name in names if name != "kvbridge-offload-store_0")
     shares.clear()
     target = [0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 39]
     assert copier.load(slots, target).wait(10)
@@ -86,6 +88,8 @@ def test_thread_copier_keeps_a_small_copy_in_one_share(shares):
     assert copier.store([1, 2, 6], [0, 1, 2]).wait(10)  # 3 blocks of 1.5 KiB: below MIN_SHARE_BYTES
     assert torch.equal(host[:3], kv[[1, 2, 6]])
     assert shares == [("kvbridge-offload-store_0", [(1, 0, 2), (6, 2, 1)])]  # on the dispatch thread
+    handle = copier.load([], [])
+    assert handle.wait(10) and handle.error is None  # nothing to copy
     copier.close()
 
 
