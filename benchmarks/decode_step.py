@@ -85,7 +85,8 @@ def dense_step_times(model, prompts: list[list[int]], num_steps: int, layout, de
 
 def summarize(times: list[float], warmup: int) -> dict:
     timed_steps = times[warmup:]
-    return {"median_ms": statistics.median(timed_steps) * 1e3, "min_ms": min(timed_steps) * 1e3, "reps": len(timed_steps)}
+    return {"median_ms": statistics.median(timed_steps) * 1e3, "min_ms": min(timed_steps) * 1e3,
+            "reps": len(timed_steps)}
 
 
 def main() -> None:
@@ -139,7 +140,8 @@ def main() -> None:
         "num_cuda_graphs": num_graphs,
         "params": {"preset": args.preset, "model_id": model_id, "device": args.device, "dtype": args.dtype,
                    "batches": batches, "context_len": args.context_len, "block_size": args.block_size,
-                   "reps": args.reps, "warmup_steps": args.warmup, "kv_bytes_per_token": layout.block_nbytes // layout.block_size},
+                   "reps": args.reps, "warmup_steps": args.warmup,
+                   "kv_bytes_per_token": layout.block_nbytes // layout.block_size},
         "machine": machine_info(args.device),
         "versions": versions(),
     }
@@ -147,7 +149,8 @@ def main() -> None:
         print(json.dumps(report, indent=2))
     else:
         for b, r in results.items():
-            print(f"batch {b}: step {r['graphs']['median_ms']:.2f} ms with graphs, {r['eager']['median_ms']:.2f} ms eager, "
+            print(f"batch {b}: step {r['graphs']['median_ms']:.2f} ms with graphs, "
+                  f"{r['eager']['median_ms']:.2f} ms eager, "
                   f"{r['dense']['median_ms']:.2f} ms dense ({r['graphs_speedup_vs_dense']:.2f}x dense)")
 
 

@@ -129,7 +129,8 @@ def _pad(
     targets = torch.where(is_real, query_rows, num_tokens).reshape(1, -1)
     slot_blocks = req.block_table.gather(1, query_pos // block_size)  # [B, Q]
     output_rows = first_output_row + torch.arange(num_reqs * req.num_queries, device=device)
-    per_slot = torch.stack((query_pos.reshape(-1), slot_blocks.reshape(-1), (query_pos % block_size).reshape(-1), output_rows))
+    slot_offsets = query_pos % block_size
+    per_slot = torch.stack((query_pos.reshape(-1), slot_blocks.reshape(-1), slot_offsets.reshape(-1), output_rows))
     return batch, targets, per_slot
 
 

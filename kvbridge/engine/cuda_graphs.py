@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs.
 
-On a GPU an eager decode step costs mostly Python and kernel launches (about 40 launches per
+On a GPU an eager decode step costs mostly Python and kernel launches (dozens of launches per
 layer), not arithmetic. `DecodeGraphs` captures the whole decode forward (attention metadata,
 every layer, the final norm and the LM head) once per bucket and replays it: a step whose
 requests all compute one token is padded to the next batch size of `BATCH_BUCKETS` and its block
@@ -117,7 +117,8 @@ class DecodeGraphs:
         if self._logits_fn is None:
             raise RuntimeError("DecodeGraphs used after release()")
         input_ids, packed = inputs.split((num_reqs, inputs.numel() - num_reqs))
-        return self._logits_fn(input_ids, [unpack_requests(packed, num_reqs, 1, is_whole_step=True, is_from_start=False)])
+        requests = [unpack_requests(packed, num_reqs, 1, is_whole_step=True, is_from_start=False)]
+        return self._logits_fn(input_ids, requests)
 
     def release(self) -> None:
         """Free every graph, its pool and the references to the model and KV cache. Idempotent."""

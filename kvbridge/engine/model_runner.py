@@ -45,7 +45,11 @@ def paged_forward(
 
 
 def paged_logits(
-    model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, input_ids: torch.Tensor, requests: list[RequestBatch]
+    model: LlamaForCausalLM,
+    kv_cache: torch.Tensor,
+    block_size: int,
+    input_ids: torch.Tensor,
+    requests: list[RequestBatch],
 ) -> torch.Tensor:
     """Logits [T, vocab] (float32) of every token of the step: what a decode graph captures."""
     return model.compute_logits(paged_forward(model, kv_cache, block_size, input_ids, requests))
