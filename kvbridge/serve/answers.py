@@ -89,6 +89,7 @@ class ChoiceRun:
     run: RequestRun
     text: ChoiceText
     outputs: AsyncIterator[RequestOutput]
+    counts_prompt: bool = True  # the first choice of its prompt: usage counts each prompt once
     is_first_chunk: bool = True
 
     async def updates(self) -> AsyncIterator[Delta]:
@@ -141,6 +142,11 @@ async def interleave(choices: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _usage(choices: list[ChoiceRun]) -> dict[str, int]:
+    num_prompt_tokens = sum(len(c.run.last.prompt_token_ids) for c in choices if c.counts_prompt)
+    return protocol.usage(num_prompt_tokens, sum(len(c.text.token_ids) for c in choices))
+
+
 class AnswerWriter:
     """Writes answers for one served model; `kvbridge_stats(run)` gives a run's `kvbridge` figures
     (with n > 1: those of choice 0's engine request)."""
@@ -160,9 +166,9 @@ class AnswerWriter:
         failure = next((f for f in [c.settle() for c in choices] if f is not None), None)
         if failure:
             return error_response(500, failure, "engine_error")
-        outputs = [c.run.last for c in choices]
-        stats = self._kvbridge_stats(choices[0].run)
-        body = wire.response(request_id, created, self.model_name, [c.answer() for c in choices], outputs, stats)
+        answers = [c.answer() for c in choices]
+        kv_params, stats = choices[0].run.last.kv_transfer_params, self._kvbridge_stats(choices[0].run)
+        body = wire.response(request_id, created, self.model_name, answers, _usage(choices), kv_params, stats)
         return web.json_response(body)
 
     async def stream(
@@ -190,8 +196,7 @@ class AnswerWriter:
                         self._add_totals(chunk, choices)
                 await response.write(sse(chunk))
             if include_usage:
-                outputs = [c.run.last for c in choices]
-                chunk = protocol.usage_chunk(request_id, created, self.model_name, wire.chunk_object, outputs)
+                chunk = protocol.usage_chunk(request_id, created, self.model_name, wire.chunk_object, _usage(choices))
                 await response.write(sse(self._add_totals(chunk, choices)))
         except EngineDeadError as exc:
             for choice in choices:
@@ -203,7 +208,7 @@ class AnswerWriter:
 
     def _add_totals(self, chunk: dict[str, Any], choices: list[ChoiceRun]) -> dict[str, Any]:
         """What the last chunk carries: usage, the connector's params, the kvbridge figures."""
-        chunk["usage"] = protocol.usage([c.run.last for c in choices])
+        chunk["usage"] = _usage(choices)
         chunk["kv_transfer_params"] = choices[0].run.last.kv_transfer_params
         chunk["kvbridge"] = self._kvbridge_stats(choices[0].run)
         return chunk

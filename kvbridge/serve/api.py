@@ -43,15 +43,15 @@ class _Job(NamedTuple):
     """A validated request, ready for the engine."""
 
     fields: protocol.CommonFields
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt; each gets `fields.n` choices
 
 
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s sampling: a seeded request's choices each draw from their own seed (seed + index),
-    or all n would be the same."""
-    if params.seed is None or index == 0:
+def _choice_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The sampling of a prompt's choice `sample` (0 to n - 1): with a seed, each of the n draws from a
+    seed of its own (seed + sample), or all n would be the same."""
+    if params.seed is None or sample == 0:
         return params
-    return dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+    return dataclasses.replace(params, seed=(params.seed + sample) % (MAX_SEED + 1))
 
 
 class CompletionsAPI:
@@ -73,11 +73,12 @@ class CompletionsAPI:
 
     async def _completion_job(self, body: Any) -> _Job:
         req = protocol.parse_completion_request(body)
+        tokenizer = self.engine.engine.tokenizer
         try:
-            prompt_ids = req.prompt_token_ids or list(self.engine.engine.tokenizer.encode(req.prompt_text))
+            prompts = [p.token_ids or list(tokenizer.encode(p.text)) for p in req.prompts]
         except ValueError as exc:  # UnicodeEncodeError: JSON may carry a lone surrogate ("\ud800")
             raise InvalidRequestError(f"'prompt' cannot be tokenized: {exc}", "prompt") from None
-        return _Job(req.fields, prompt_ids)
+        return _Job(req.fields, prompts)
 
     async def _chat_job(self, body: Any) -> _Job:
         req = chat_protocol.parse_chat_request(body, default_max_tokens=self.engine.engine.limits.max_model_len)
@@ -88,7 +89,7 @@ class CompletionsAPI:
             )
         except ValueError as exc:  # UnicodeEncodeError: JSON may carry a lone surrogate ("\ud800")
             raise InvalidRequestError(f"'messages' cannot be tokenized: {exc}", "messages") from None
-        return _Job(req.fields, prompt_ids)
+        return _Job(req.fields, [prompt_ids])
 
     async def _template(self) -> ChatTemplate:
         """The model's chat template, read from its checkpoint once; raises ChatTemplateError if it has none."""
@@ -113,7 +114,7 @@ class CompletionsAPI:
         if model is not None and model != self.model_name:
             message = f"model {model!r} is not served here; use {self.model_name!r}"
             return error_response(404, message, "model_not_found")
-        if not job.prompt_ids:
+        if not all(job.prompts):
             return error_response(400, "the prompt encodes to no tokens", "invalid_request_error", wire.prompt_param)
         return job
 
@@ -131,13 +132,16 @@ class CompletionsAPI:
         try:
             # Closing the outputs aborts what is still running: the client is gone, a stop string matched.
             async with AsyncExitStack() as stack:
-                for index in range(fields.n):
-                    run_id = request_id if fields.n == 1 else f"{request_id}-{index}"
+                num_choices = len(job.prompts) * fields.n
+                for index in range(num_choices):
+                    prompt_ids, sample = job.prompts[index // fields.n], index % fields.n  # OpenAI's order
+                    run_id = request_id if num_choices == 1 else f"{request_id}-{index}"
                     run = RequestRun(run_id, created, time.monotonic())
-                    params = _choice_params(fields.sampling_params, index)
-                    outputs = self.engine.generate(run.request_id, job.prompt_ids, params, fields.kv_transfer_params)
+                    params = _choice_params(fields.sampling_params, sample)
+                    outputs = self.engine.generate(run_id, prompt_ids, params, fields.kv_transfer_params)
                     await stack.enter_async_context(aclosing(outputs))
-                    choices.append(ChoiceRun(index, run, ChoiceText(fields.stop, params.min_tokens), outputs))
+                    text = ChoiceText(fields.stop, params.min_tokens)
+                    choices.append(ChoiceRun(index, run, text, outputs, counts_prompt=sample == 0))
                 if (refusal := await self._first_outputs(choices, wire)) is not None:
                     return refusal
                 if fields.stream:

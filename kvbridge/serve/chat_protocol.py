@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.engine.outputs import RequestOutput
 from kvbridge.serve.protocol import (
     NOT_ASKED,
     UNSUPPORTED_FIELDS,
@@ -19,7 +18,6 @@ from kvbridge.serve.protocol import (
     CommonFields,
     check_unsupported,
     parse_common_fields,
-    usage,
 )
 from kvbridge.errors import InvalidRequestError
 
@@ -91,10 +89,10 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
 
 
 def chat_response(
-    request_id: str, created: int, model: str, choices: list[Choice], outputs: list[RequestOutput],
-    extra: dict[str, Any],
+    request_id: str, created: int, model: str, choices: list[Choice], usage: dict[str, int],
+    kv_transfer_params: dict[str, Any] | None, extra: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """The whole (non-streamed) response; `outputs` are the engine's last outputs, one per choice."""
+    """The whole (non-streamed) response."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -110,8 +108,8 @@ def chat_response(
             }
             for choice in choices
         ],
-        "usage": usage(outputs),
-        "kv_transfer_params": outputs[0].kv_transfer_params,
+        "usage": usage,
+        "kv_transfer_params": kv_transfer_params,
         "kvbridge": extra,
     }
 

@@ -29,7 +29,7 @@ from kvbridge.errors import InvalidRequestError, SamplingParamsError
 from kvbridge.serve.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default
-MAX_N = 16  # choices per request: each is an engine request of its own
+MAX_CHOICES = 16  # per request: n times the prompts, each choice an engine request of its own
 # Fields OpenAI (or vLLM) defines that kvbridge cannot honour, why, and the values that ask for
 # nothing (the defaults clients send): any other value is a 400 naming the field, never ignored.
 NOT_ASKED = (None, False, 0, "", [], {})
@@ -104,21 +104,28 @@ def decode_body(raw: bytes) -> Any:
     return body
 
 
-def _parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
-    """A string, a list of one string, a list of token ids, or a list of one token-id list."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _fail("'prompt' is empty; send at least one character or token id", "prompt")
-        return prompt, None
+def _parse_one_prompt(prompt: Any) -> Prompt | None:
+    """A non-empty string or a non-empty list of token ids; None for anything else."""
+    if isinstance(prompt, str) and prompt:
+        return Prompt(prompt, None)
     if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
-        return None, list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _fail(f"'prompt' holds {len(prompt)} prompts; send one prompt per request", "prompt")
+        return Prompt(None, list(prompt))
+    return None
+
+
+def _parse_prompts(prompt: Any) -> list[Prompt]:
+    """A string, a list of token ids, or a list of up to MAX_CHOICES of either."""
+    if isinstance(prompt, str) and not prompt:
+        raise _fail("'prompt' is empty; send at least one character or token id", "prompt")
+    if (one := _parse_one_prompt(prompt)) is not None:
+        return [one]
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_CHOICES and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = [_parse_one_prompt(p) for p in prompt]
+        if None not in prompts:
+            return prompts
     raise _fail(
-        "'prompt' must be a non-empty string, a list of one string, or a non-empty list of "
-        "token ids (integers from 0 to the vocabulary size - 1)",
+        "'prompt' must be a non-empty string, a non-empty list of token ids (integers from 0 to the "
+        f"vocabulary size - 1), or a list of up to {MAX_CHOICES} of those",
         "prompt",
     )
 
@@ -170,20 +177,35 @@ class CommonFields(NamedTuple):
     kv_transfer_params: dict[str, Any] | None
 
 
+class Prompt(NamedTuple):
+    """One prompt: exactly one of `text` / `token_ids` is set."""
+
+    text: str | None
+    token_ids: list[int] | None
+
+
 @dataclass(frozen=True)
 class CompletionRequest:
-    """A validated `/v1/completions` body. Exactly one of `prompt_text` / `prompt_token_ids` is set."""
+    """A validated `/v1/completions` body: one prompt or several (each answered by `n` choices)."""
 
-    prompt_text: str | None
-    prompt_token_ids: list[int] | None
+    prompts: list[Prompt]
     fields: CommonFields
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The first prompt's text (the proxy routes a request by its first prompt)."""
+        return self.prompts[0].text
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.prompts[0].token_ids
 
 
 def parse_common_fields(
     body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS
 ) -> CommonFields:
     """Sampling, stop strings, streaming and P/D fields. Raises InvalidRequestError naming the bad field."""
-    n = _get(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]", 1)
+    n = _get(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
     model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
     max_tokens = _get(body, max_tokens_field, _is_int, "an integer >= 1", default_max_tokens)
     temperature = _get(body, "temperature", _is_number, "0 or a number in [0.01, 100]", 1.0)
@@ -239,8 +261,13 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if "prompt" not in body:
         raise _fail("'prompt' is required", "prompt")
     check_unsupported(body, UNSUPPORTED_FIELDS)
-    prompt_text, prompt_token_ids = _parse_prompt(body["prompt"])
-    return CompletionRequest(prompt_text, prompt_token_ids, parse_common_fields(body))
+    prompts = _parse_prompts(body["prompt"])
+    fields = parse_common_fields(body)
+    if len(prompts) > 1 and fields.kv_transfer_params:
+        raise _fail("send one prompt with kv_transfer_params: a P/D hand-off moves one request's KV", "prompt")
+    if len(prompts) * fields.n > MAX_CHOICES:
+        raise _fail(f"{len(prompts)} prompts times n={fields.n} choices exceed {MAX_CHOICES} per request", "n")
+    return CompletionRequest(prompts, fields)
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", code: int = 400, param: str | None = None) -> dict:
@@ -277,12 +304,10 @@ def kvbridge_stats(
     return stats
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    """Token counts of a request's engine outputs, one per choice: each prompt counts once (the n
-    choices of one prompt share it), every choice's tokens count."""
-    prompt = len(outputs[0].prompt_token_ids)
-    completion = sum(len(out.outputs[0].token_ids) for out in outputs if out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    """OpenAI's token counts. Each prompt counts once (the n choices of one prompt share it)."""
+    total = num_prompt_tokens + num_completion_tokens
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens, "total_tokens": total}
 
 
 class Choice(NamedTuple):
@@ -295,10 +320,10 @@ class Choice(NamedTuple):
 
 
 def completion_response(
-    request_id: str, created: int, model: str, choices: list[Choice], outputs: list[RequestOutput],
-    extra: dict[str, Any],
+    request_id: str, created: int, model: str, choices: list[Choice], usage: dict[str, int],
+    kv_transfer_params: dict[str, Any] | None, extra: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """The whole (non-streamed) response; `outputs` are the engine's last outputs, one per choice."""
+    """The whole (non-streamed) response."""
     return {
         "id": request_id,
         "object": "text_completion",
@@ -314,8 +339,8 @@ def completion_response(
             }
             for choice in choices
         ],
-        "usage": usage(outputs),
-        "kv_transfer_params": outputs[0].kv_transfer_params,
+        "usage": usage,
+        "kv_transfer_params": kv_transfer_params,
         "kvbridge": extra,
     }
 
@@ -339,9 +364,7 @@ def completion_chunk(request_id: str, created: int, model: str, delta: Choice, i
     }
 
 
-def usage_chunk(
-    request_id: str, created: int, model: str, chunk_object: str, outputs: list[RequestOutput]
-) -> dict[str, Any]:
+def usage_chunk(request_id: str, created: int, model: str, chunk_object: str, usage: dict[str, int]) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
     return {"id": request_id, "object": chunk_object, "created": created, "model": model, "choices": [],
-            "usage": usage(outputs)}  # fmt: skip
+            "usage": usage}  # fmt: skip

@@ -132,6 +132,14 @@ def test_n_choices_are_n_engine_requests_of_the_same_prompt():
     assert fake.num_finished == 3
 
 
+def test_several_prompts_times_n_choices_in_openai_order():
+    status, raw, fake = _post({"prompt": ["a", "bb", [ord("x")]], "max_tokens": 2, "n": 2}, "/v1/completions")
+    body = json.loads(raw)
+    assert status == 200 and [c["text"] for c in body["choices"]] == ["bc", "bc", "cd", "cd", "yz", "yz"]
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}  # each prompt once
+
+
 def test_n_streamed_chat_choices_interleave_by_index(checkpoint):
     body = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
     status, raw, _ = _post(body, model=checkpoint)

@@ -50,6 +50,13 @@ def test_completion(node):
     assert completion.usage.completion_tokens == MAX_TOKENS
 
 
+def test_a_list_of_prompts(node):
+    completion = node.client.completions.create(model=MODEL, prompt=[PROMPT, "the cat", PROMPT], **GREEDY)
+    texts = [c.text for c in sorted(completion.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[2] == node.expected_text and len(texts) == 3
+    assert completion.usage.completion_tokens == 3 * MAX_TOKENS
+
+
 def test_streamed_completion_with_usage(node):
     stream = node.client.completions.create(
         model=MODEL, prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY

@@ -25,7 +25,13 @@ def test_defaults_and_text_prompt():
 )
 def test_prompt_forms(prompt, text, ids):
     req = protocol.parse_completion_request({"prompt": prompt})
-    assert (req.prompt_text, req.prompt_token_ids) == (text, ids)
+    assert (req.prompt_text, req.prompt_token_ids) == (text, ids) and len(req.prompts) == 1
+
+
+def test_several_prompts():
+    req = protocol.parse_completion_request({"prompt": ["hi", [4, 5], "ho"], "n": 5})
+    assert req.prompts == [protocol.Prompt("hi", None), protocol.Prompt(None, [4, 5]), protocol.Prompt("ho", None)]
+    assert req.prompt_text == "hi"  # the first: what the proxy routes by
 
 
 def test_all_fields():
@@ -71,7 +77,11 @@ def test_a_stop_string_may_be_a_bare_string():
         ({}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a", [1, -2]]}, "prompt"),
+        ({"prompt": ["a"] * 17}, "prompt"),
+        ({"prompt": ["a", "b"], "n": 9}, "n"),  # 18 choices
+        ({"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
         ({"prompt": "a", "max_tokens": "3"}, "max_tokens"),
@@ -183,7 +193,8 @@ def test_completion_response_shape():
     out = _output()
     choice = protocol.Choice(0, "ab", [7, 8], "length")
     stats = protocol.kvbridge_stats(out, {"e2e_s": 0.5})
-    body = protocol.completion_response("cmpl-1", 123, "tiny", [choice], [out], stats)
+    usage = protocol.usage(3, 2)
+    body = protocol.completion_response("cmpl-1", 123, "tiny", [choice], usage, out.kv_transfer_params, stats)
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "text": "ab", "token_ids": [7, 8], "finish_reason": "length", "logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -199,13 +210,8 @@ def test_error_body_is_openai_shaped():
 
 
 def test_usage_chunk_has_no_choices():
-    chunk = protocol.usage_chunk("cmpl-1", 123, "tiny", "text_completion", [_output()])
+    chunk = protocol.usage_chunk("cmpl-1", 123, "tiny", "text_completion", protocol.usage(3, 2))
     assert chunk["choices"] == [] and chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-
-
-def test_usage_counts_the_shared_prompt_once_and_every_choice():
-    two = [_output(), _output(outputs=[CompletionOutput(0, [9], "c", "stop")])]
-    assert protocol.usage(two) == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
 def test_external_kv_bytes_counts_whole_blocks():
