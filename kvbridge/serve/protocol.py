@@ -36,7 +36,7 @@ NOT_ASKED = (None, False, 0, "", [], {})
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "logprobs": ("kvbridge does not return log-probabilities", NOT_ASKED),
     "echo": ("kvbridge does not echo the prompt", NOT_ASKED),
-    "best_of": ("kvbridge returns one completion per prompt", (None, 1)),
+    "best_of": ("ranking candidates needs log-probabilities; ask for n choices instead", (None, 1)),
     "suffix": ("kvbridge does not insert text", NOT_ASKED),
     "logit_bias": ("kvbridge's sampler takes no logit bias", NOT_ASKED),
 }
