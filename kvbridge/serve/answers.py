@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -157,8 +158,9 @@ class AnswerWriter:
 
     async def collect(self, request_id: str, created: int, choices: list[ChoiceRun], wire: Wire) -> web.Response:
         try:
-            async for _ in interleave(choices):
-                pass
+            async with aclosing(interleave(choices)) as deltas:
+                async for _ in deltas:
+                    pass
         except EngineDeadError as exc:
             for choice in choices:
                 choice.run.outcome = "error"
@@ -182,22 +184,25 @@ class AnswerWriter:
         await response.prepare(request)
         num_unfinished = len(choices)
         try:
-            async for choice, delta in interleave(choices):
-                if not delta.token_ids and not delta.is_last:
-                    continue
-                part = protocol.Choice(choice.index, delta.text, delta.token_ids, delta.finish_reason)
-                chunk = wire.chunk(request_id, created, self.model_name, part, choice.is_first_chunk)
-                choice.is_first_chunk = False
-                if delta.is_last:
-                    num_unfinished -= 1
-                    if failure := choice.settle():
-                        chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
-                    if not num_unfinished and not include_usage:
-                        self._add_totals(chunk, choices)
-                await response.write(sse(chunk))
+            # Closed on any exit (a client gone mid-write too): no task is left reading the outputs.
+            async with aclosing(interleave(choices)) as deltas:
+                async for choice, delta in deltas:
+                    if not delta.token_ids and not delta.is_last:
+                        continue
+                    part = protocol.Choice(choice.index, delta.text, delta.token_ids, delta.finish_reason)
+                    chunk = wire.chunk(request_id, created, self.model_name, part, choice.is_first_chunk)
+                    choice.is_first_chunk = False
+                    if delta.is_last:
+                        num_unfinished -= 1
+                        if failure := choice.settle():
+                            chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
+                        if not num_unfinished and not include_usage:
+                            chunk["usage"] = _usage(choices)
+                            self._add_stats(chunk, choices)
+                    await response.write(sse(chunk))
             if include_usage:
                 chunk = protocol.usage_chunk(request_id, created, self.model_name, wire.chunk_object, _usage(choices))
-                await response.write(sse(self._add_totals(chunk, choices)))
+                await response.write(sse(self._add_stats(chunk, choices)))
         except EngineDeadError as exc:
             for choice in choices:
                 choice.run.outcome = "error"
@@ -206,9 +211,8 @@ class AnswerWriter:
         await response.write_eof()
         return response
 
-    def _add_totals(self, chunk: dict[str, Any], choices: list[ChoiceRun]) -> dict[str, Any]:
-        """What the last chunk carries: usage, the connector's params, the kvbridge figures."""
-        chunk["usage"] = _usage(choices)
+    def _add_stats(self, chunk: dict[str, Any], choices: list[ChoiceRun]) -> dict[str, Any]:
+        """What the last chunk carries beside usage: the connector's params, the kvbridge figures."""
         chunk["kv_transfer_params"] = choices[0].run.last.kv_transfer_params
         chunk["kvbridge"] = self._kvbridge_stats(choices[0].run)
         return chunk

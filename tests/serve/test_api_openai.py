@@ -161,12 +161,21 @@ def test_n_choices_each_stop_at_a_stop_string_and_abort():
     assert chunks[-1]["usage"]["completion_tokens"] == 8  # "bcde" twice: up to the token that completed "de"
 
 
-def test_a_client_that_hangs_up_aborts_every_choice():
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_aborts_every_choice(stream):
     async def scenario(client, fake, engine):
-        body = {"prompt": "a", "max_tokens": 100_000, "stream": True, "n": 2}
-        resp = await client.post("/v1/completions", json=body)
-        await resp.content.readline()  # the first chunk arrived: the requests run
-        resp.close()
+        body = {"prompt": "a", "max_tokens": 100_000, "stream": stream, "n": 2}
+        if stream:
+            resp = await client.post("/v1/completions", json=body)
+            await resp.content.readline()  # the first chunk arrived: the requests run
+            resp.close()
+        else:
+            task = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            for _ in range(200):
+                if len(fake.requests) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            task.cancel()  # the client gives up and closes the connection
         for _ in range(300):
             if not fake.has_unfinished_requests():
                 break
