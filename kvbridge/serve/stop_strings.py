@@ -33,11 +33,16 @@ def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
 
 def partial_stop_len(text: str, stop: Sequence[str]) -> int:
     """Length of the longest end of `text` that begins some stop string (and could grow into it)."""
-    for length in range(min(len(text), max(map(len, stop), default=1) - 1), 0, -1):
-        tail = text[-length:]
-        if any(s.startswith(tail) for s in stop):
-            return length
-    return 0
+    longest = 0
+    for s in stop:
+        # Only a tail shorter than `s` that starts with its first character can begin it.
+        i = text.find(s[0], max(len(text) - len(s) + 1, 0))
+        while i != -1:
+            if s.startswith(text[i:]):
+                longest = max(longest, len(text) - i)  # the earliest such start is the longest tail
+                break
+            i = text.find(s[0], i + 1)
+    return longest
 
 
 class Delta(NamedTuple):

@@ -92,3 +92,14 @@ def test_streamed_text_equals_the_text_cut_at_the_first_stop_to_complete(seed):
         streamed = "".join(_feed(choice, texts))
         assert streamed == choice.text == (texts[-1] if expected is None else expected), (tokens, stop)
         assert choice.is_stopped == (expected is not None)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_partial_stop_len_equals_the_longest_tail_found_by_brute_force(seed):
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    for _ in range(2000):
+        text = "".join(rng.choices("abc", k=rng.randint(0, 8)))
+        stop = ["".join(rng.choices("abc", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        tails = [k for k in range(1, len(text) + 1) if any(len(s) > k and s.startswith(text[-k:]) for s in stop)]
+        assert partial_stop_len(text, stop) == max(tails, default=0), (text, stop)
