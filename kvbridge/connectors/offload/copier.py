@@ -156,10 +156,11 @@ class ThreadCopier(BlockCopier):
     of the process's CPU affinity), copies the first share itself and waits for the others, which
     a pool of `num_threads - 1` threads shared by both directions copies: one direction copies on
     `num_threads` threads, both at once on one more. Each share is copied on its thread alone, one
-    `np.copyto` per run (it releases the GIL). Not torch's `copy_`: that forks its own intra-op threads for every run (measured 0.73
-    of a memcpy for 2 MiB runs), and torch copies running on several threads at once would each
-    fork a team over the same cores; `torch.set_num_threads(1)` on a copy thread is no cure, it
-    also changes the default of every thread torch starts later.
+    `np.copyto` per run (it releases the GIL). Not torch's `copy_`: that forks its own intra-op
+    threads for every run (the former path: `store_torch_copy_per_run` in offload_bw.py), and
+    torch copies running on several threads at once would each fork a team over the same cores;
+    `torch.set_num_threads(1)` on a copy thread is no cure, it also changes the default of every
+    thread torch starts later.
     """
 
     MIN_SHARE_BYTES = 1 << 20  # below this, another thread costs more than it copies
