@@ -1,8 +1,8 @@
 """Serving under load: an open-loop streaming client against `kvbridge proxy` over P/D nodes, with faults.
 
-    python benchmarks/serve_load.py --json                                    # 2 prefill + 2 decode nodes, tiny model
-    python benchmarks/serve_load.py --json --routing both --check             # load-prefix vs round-robin, same arrivals
-    python benchmarks/serve_load.py --json --max-in-flight 32 --rate 20 --kill prefill0@3 --restart prefill0@6
+    python benchmarks/serve_load.py --json --check     # 2 prefill + 2 decode nodes; load-prefix vs round-robin
+    python benchmarks/serve_load.py --json --num-requests 600 --rate 30 --max-in-flight 32 \
+        --kill prefill0@3 --restart prefill0@6           # a prefill node dies 3 s in and is restarted at 6 s
     python benchmarks/serve_load.py --json --proxy-url http://127.0.0.1:8000 \\
         --prefill-url http://127.0.0.1:8100 --decode-url http://127.0.0.1:8200    # attach to running servers
 
@@ -31,11 +31,17 @@ before each, and reports both and their ratios. A proxy without `--routing` (rea
 `kvbridge proxy --help`) runs its own round-robin once, and `routing.note` says so.
 
 Faults: `--kill NODE@S` (SIGKILL) and `--restart NODE@S` (same command, same ports), S seconds
-after the first arrival, in every routing's run. The fault window runs from the first kill to the
+after the run's start, in every routing's run (a node left down is started again between runs). The fault window runs from the first kill to the
 moment the last restarted node answers /health (or to the end if one stays down); requests are
 `before` it (ended before it began), `after` it (sent after it ended) or `during` it, and each
 group gets its TTFT and errors. When the cap holds requests back, TTFT from the scheduled arrival
-includes that wait: `ttft_from_send_ms` is the part the proxy and the nodes took. Leaks are read once the restarted nodes are healthy again.
+includes that wait: `ttft_from_send_ms` is the part the proxy and the nodes took. Leaks are read
+once the restarted nodes are healthy again.
+
+`ok` is false (exit code 1) and `problems` says why when a node still holds blocks or requests after
+settling or fails its integrity check, a completion is wrong, a restarted node never got healthy, or
+a request failed in a run without faults. On a shared machine compare routings by the JSON's
+`load_average` of each run too: they run one after the other.
 """
 
 from __future__ import annotations
