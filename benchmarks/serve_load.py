@@ -643,7 +643,8 @@ def print_summary(result: dict, out) -> None:
         out.write(f"[{label}] {r['num_ok']}/{r['num_requests']} ok in {r['duration_s']:.1f} s: "
                   f"{r['achieved_rate']:.2f} req/s of {r['offered_rate']:.2f} offered{wrong}\n")  # fmt: skip
         out.write(f"  TTFT {ms(r['ttft_ms'])} (from send: {ms(r['ttft_from_send_ms'])}); ITL {ms(r['itl_ms'])}\n")
-        out.write(f"  errors {r['errors_by_kind'] or 'none'}; prefill prefix hit rate {r['prefill_prefix_hit_rate']['overall']}\n")
+        hit_rate = r["prefill_prefix_hit_rate"]["overall"]
+        out.write(f"  errors {r['errors_by_kind'] or 'none'}; prefill prefix hit rate {'-' if hit_rate is None else f'{hit_rate:.3f}'}\n")
         out.write(f"  client: peak {r['client']['peak_in_flight']} in flight, {r['client']['num_waited_for_slot']} held by the cap\n")
         for name, w in ((r["faults"] or {}).get("windows") or {}).items():
             out.write(f"  {name:>6} fault: {w['num_ok']}/{w['num_requests']} ok, errors {w['errors_by_kind'] or 'none'}, "
@@ -651,7 +652,8 @@ def print_summary(result: dict, out) -> None:
         leaks = r["leaks"]
         out.write(f"  leaks: {'none' if leaks['ok'] else leaks['leaking_nodes']} (settled in {leaks['settle_s']:.1f} s)\n")
     if result["ratios"]:
-        out.write(f"load-prefix / round-robin: {json.dumps(result['ratios'])}\n")
+        ratios = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in result["ratios"].items())
+        out.write(f"load-prefix / round-robin: {ratios}\n")
     if result["routing"]["note"]:
         out.write(f"note: {result['routing']['note']}\n")
     out.write("OK\n" if result["ok"] else "PROBLEMS:\n" + "".join(f"  {p}\n" for p in result["problems"]))
