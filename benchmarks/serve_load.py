@@ -27,7 +27,8 @@ lease a prefill node keeps blocks for a reader that never came); what is still h
 
 `--routing both` runs the arrival schedule twice on the same nodes, each time behind a fresh proxy:
 `--routing load-prefix`, then the baseline `--routing round-robin`, with every prefix cache reset
-before each, and reports both and their ratios. A proxy without `--routing` (read from
+before each, and reports both and their ratios. `--rounds N` repeats that, every other round in
+reverse order (ABBA), and reports each round's ratios and their medians. A proxy without `--routing` (read from
 `kvbridge proxy --help`) runs its own round-robin once, and `routing.note` says so.
 
 Faults: `--kill NODE@S` (SIGKILL) and `--restart NODE@S` (same command, same ports), S seconds
@@ -54,6 +55,7 @@ import os
 import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -580,16 +582,15 @@ def run(args, faults: list[Fault]) -> dict:
         decode_urls = [u for n, u in node_urls.items() if n.startswith("decode")]
         warm_up([node_urls[n] for n in prefill_names], decode_urls)
         runs = {}
-        for routing in plan:
+        for routing, label in run_order(plan, args.rounds, "attached" if attached else "proxy-default"):
             if attached:
-                runs["attached"] = run_once(args, args.proxy_url, schedule, reference, procs, node_urls, prefill_names, faults)
+                runs[label] = run_once(args, args.proxy_url, schedule, reference, procs, node_urls, prefill_names, faults)
                 continue
             down = [proc for proc in procs.values() if not proc.is_running()]  # killed in the last routing's run
             for proc in down:
                 proc.restart()
             wait_healthy(down, args.startup_timeout)
             reset_prefix_caches(list(node_urls.values()))  # every routing starts cold
-            label = routing or "proxy-default"
             proxy = start_proxy([node_urls[n] for n in prefill_names], decode_urls, log_dir,
                                 extra_args=["--routing", routing] if routing else [], name=f"proxy-{label}")  # fmt: skip
             try:
@@ -603,7 +604,8 @@ def run(args, faults: list[Fault]) -> dict:
             proc.signal_stop()  # all at once: they shut down in parallel
         for proc in procs.values():
             proc.stop()
-    compared = ROUTINGS[0] in runs and BASELINE_ROUTING in runs
+    per_round = [_ratios(runs[f"{ROUTINGS[0]}{s}"], runs[f"{BASELINE_ROUTING}{s}"]) for s in _round_suffixes(args.rounds)
+                 if f"{ROUTINGS[0]}{s}" in runs and f"{BASELINE_ROUTING}{s}" in runs]  # fmt: skip
     problems = problems_of(runs, faults)
     return {
         "benchmark": "serve_load",
@@ -611,14 +613,35 @@ def run(args, faults: list[Fault]) -> dict:
         "problems": problems,
         "routing": {"requested": "attached" if attached else args.routing, "runs": list(runs), "note": note},
         "runs": runs,
-        "baseline": BASELINE_ROUTING if compared else None,
-        "ratios": _ratios(runs[ROUTINGS[0]], runs[BASELINE_ROUTING]) if compared else None,
+        "baseline": BASELINE_ROUTING if per_round else None,
+        "ratios": _median_ratios(per_round) if per_round else None,
+        "ratios_per_round": per_round if len(per_round) > 1 else None,
         "log_dir": log_dir,
         "params": {k: v for k, v in vars(args).items() if k != "json"}
         | {action: [f"{f.node}@{f.at_s:g}" for f in faults if f.action == action] for action in ("kill", "restart")},
         "machine": machine_info("cpu"),
         "versions": versions(),
     }
+
+
+def _round_suffixes(rounds: int) -> list[str]:
+    return [f"#{i + 1}" for i in range(rounds)] if rounds > 1 else [""]
+
+
+def run_order(plan: list[str | None], rounds: int, unnamed: str) -> list[tuple[str | None, str]]:
+    """(routing, label) of each run: the plan once a round, every other round backwards, so the
+    machine's drift over time (other work on a shared machine) weighs on each routing alike.
+    A routing of None (the proxy's own) is labelled `unnamed`."""
+    order = []
+    for i, suffix in enumerate(_round_suffixes(rounds)):
+        for routing in plan if i % 2 == 0 else plan[::-1]:
+            order.append((routing, f"{routing or unnamed}{suffix}"))
+    return order
+
+
+def _median_ratios(per_round: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each ratio's median over the rounds."""
+    return {k: statistics.median(vs) if (vs := [r[k] for r in per_round if r[k] is not None]) else None for k in per_round[0]}
 
 
 def _ratios(run: dict, baseline: dict) -> dict[str, float | None]:
@@ -694,6 +717,8 @@ def main() -> None:
     nodes.add_argument("--node-args", default=NODE_ARGS, help="more `kvbridge serve` arguments, one string")
     nodes.add_argument("--routing", choices=[*ROUTINGS, "both"], default="both",
                        help="the proxy's --routing; both: each, on the same schedule")  # fmt: skip
+    nodes.add_argument("--rounds", type=int, default=1,
+                       help="run the routings this many times, every other round in reverse order (ABBA)")  # fmt: skip
     nodes.add_argument("--startup-timeout", type=float, default=180.0)
     nodes.add_argument("--settle-timeout", type=float, default=60.0, help="seconds the nodes get to free every block")
     nodes.add_argument("--log-dir", help="keep the nodes' and proxies' logs here (default: a new temporary directory)")
@@ -713,6 +738,8 @@ def main() -> None:
         if args.kill or args.restart:
             parser.error("--kill/--restart need nodes this benchmark started; leave out --proxy-url")
         args.prefill, args.decode = len(args.prefill_url), len(args.decode_url)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:
         faults = check_faults(args.kill + args.restart, node_names(args))
     except ValueError as exc:

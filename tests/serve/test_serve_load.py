@@ -109,6 +109,15 @@ def test_routing_plan_falls_back_to_the_proxys_own_round_robin():
     assert plan == [None] and "lists no --routing" in note
 
 
+def test_rounds_alternate_the_order_of_the_routings():
+    plan = ["load-prefix", "round-robin"]
+    assert serve_load.run_order(plan, 1, "x") == [("load-prefix", "load-prefix"), ("round-robin", "round-robin")]
+    assert [label for _, label in serve_load.run_order(plan, 3, "x")] == [
+        "load-prefix#1", "round-robin#1", "round-robin#2", "load-prefix#2", "load-prefix#3", "round-robin#3",
+    ]  # fmt: skip
+    assert serve_load.run_order([None], 2, "attached") == [(None, "attached#1"), (None, "attached#2")]
+
+
 def test_prefix_hit_rate_counts_a_restarted_node_from_its_restart():
     names = ("kvbridge_cached_prompt_tokens_total", "kvbridge_prompt_tokens_total")
     before = {"prefill0": dict(zip(names, (10.0, 100.0))), "prefill1": dict(zip(names, (50.0, 100.0)))}
