@@ -21,12 +21,9 @@ from aiohttp import web
 
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.serve import chat_protocol, protocol
+from kvbridge.serve.http_errors import error_response
 from kvbridge.serve.async_engine import EngineDeadError
 from kvbridge.serve.stop_strings import ChoiceText, Delta
-
-
-def error_response(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
-    return web.json_response(protocol.error_body(message, err_type, status, param), status=status)
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

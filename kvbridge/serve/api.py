@@ -30,8 +30,9 @@ from kvbridge.errors import InvalidRequestError
 from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.admin import AdminAPI, AdminAuth
 from kvbridge.engine.sampling_params import MAX_SEED, SamplingParams
-from kvbridge.serve.answers import CHAT, COMPLETIONS, AnswerWriter, ChoiceRun, RequestRun, Wire, error_response
+from kvbridge.serve.answers import CHAT, COMPLETIONS, AnswerWriter, ChoiceRun, RequestRun, Wire
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvbridge.serve.http_errors import error_response, openai_errors
 from kvbridge.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvbridge.serve.stop_strings import ChoiceText
@@ -220,27 +221,6 @@ class CompletionsAPI:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own 4xx (no such route, a wrong method, a body too large) as OpenAI-shaped JSON errors."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = f"{request.method} {request.path}: {exc.reason}"
-        if isinstance(exc, web.HTTPNotFound):
-            message += f"; this node serves {', '.join(ROUTES)}"
-        response = error_response(exc.status, message, "invalid_request_error")
-        if "Allow" in exc.headers:
-            response.headers["Allow"] = exc.headers["Allow"]
-        return response
-    except Exception as exc:  # noqa: BLE001 - a bug answers JSON too, and the node serves on
-        logger.exception("%s %s raised", request.method, request.path)
-        message = f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}"
-        return error_response(500, message, "internal_error")
-
-
 ROUTES = (
     "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics",
     "GET /v1/kvbridge/state", "POST /v1/kvbridge/reset_prefix_cache",
@@ -255,7 +235,7 @@ def create_app(
     With `admin_token`, the admin endpoints need it as a bearer token (serve/admin.py)."""
     api = CompletionsAPI(engine, model_name, role)
     admin, auth = AdminAPI(engine, role), AdminAuth(admin_token)
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors])
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors(f"this node serves {', '.join(ROUTES)}", catch_handler_errors=True)])
     app[API_KEY] = api
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)

@@ -34,17 +34,14 @@ from kvbridge import env
 from kvbridge.errors import ConfigError, InvalidRequestError
 from kvbridge.serve.node_pool import CHECK_INTERVAL_S, MAX_BACKOFF_S, MIN_BACKOFF_S, NodePool, NodeState, NodeStats
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
-from kvbridge.serve.protocol import error_body, parse_completion_request
+from kvbridge.serve.http_errors import error_response, openai_errors
+from kvbridge.serve.protocol import parse_completion_request
 from kvbridge.serve.proxy_legs import Deadline, Leg, LegFailed, Reply, Upstream, decode_body
 from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
 from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
 
 MAX_RETRIES = 2
-
-
-def error_response(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, err_type, status, param), status=status)
 
 
 class PDProxy:
@@ -195,23 +192,7 @@ def _outcome(status: int) -> str:
     return {502: "upstream_error", 503: "unavailable", 504: "timeout"}.get(status, "client_error")
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own 4xx (no such route, wrong method, body too large) as OpenAI-shaped JSON errors."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = f"{request.method} {request.path}: {exc.reason}"
-        if isinstance(exc, web.HTTPNotFound):
-            message += "; the proxy serves POST /v1/completions, GET /v1/models, /health and /metrics"
-        response = error_response(exc.status, message, "invalid_request_error")
-        if "Allow" in exc.headers:
-            response.headers["Allow"] = exc.headers["Allow"]
-        return response
-
-
+PROXY_SERVES = "the proxy serves POST /v1/completions, GET /v1/models, /health and /metrics"
 PROXY_KEY = web.AppKey("proxy", PDProxy)
 
 
@@ -219,7 +200,7 @@ def create_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s:
     """The proxy's aiohttp app; `app[PROXY_KEY]` is the PDProxy (`options`: its keyword arguments).
     Run it with handler_cancellation=True."""
     proxy = PDProxy(prefill_urls, decode_urls, timeout_s, **options)
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors])
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors(PROXY_SERVES)])
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.on_startup)
     app.on_cleanup.append(proxy.on_cleanup)
