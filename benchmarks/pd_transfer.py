@@ -29,6 +29,8 @@ import time
 
 from common import machine_info, versions
 
+from kvbridge.transfer.progress import Backoff
+
 BLOCK_SIZE = 16
 
 
@@ -65,19 +67,27 @@ def _prefill_main(conn, kwargs: dict) -> None:
 
 def _ttft(llm, prompt: list[int], params: dict | None) -> tuple[float, float, int]:
     """Admission to first token: (admitted, first token) on time.monotonic (the connector's clock)
-    and the request's external tokens. The engine is stepped back to back (no idle sleep between
-    polls), so a transfer's completion is seen within one step, not one poll interval."""
+    and the request's external tokens. The engine is driven as the serving loop drives it: a step
+    that computed nothing is followed by the engine's idle wait (a backoff up to 2 ms that a
+    connector's answer cuts short). Stepping back to back instead would hold the GIL, and the
+    side-channel threads that confirm the read would wait 5 ms (the interpreter's switch interval)
+    for it twice per read."""
     from kvbridge import SamplingParams
 
     engine = llm.engine
     req_id = f"ttft-{time.perf_counter_ns()}"
     start = time.monotonic()
     engine.add_request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0), params)
+    backoff = Backoff()
     while True:
         for out in engine.step():
             if out.request_id == req_id and out.finished:
                 assert out.error is None, out.error
                 return start, time.monotonic(), out.num_external_tokens
+        if engine.is_idle:
+            engine.wait_for_work(backoff.next_s())
+        else:
+            backoff.reset()
 
 
 def _copy_baseline_gbps(nbytes: int, src_device: str, dst_device: str, reps: int) -> float:

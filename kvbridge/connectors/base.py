@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbridge.config import KVTransferConfig
+from kvbridge.transfer.progress import Wakeup
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,9 @@ class ConnectorContext:
     # Random per context, so both halves built from one context share it: peers tell a restarted
     # engine on the same address from the one that answered before (the NixlConnector's leases).
     incarnation: str = field(default_factory=lambda: secrets.token_hex(16))
+    # Rung by a connector's own threads when something finished that the next step should see (a
+    # peer's answer, a copy): the engine's idle wait then ends at once instead of at its next poll.
+    wakeup: Wakeup = field(default_factory=Wakeup)
 
 
 class KVConnectorMetadata:

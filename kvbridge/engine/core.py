@@ -8,7 +8,7 @@ Not thread-safe: one thread calls every method (the `LLM` loop, or the server's 
     while core.has_unfinished_requests():
         for out in core.step(): ...            # cumulative RequestOutput per progressed request
         if core.is_idle:                       # nothing computed: waiting on transfers
-            time.sleep(backoff.next_s())
+            core.wait_for_work(backoff.next_s())
         else:
             backoff.reset()
     core.shutdown()
@@ -34,7 +34,7 @@ from kvbridge.engine.request_limits import RequestLimits
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 from kvbridge.errors import EngineShutdownError, FlushTimeoutError, InvalidRequestError
-from kvbridge.transfer.progress import drive_until
+from kvbridge.transfer.progress import Wakeup, drive_until
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class EngineCore:
         self.model_id = self.runner.model_id
         self.layout = self.runner.layout
         self.hash_namespace = self.model_id
+        self.wakeup = Wakeup()  # the connectors ring it; idle waits (wait_for_work) end on it
         self.worker_connector, scheduler_connector = self._build_connectors(config)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -109,6 +110,7 @@ class EngineCore:
             device=str(self.runner.device),
             hash_namespace=self.hash_namespace,
             layout=self.layout,
+            wakeup=self.wakeup,
         )
         worker = None
         try:
@@ -202,6 +204,12 @@ class EngineCore:
     def has_pending_transfers(self) -> bool:
         return self.scheduler.has_pending_transfers()
 
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Sleep after a step that computed nothing: until a connector rings (a transfer's answer
+        came in on its thread) or `timeout_s` passed. True when rung. Polling stays the caller's
+        job, with a backoff: a NIXL read's completion rings nothing."""
+        return self.wakeup.wait(timeout_s)
+
     # ------------------------------------------------------------------ flush, reset, stats
 
     def _flush(self, timeout_s: float) -> frozenset[str]:
@@ -226,7 +234,7 @@ class EngineCore:
         def has_ended() -> bool:
             return not self.scheduler.has_pending_transfers()
 
-        if has_ended() or drive_until(has_ended, deadline, progress=advance):
+        if has_ended() or drive_until(has_ended, deadline, progress=advance, sleep=self.wakeup.wait):
             return frozenset()
         return worker_pending | self.scheduler.conn.pending_req_ids()
 

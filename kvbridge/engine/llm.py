@@ -122,7 +122,7 @@ class LLM:
                     f"requests {pending} made no progress for {stall_limit_s:g} s (waiting on KV transfers "
                     f"or blocks); check the connector's peer, or raise KVTransferConfig.flush_timeout_s"
                 )
-            time.sleep(backoff.next_s())
+            self.engine.wait_for_work(backoff.next_s())
         return finished
 
     def reset_prefix_cache(self) -> bool:

@@ -8,7 +8,8 @@ per-request `asyncio.Queue`s through `loop.call_soon_threadsafe`.
 The engine thread never busy-spins: with nothing to do it waits on a condition variable that
 `generate`/`abort`/`call` notify; with requests parked (waiting for remote KV, blocks held for a
 peer) it polls so the connector's timers and notifications keep running, waiting between two
-steps that computed nothing for a backoff that doubles from 50 us up to `poll_interval_s`.
+steps that computed nothing for a backoff that doubles from 50 us up to `poll_interval_s`, or
+until a connector rings the engine's `wakeup` (an answer came in on one of its threads).
 
 Callers (serve/api.py) use, from the event loop thread:
     engine = AsyncEngine(lambda: EngineCore(config)); engine.start()
@@ -85,6 +86,7 @@ class AsyncEngine:
         )
         self._streams: dict[str, _Stream] = {}  # guarded by _cond
         self._stopping = False
+        self._rung = False  # a connector finished something off-thread: end the idle wait (guarded by _cond)
         self._ready = threading.Event()
         self._error: BaseException | None = None  # start-up or step failure; set once
         self._thread = threading.Thread(target=self._run, name="kvbridge-engine", daemon=True)
@@ -221,10 +223,17 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests() or self.engine.has_pending_transfers()
 
+    def _on_wakeup(self) -> None:
+        """A connector's thread finished something (engine.wakeup rang): poll now, not at the backoff's end."""
+        with self._cond:
+            self._rung = True
+            self._cond.notify_all()
+
     def _next_commands(self, idle_wait_s: float | None) -> tuple[list[Callable[[], None]], bool]:
         with self._cond:
-            if not self._commands and not self._stopping and idle_wait_s != 0.0:
+            if not self._commands and not self._stopping and not self._rung and idle_wait_s != 0.0:
                 self._cond.wait(idle_wait_s)
+            self._rung = False
             commands = [command for command, _ in self._commands]
             self._commands.clear()
             return commands, self._stopping
@@ -258,6 +267,9 @@ class AsyncEngine:
             self._error = exc
             self._ready.set()
             return
+        wakeup = getattr(self.engine, "wakeup", None)
+        if wakeup is not None:
+            wakeup.subscribe(self._on_wakeup)
         self._ready.set()
         idle_wait: float | None = None  # None: sleep until notified
         try:

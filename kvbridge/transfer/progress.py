@@ -8,11 +8,16 @@ most, not a core).
 
     done = drive_until(lambda: not pending(), deadline, progress=advance)   # True: condition holds
 
+Work that ends on another thread (a side-channel answer on a helper thread, a copy on a copier
+thread) need not wait for the next poll: the thread rings a `Wakeup`, and a waiter that sleeps in
+`wakeup.wait` (pass it as drive_until's `sleep`) resumes at once.
+
 Pure Python; the clock and the sleep are injectable (tests use a fake clock).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -64,3 +69,32 @@ def drive_until(
         if left <= 0:
             return False
         sleep(min(backoff.next_s(), left))
+
+
+class Wakeup:
+    """A doorbell between the threads that finish work and the one thread that waits for it.
+
+    `ring()` is safe from any thread and cheap; it sets a flag and calls the subscribers (e.g. a
+    server loop that waits on a condition variable of its own). `wait(timeout_s)` sleeps until a
+    ring or the timeout and consumes the ring: a ring that arrives while nobody waits makes the
+    next wait return at once, so none is lost between a poll and the wait after it.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._subscribers: list[Callable[[], object]] = []
+
+    def ring(self) -> None:
+        self._event.set()
+        for subscriber in self._subscribers:
+            subscriber()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when rung (now or since the last wait), False at the timeout."""
+        rung = self._event.wait(timeout_s)
+        self._event.clear()
+        return rung
+
+    def subscribe(self, subscriber: Callable[[], object]) -> None:
+        """Call `subscriber()` on every ring, on the ringing thread; it must be quick and not block."""
+        self._subscribers.append(subscriber)

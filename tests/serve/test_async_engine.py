@@ -11,6 +11,7 @@ from serve_fakes import FakeEngineCore
 
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvbridge.transfer.progress import Wakeup
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -139,6 +140,48 @@ def test_idle_engine_does_not_step():
 
     before, after = _run(scenario)
     assert before == after
+
+
+class ParkedEngine(FakeEngineCore):
+    """Its requests wait (steps compute nothing) until `release()`, which rings like a connector's
+    thread does when a peer's answer comes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wakeup = Wakeup()
+        self.released_at: float | None = None
+
+    @property
+    def is_idle(self) -> bool:
+        return self.released_at is None
+
+    def step(self):
+        return [] if self.released_at is None else super().step()
+
+    def release(self) -> None:
+        self.released_at = time.monotonic()
+        self.wakeup.ring()
+
+
+def test_a_connector_ring_ends_the_parked_wait_at_once():
+    # A long poll period: without the ring the engine would see the release seconds late.
+    fake = ParkedEngine()
+    engine = AsyncEngine(lambda: fake, poll_interval_s=30.0)
+    engine.start()
+
+    async def main():
+        await engine.wait_ready(10)
+        # Waits double from 50 us: the one from 0.82 s to 1.64 s is under way at the release.
+        threading.Timer(1.0, fake.release).start()
+        outs = [o async for o in engine.generate("r1", [1], SamplingParams(max_tokens=1, temperature=0.0))]
+        return outs[-1], time.monotonic()
+
+    try:
+        final, done_at = asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        engine.shutdown()
+    assert final.finished
+    assert done_at - fake.released_at < 0.3  # not 0.64 s later, at the end of that wait
 
 
 def test_shutdown_ends_in_flight_requests_and_joins():

@@ -1,10 +1,13 @@
-"""drive_until and Backoff: condition, deadline, backoff, with a fake clock."""
+"""drive_until and Backoff: condition, deadline, backoff, with a fake clock; Wakeup across threads."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from kvbridge.transfer.progress import Backoff, drive_until
+from kvbridge.transfer.progress import Backoff, Wakeup, drive_until
 
 
 class FakeClock:
@@ -68,3 +71,30 @@ def test_a_past_deadline_still_gets_one_round():
     assert drive_until(lambda: True, 10.0, clock=clock, sleep=clock.sleep)
     assert not drive_until(lambda: False, 10.0, clock=clock, sleep=clock.sleep)
     assert clock.sleeps == []
+
+
+def test_a_ring_from_another_thread_ends_the_wait_at_once():
+    wakeup, woke = Wakeup(), []
+    waiter = threading.Thread(target=lambda: woke.append((wakeup.wait(30.0), time.monotonic())))
+    waiter.start()
+    time.sleep(0.05)
+    rung_at = time.monotonic()
+    wakeup.ring()
+    waiter.join(5.0)
+    assert woke and woke[0][0] is True
+    assert woke[0][1] - rung_at < 1.0  # not the 30 s timeout
+
+
+def test_a_ring_while_nobody_waits_is_kept_for_the_next_wait_only():
+    wakeup = Wakeup()
+    wakeup.ring()
+    assert wakeup.wait(10.0) is True  # returns at once: the ring was not lost between two waits
+    assert wakeup.wait(0.01) is False  # consumed
+
+
+def test_subscribers_hear_every_ring():
+    wakeup, heard = Wakeup(), []
+    wakeup.subscribe(lambda: heard.append(1))
+    wakeup.ring()
+    wakeup.ring()
+    assert heard == [1, 1]

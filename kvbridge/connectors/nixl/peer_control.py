@@ -29,13 +29,16 @@ from typing import NamedTuple
 
 from kvbridge.connectors.nixl.metadata import RemoteEngine
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.progress import Backoff
 
 NUM_THREADS = 4  # confirmations and renewals in flight at once, over all peers
 # Releases of failed or release-only reads go to any address a request named, reachable or not: on
 # a pool of their own, at most MAX_COURTESY queued, so they never delay a confirmation.
 NUM_COURTESY_THREADS = 2
 MAX_COURTESY = 64
-RETRY_PENDING_S = 0.02  # a "pending" lease is usually granted at the prefill's next step
+# A "pending" lease is usually granted at the prefill's next step, a millisecond or two away when
+# the prefill is idle, a step's length when it computes: ask again soon, then less and less often.
+RETRY_PENDING_FIRST_S, RETRY_PENDING_MAX_S = 1e-3, 20e-3
 # A lease is granted at the prefill engine's next step after the request finished there, so a real
 # one is "pending" for a step at most. An id the prefill never handed out is "pending" forever (the
 # prefill cannot tell it from one it is about to grant): give up on it after this long.
@@ -70,6 +73,7 @@ class _Peer:
     renewing: Future | None = None
     last_renew: float = 0.0
     retry_at: float = 0.0
+    pending_backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_PENDING_FIRST_S, RETRY_PENDING_MAX_S))
 
     @property
     def is_busy(self) -> bool:
@@ -84,9 +88,10 @@ Send = Callable[[RemoteEngine, m.Message], m.Message]
 class PeerControls:
     def __init__(
         self, send: Send, engine_id: str, *, max_peers: int, idle_s: float, renew_interval_s: float,
-        clock: Callable[[], float],
+        clock: Callable[[], float], wake: Callable[[], object] = lambda: None,
     ) -> None:  # fmt: skip
         self._send = send
+        self._wake = wake  # rung when a confirmation's answer is in: the engine need not wait for its next poll
         self._engine_id = engine_id
         self._max_peers, self._idle_s, self._renew_interval_s = max_peers, idle_s, renew_interval_s
         self._clock = clock
@@ -169,19 +174,24 @@ class PeerControls:
             error = None if isinstance(reply, m.TransferDoneReply) else f"answered {type(reply).__name__}"
         released, pending = (set(reply.released), set(reply.pending)) if error is None else (set(), set())
         outcomes = []
+        retried = False
         for req_id, item in sent.items():
             remote_id = item.lease.req_id
             if remote_id in released:
                 outcomes.append(Outcome(req_id, Verdict.CONFIRMED, ""))
             elif remote_id in pending and self._may_wait(item, now):
                 peer.to_confirm.setdefault(req_id, item)  # not granted yet: ask again shortly
-                peer.retry_at = now + RETRY_PENDING_S
+                retried = True
             else:
                 reason = error or (
                     "its lease was never granted (an id the prefill did not hand out?)" if remote_id in pending
                     else "no lease matches (expired, released, made up, or granted by another instance)"
                 )  # fmt: skip
                 outcomes.append(Outcome(req_id, Verdict.REFUSED, f"the prefill engine did not confirm the read: {reason}"))
+        if retried:
+            peer.retry_at = now + peer.pending_backoff.next_s()
+        else:
+            peer.pending_backoff.reset()
         return outcomes
 
     @staticmethod
@@ -211,7 +221,9 @@ class PeerControls:
         )
         peer.last_active = now
         if sent:
-            peer.in_flight = (self._pool.submit(self._send, peer.remote, msg), sent)
+            future = self._pool.submit(self._send, peer.remote, msg)
+            future.add_done_callback(lambda _: self._wake())
+            peer.in_flight = (future, sent)
         else:
             self._send_courtesy(peer.remote, msg)
 

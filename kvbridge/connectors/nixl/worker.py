@@ -65,7 +65,7 @@ class NixlWorker:
         self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
-            renew_interval_s=options.renew_interval_s, clock=self._clock,
+            renew_interval_s=options.renew_interval_s, clock=self._clock, wake=context.wakeup.ring,
         )  # fmt: skip
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
@@ -234,7 +234,7 @@ class NixlWorker:
     def flush(self, timeout_s: float) -> FlushResult:
         failures_before = self.stats.num_failures
         drive_until(lambda: not self._pending_req_ids(), self._clock() + timeout_s, progress=self._progress,
-                    clock=self._clock)  # fmt: skip
+                    clock=self._clock, sleep=self.context.wakeup.wait)  # fmt: skip
         pending = frozenset(self._pending_req_ids())
         return FlushResult(not pending, pending, self.stats.num_failures - failures_before)
 

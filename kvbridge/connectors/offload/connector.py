@@ -39,7 +39,9 @@ class OffloadingConnector(SplitConnector):
     def make_worker_half(self) -> OffloadWorker:
         from kvbridge.connectors.offload.worker import OffloadWorker  # imports torch
 
-        return OffloadWorker(self.offload_config, self.context.model_id, self.config.flush_timeout_s)
+        return OffloadWorker(
+            self.offload_config, self.context.model_id, self.config.flush_timeout_s, wake=self.context.wakeup.ring
+        )
 
     def check_integrity(self) -> None:
         """Tier invariants (free + used == capacity, pins, visibility); raises AssertionError."""

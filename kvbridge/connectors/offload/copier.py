@@ -81,10 +81,17 @@ class CopyHandle(ABC):
     def wait(self, timeout_s: float) -> bool:
         """Block until done or `timeout_s` passed; True when done."""
 
+    def on_done(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` once the copy ended, on the thread that ends it. A copy that only
+        polling can see end (a CUDA event) never calls it: its owner polls."""
+
 
 class _FutureHandle(CopyHandle):
     def __init__(self, future: Future) -> None:
         self._future = future
+
+    def on_done(self, callback: Callable[[], object]) -> None:
+        self._future.add_done_callback(lambda _: callback())
 
     def is_done(self) -> bool:
         if self._future.done() and self.error is None and self._future.exception() is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +48,11 @@ class _InFlight:
 
 
 class OffloadWorker:
-    def __init__(self, config: OffloadConfig, model_id: str, flush_timeout_s: float) -> None:
+    def __init__(
+        self, config: OffloadConfig, model_id: str, flush_timeout_s: float, wake: Callable[[], object] = lambda: None
+    ) -> None:
         self.config = config
+        self._wake = wake  # rung when a copy ends on a copier thread: the engine sees it at once
         self.model_id = model_id
         self.flush_timeout_s = flush_timeout_s
         self.host: HostTier | None = None
@@ -98,6 +102,7 @@ class OffloadWorker:
             self._pending[job.req_id] += 1
             before = self._before_write(job.slots, self.config.debug_store_delay_s)
             handle = self.copier.store(job.gpu_block_ids, job.slots, before)
+            handle.on_done(self._wake)
             self._in_flight.append(_InFlight(job, handle, time.monotonic()))
             self._stats["store_jobs"] += 1
 
@@ -127,6 +132,7 @@ class OffloadWorker:
         self._pending[job.req_id] += 1
         gpu_ids, slots = [b[0] for b in blocks], [b[1] for b in blocks]
         handle = self.copier.load(slots, gpu_ids, before if disk_reads or barrier is not _noop else None)
+        handle.on_done(self._wake)
         self._in_flight.append(_InFlight(job, handle, time.monotonic()))
 
     def _before_write(self, slots: list[int], delay_s: float):

@@ -90,6 +90,36 @@ def test_pending_is_asked_again_until_granted_or_the_deadline():
     controls.close()
 
 
+def test_the_answer_to_a_confirmation_rings_the_engine():
+    now, rung = [0.0], threading.Event()
+    controls = make(FakePrefill(held=[lease("x")]), now, wake=rung.set)
+    controls.confirm(PREFILL, "x", lease("x"), deadline=100)
+    assert controls.progress({}) == []  # sent, not answered yet
+    assert rung.wait(5.0)  # the pool thread rang once the answer was in: no poll needed to notice
+    assert [o.verdict for o in controls.progress({})] == [Verdict.CONFIRMED]
+    controls.close()
+
+
+def test_a_pending_lease_is_asked_again_soon_then_less_often():
+    now, answered = [0.0], threading.Event()
+    prefill = FakePrefill(held=[], pending={"late"})
+    controls = make(prefill, now, wake=answered.set)
+    controls.confirm(PREFILL, "a", lease("late"), deadline=100)
+    asked_at = []
+    while now[0] < 0.4:  # fake time, in 0.1 ms steps, frozen while a question is out
+        controls.progress({})  # collects an answer, or asks again when due
+        if controls._peers[PREFILL].in_flight is not None:
+            asked_at.append(now[0])
+            assert answered.wait(5.0)
+            answered.clear()
+        else:
+            now[0] += 0.0001
+    gaps = [round(b - a, 4) for a, b in zip(asked_at, asked_at[1:])]
+    assert gaps[0] <= 0.002  # the first retry comes after about a millisecond, not a poll period
+    assert max(gaps) <= 0.021 and gaps[-1] >= 0.015  # backing off to 20 ms for an id never granted
+    controls.close()
+
+
 def test_an_unreachable_prefill_confirms_nothing():
     now = [0.0]
     controls = make(FakePrefill(held=[lease("x")], down=True), now)
