@@ -12,6 +12,10 @@ The baseline, in the same run on the same weights: one decode step of the same b
 same model with a contiguous (non-paged) KV cache, no scheduler and greedy argmax handed to Python
 (engine_throughput.py's dense baseline). `speedup_vs_dense` = dense step time / engine step time.
 Each figure: `--warmup` steps (the first captures the graph), then the median and min over `--reps` steps.
+
+`--profile` adds, per batch, where a CUDA-graph step's time goes: the GPU time of its kernels and
+copies per step (torch.profiler over `--reps` more steps), the rest of the step (host work the GPU
+waits for), and the kernels that take most of the GPU time.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: int) -> list[float]:
-    """Prefill `prompts`, then the time of each of `num_steps` steps in which every request decodes."""
+def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: int, profile_steps: int = 0):
+    """Prefill `prompts`, then the time of each of `num_steps` steps in which every request decodes;
+    with `profile_steps`, also the device-time profile of that many more steps (else None)."""
     # Requests admitted early decode while later ones prefill: max_tokens leaves them all running.
-    params = SamplingParams(max_tokens=num_steps + len(prompts) + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=num_steps + profile_steps + len(prompts) + 1, temperature=0.0, ignore_eos=True)
     ids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -52,11 +57,30 @@ def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: i
         started.update(o.request_id for o in engine.step())
     device = engine.runner.device
     times = [timed(engine.step, device) for _ in range(num_steps)]
+    profile = device_profile(engine, device, profile_steps) if profile_steps else None
     assert engine.get_stats()["num_running"] == len(prompts), "a request finished inside the timed steps"
     for request_id in ids:
         engine.abort_request(request_id)
     engine.step()
-    return times
+    return times, profile
+
+
+def device_profile(engine: EngineCore, device, num_steps: int, top: int = 8) -> dict:
+    """GPU time per step (kernels and copies, from torch.profiler) against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = [timed(engine.step, device) for _ in range(num_steps)]
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / num_steps
+    wall_ms = statistics.median(wall) * 1e3
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {
+        "steps": num_steps, "wall_ms_median": wall_ms, "gpu_ms_per_step": gpu_ms,
+        "not_on_gpu_ms": wall_ms - gpu_ms,
+        "top_kernels_ms_per_step": {e.key[:90]: e.self_device_time_total / 1e3 / num_steps for e in kernels[:top]},
+    }
 
 
 @torch.inference_mode()
@@ -100,6 +124,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="add the GPU-time profile of graph steps")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     batches = args.batch or [1, 32]
@@ -107,7 +132,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = {b: [[rng.randrange(256) for _ in range(args.context_len)] for _ in range(b)] for b in batches}
     num_steps = args.warmup + args.reps
-    max_tokens = max(batches) * (args.context_len + num_steps + 1)
+    max_tokens = max(batches) * (args.context_len + num_steps * (1 + args.profile) + 1)
     results = {b: {} for b in batches}
     for mode, enforce_eager in (("graphs", False), ("eager", True)):
         config = EngineConfig(
@@ -119,7 +144,11 @@ def main() -> None:
         engine = EngineCore(config)
         try:
             for b in batches:
-                results[b][mode] = summarize(engine_step_times(engine, prompts[b], num_steps), args.warmup)
+                profile_steps = args.reps if args.profile and mode == "graphs" else 0
+                times, profile = engine_step_times(engine, prompts[b], num_steps, profile_steps)
+                results[b][mode] = summarize(times, args.warmup)
+                if profile is not None:
+                    results[b]["profile"] = profile
             if mode == "graphs":
                 num_graphs = engine.runner.num_cuda_graphs
                 for b in batches:

@@ -42,12 +42,15 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
+        enforce_eager: bool = False,
         kv_transfer_config: KVTransferConfig | dict | None = None,
     ) -> None:
         if isinstance(kv_transfer_config, dict):
             kv_transfer_config = KVTransferConfig(**kv_transfer_config)
         self.config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len),
+            model=ModelConfig(
+                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,

@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     model.add_argument("--max-model-len", type=int, default=None)
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of this process")
+    model.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (slower; for debugging)",
+    )  # fmt: skip
     cache = parser.add_argument_group("cache and scheduler")
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
@@ -96,7 +100,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--port {args.port} is not a port")
     return EngineConfig(
         model=ModelConfig(
-            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len
+            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -226,6 +226,7 @@ class IpcMapping:
             )
         self.addr = ptr.value + export.offset  # the peer's KV tensor, as a device pointer here
         self.nbytes = export.nbytes
+        self.same_device = export.device_uuid == str(torch.cuda.get_device_properties(device).uuid)
 
     def close(self) -> None:
         """Unmap. The caller has synchronized every stream that used the mapping. Idempotent."""
@@ -284,11 +285,12 @@ class IpcCopier:
     ) -> IpcCopy | None:
         """Enqueue READ (peer -> local) or WRITE (local -> peer) of the paired blocks, after all work
         already queued on this device's current stream; None (nothing enqueued) for fewer than
-        `min_runs` copies (runs of blocks between block-major caches)."""
+        `min_runs` copies (runs of blocks between block-major caches), unless the peer's cache is on
+        this very GPU: NIXL/UCX moves such a read through host staging, hundreds of times slower."""
         import torch
 
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
-        if len(sizes) < self.min_runs:
+        if len(sizes) < self.min_runs and not mapping.same_device:
             return None
         stream, ready = self._copy_stream()
         ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads

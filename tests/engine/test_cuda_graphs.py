@@ -160,3 +160,19 @@ def test_shutdown_frees_the_graphs():
         assert torch.cuda.memory_allocated() == base_allocated
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() == base_reserved
+
+
+@pytest.mark.gpu
+def test_llm_enforce_eager_captures_no_graph_and_answers_the_same():
+    from kvbridge import LLM
+
+    prompt = [{"prompt_token_ids": list(range(1, 40))}]
+    answers = {}
+    for eager in (False, True):
+        llm = LLM(device="cuda", enforce_eager=eager)
+        try:
+            answers[eager] = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].token_ids
+            assert (llm.engine.runner.num_cuda_graphs == 0) == eager
+        finally:
+            llm.shutdown()
+    assert answers[True] == answers[False]

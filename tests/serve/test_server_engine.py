@@ -43,6 +43,11 @@ def test_no_connector_and_other_connector_and_extra():
     assert (kv.connector, kv.extra, kv.engine_id, kv.load_failure_policy) == ("pkg.mod:Conn", {"lease_s": 5}, "e1", "fail")
 
 
+def test_enforce_eager_reaches_the_model_config():
+    assert server.build_engine_config(_args("--enforce-eager")).model.enforce_eager
+    assert not server.build_engine_config(_args()).model.enforce_eager
+
+
 @pytest.mark.parametrize("extra", ["{bad", "[1]"])
 def test_bad_connector_extra_is_a_config_error(extra):
     with pytest.raises(ConfigError, match="kv-connector-extra"):
