@@ -21,7 +21,7 @@ from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model import LlamaForCausalLM
 from kvbridge.engine.presets import PRESETS, ModelArgs, get_preset, is_preset
 from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from kvbridge.errors import ConfigError, ModelLoadError
+from kvbridge.errors import ConfigError, ModelLoadError, ModelNotFoundError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -43,10 +43,10 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         return LoadedModel(model.eval(), tokenizer, f"{model_config.model}:seed={model_config.seed}", args.max_position)
     path = model_config.model
     if not os.path.isdir(path):
-        raise ModelLoadError(
+        raise ModelNotFoundError(
             f"model {path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a local directory; "
             "kvbridge fetches nothing at run time: download the checkpoint first "
-            "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) and pass the directory"
+            "(e.g. `hf download <repo> --local-dir <dir>`) and pass the directory"
         )
     args, max_position = read_hf_config(path)
     model = load_checkpoint(path, args, device, dtype)
