@@ -121,8 +121,10 @@ class Progress:
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Start the cluster, compute the reference while it boots, send the prompts. Returns the summary."""
+    from kvbridge.engine.presets import check_model_source
     from kvbridge.serve.launcher import PDCluster, http_json
 
+    check_model_source(args.model)  # before three processes start only to fail
     prompts = demo_prompts(args.num_prompts)
     node_args = ["--dtype", args.dtype, "--seed", str(args.seed), "--num-threads", "1"]
     node_args += ["--no-connector"] if args.no_connector else ["--kv-connector", args.kv_connector]
@@ -236,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     except NodeStartError as exc:
         print(f"kvbridge demo: the cluster did not start: {exc}", file=sys.stderr)
         return 2
-    except KVBridgeError as exc:  # the in-process reference engine: a bad --model, say
+    except KVBridgeError as exc:  # a bad --model, or the in-process reference engine's start-up
         print(error_line("demo", exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

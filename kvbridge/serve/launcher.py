@@ -195,16 +195,16 @@ def start_node(
 
 def start_proxy(
     prefill_urls: Sequence[str], decode_urls: Sequence[str], log_dir: str, timeout_s: float = 120.0,
-    extra_args: Sequence[str] = (), name: str = "proxy", port: int | None = None,
+    extra_args: Sequence[str] = (), name: str = "proxy", port: int | None = None, env=None,
 ) -> ManagedProcess:
     """`kvbridge proxy` on loopback `port` (default: a free one); `extra_args` go to it as they are
-    (e.g. `--routing`)."""
+    (e.g. `--routing`), `env` adds to its environment."""
     port = port or free_ports(1)[0]
     argv = cli_argv(
         "proxy", "--host", HOST, "--port", str(port), "--timeout", str(timeout_s),
         "--prefill", *prefill_urls, "--decode", *decode_urls, *extra_args,
     )  # fmt: skip
-    return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir)
+    return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir, env)
 
 
 class PDCluster:

@@ -166,12 +166,14 @@ async def serve(app, engine, sock, describe: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from kvbridge.cli import error_line
+    from kvbridge.engine.presets import check_model_source
     from kvbridge.serve.admin import open_admin_warning, read_admin_token
     from kvbridge.serve.api import create_app
     from kvbridge.serve.async_engine import AsyncEngine
     from kvbridge.serve.listen import bind
 
     try:
+        check_model_source(args.model)  # before anything starts: a bad --model is a bad flag
         config = build_engine_config(args)
         admin_token = read_admin_token(args.admin_token_file, env.admin_token())
         sock = bind(args.host, args.port)  # before the engine: a busy port fails at once
