@@ -3,8 +3,10 @@
 Starts a prefill node, a decode node and the proxy as separate processes on loopback, sends
 prompts of mixed lengths through the proxy (greedy), prints each completion with the KV bytes
 the decode node pulled and the times, and checks that each completion equals what one engine
-without a connector gives in this process. Exit code 0: all match; 1: a mismatch or a failed
-request; 2: the cluster did not start. The children are stopped on every exit path.
+without a connector gives in this process. While they start, progress goes to stderr (which
+process starts where, with its log, and when each is ready). Exit code 0: all match; 1: a mismatch
+or a failed request; 2: a bad option or the cluster did not start. The children are stopped on
+every exit path.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@
     kvbridge serve --no-connector --port 8000                     # a plain engine
 
 `--role` picks the NixlConnector's role (prefill -> kv_producer, decode -> kv_consumer, both ->
-kv_both); `--kv-connector NAME` runs another connector, `--no-connector` none. The HTTP port
-opens at once and `/health` answers 503 until the engine is built; a start-up failure ends the
-process with exit code 1. SIGINT/SIGTERM stop admitting, then shut the engine down (which
-flushes its connector) before exiting. `--admin-token-file PATH` (else KVBRIDGE_ADMIN_TOKEN) makes
+kv_both); `--kv-connector NAME` runs another connector, `--no-connector` none. The HTTP port is
+bound before the engine is built (a busy one ends the process at once) and `/health` answers 503
+until the engine is ready. A user error (a bad flag or `--model`, a busy port) is one named line
+and exit code 2; any other start-up failure exit code 1. SIGINT/SIGTERM stop admitting, then
+shut the engine down (which flushes its connector) before exiting. `--admin-token-file PATH` (else KVBRIDGE_ADMIN_TOKEN) makes
 the admin endpoints require that bearer token (serve/admin.py).
 """
 

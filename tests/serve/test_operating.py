@@ -105,6 +105,11 @@ def test_every_option_of_every_command_shows_its_default(command):
     assert "--log-level" in parser.format_help() and "KVBRIDGE_LOG_LEVEL" in parser.format_help()
 
 
+def test_a_bad_log_level_in_the_environment_is_a_usage_error():
+    proc = _run("proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", env={"KVBRIDGE_LOG_LEVEL": "loud"})
+    assert proc.returncode == 2 and "KVBRIDGE_LOG_LEVEL='LOUD'; expected one of DEBUG, INFO, WARNING, ERROR" in proc.stderr
+
+
 # ---------------------------------------------------------------------------------------- user errors
 
 
@@ -114,8 +119,10 @@ def test_every_option_of_every_command_shows_its_default(command):
         (["--model", "nope"], ["ModelNotFoundError", "'nope'", "hf download <repo> --local-dir"]),
         (["--num-blocks", "1"], ["ConfigError: --num-blocks must be at least 2"]),
         (["--memory-fraction", "2"], ["--memory-fraction must be in (0, 0.95]"]),
+        # refused by the engine while it is built, after the port is bound: still the flag, still 2
+        (["--max-model-len", "99999"], ["engine start-up failed: ConfigError: --max-model-len 99999 exceeds"]),
     ],
-    ids=["no-such-model", "num-blocks", "memory-fraction"],
+    ids=["no-such-model", "num-blocks", "memory-fraction", "max-model-len"],
 )
 def test_serve_user_errors_are_one_named_line_with_exit_code_2(args, fragments):
     (port,) = free_ports(1)
