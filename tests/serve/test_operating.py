@@ -24,7 +24,16 @@ import pytest
 
 from kvbridge.cli import build_parser
 from kvbridge.serve import server
-from kvbridge.serve.launcher import HOST, ManagedProcess, cli_argv, free_ports, http_json, start_node, start_proxy, wait_healthy
+from kvbridge.serve.launcher import (
+    HOST,
+    ManagedProcess,
+    cli_argv,
+    free_ports,
+    http_json,
+    start_node,
+    start_proxy,
+    wait_healthy,
+)
 
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")  # a logging line, not a message
 DEMO_PROGRESS = re.compile(r"^kvbridge demo: \[ *[\d.]+ s\] ")
@@ -37,7 +46,7 @@ needs_nixl = pytest.mark.skipif(
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        cli_argv(*args), capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})}
+        cli_argv(*args), check=False, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})}
     )
 
 
