@@ -9,6 +9,7 @@ from typing import Any, Literal
 from kvbridge.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_KV_TOKENS = 8192  # KV cache size when CacheConfig gives neither num_blocks nor memory_fraction
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 LoadFailurePolicy = Literal["recompute", "fail"]
 

@@ -45,9 +45,10 @@ def checkpoint_full_hash() -> bool:
     return _get_bool("KVBRIDGE_CHECKPOINT_FULL_HASH", False)
 
 
-def log_level() -> str:
-    """KVBRIDGE_LOG_LEVEL: logging level of the `kvbridge` logger (default WARNING)."""
-    return (_get_str("KVBRIDGE_LOG_LEVEL", "WARNING") or "WARNING").upper()
+def log_level(default: str = "WARNING") -> str:
+    """KVBRIDGE_LOG_LEVEL: logging level of the `kvbridge` logger; a command's `--log-level` overrides
+    it, and `default` (the command's own) applies when it is unset."""
+    return (_get_str("KVBRIDGE_LOG_LEVEL", default) or default).upper()
 
 
 def log_level_override() -> str | None:
@@ -85,3 +86,8 @@ def torch_uses_expandable_segments() -> bool:
     segments give CUDA VMM memory, which UCX's cuda_ipc transport cannot export."""
     conf = f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')},{os.environ.get('PYTORCH_ALLOC_CONF', '')}"
     return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def ucx_tls() -> str | None:
+    """UCX_TLS (UCX's transport list, read here only to explain a backend that fails to start)."""
+    return os.environ.get("UCX_TLS") or None

@@ -72,6 +72,10 @@ class ModelLoadError(KVBridgeError):
     """A model checkpoint directory is missing, incomplete or of an unsupported architecture."""
 
 
+class ModelNotFoundError(ModelLoadError, ConfigError):
+    """The model names neither a built-in preset nor a local directory: a bad `--model`, not a bad checkpoint."""
+
+
 class InvalidRequestError(KVBridgeError, ValueError):
     """An HTTP API request is malformed (bad JSON, a missing or mistyped field); the server answers 400.
 
@@ -81,6 +85,10 @@ class InvalidRequestError(KVBridgeError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class PortInUseError(ConfigError):
+    """A server's address is taken (or cannot be bound); the message names the host and port."""
 
 
 class NodeStartError(KVBridgeError):

@@ -22,20 +22,21 @@ DEFAULT_PROMPT = "Hello, kvbridge"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="a built-in preset (tiny, small) or a local HF checkpoint dir")
-    parser.add_argument("--prompt", action="append", help=f"a prompt; repeat for a batch (default {DEFAULT_PROMPT!r})")
+    parser.add_argument("--prompt", action="append", help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens this likely")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the built-in model's weights and the sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache precision")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: 8192 tokens' worth)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.cli import error_line
     from kvbridge.engine.llm import LLM
     from kvbridge.engine.sampling_params import SamplingParams
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             generate_s = time.perf_counter() - start
             model_id = llm.engine.model_id
     except KVBridgeError as exc:
-        print(f"kvbridge generate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(error_line("generate", exc), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(_report(args, model_id, prompts, outputs, load_s, generate_s)))

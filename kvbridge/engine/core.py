@@ -116,12 +116,15 @@ class EngineCore:
         try:
             worker = create_connector(config.kv_transfer, KVConnectorRole.WORKER, context)
             self.runner.attach_connector(worker)
-            return worker, create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, context)
+            scheduler = create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, context)
         except BaseException:
             if worker is not None:
                 worker.shutdown()
             self.runner.shutdown()
             raise
+        logger.info("connector %s ready: role %s, engine id %s", config.kv_transfer.connector, config.kv_transfer.role,
+                    config.kv_transfer.engine_id)  # fmt: skip
+        return worker, scheduler
 
     # ------------------------------------------------------------------ requests
 

@@ -20,14 +20,13 @@ import os
 
 import torch
 
-from kvbridge.config import CacheConfig
+from kvbridge.config import DEFAULT_KV_TOKENS, CacheConfig
 from kvbridge.engine.presets import ModelArgs
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_TOKENS = 8192
 CPU_KV_CAP_BYTES = 8 * 1024**3
 
 
@@ -61,7 +60,7 @@ def num_kv_blocks(cache_config: CacheConfig, block_nbytes: int, device: torch.de
         if num_blocks < 2:
             raise ConfigError(
                 f"CacheConfig.memory_fraction={cache_config.memory_fraction} leaves room for {num_blocks} KV blocks "
-                f"of {block_nbytes} bytes on {device}; raise memory_fraction or give num_blocks"
+                f"of {block_nbytes} bytes on {device}; raise CacheConfig.memory_fraction or set CacheConfig.num_blocks"
             )
         return num_blocks
     return max(2, -(-DEFAULT_KV_TOKENS // cache_config.block_size))
@@ -72,9 +71,18 @@ def make_layout(args: ModelArgs, cache_config: CacheConfig, dtype: str, device: 
     one_block = KVCacheLayout(1, args.num_layers, cache_config.block_size, args.num_kv_heads, args.head_dim, dtype)
     num_blocks = num_kv_blocks(cache_config, one_block.block_nbytes, device)
     layout = one_block.with_num_blocks(num_blocks)
-    logger.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s", num_blocks, layout.block_size,
-                layout.total_nbytes / 2**20, device)
+    logger.info("KV cache: %d blocks of %d tokens, %d bytes (%.1f MiB) on %s; %s", num_blocks, layout.block_size,
+                layout.total_nbytes, layout.total_nbytes / 2**20, device, _sized_by(cache_config))  # fmt: skip
     return layout
+
+
+def _sized_by(cache_config: CacheConfig) -> str:
+    """How `num_kv_blocks` chose the size, for the start-up log line."""
+    if cache_config.num_blocks is not None:
+        return "num_blocks as given"
+    if cache_config.memory_fraction is not None:
+        return f"memory_fraction {cache_config.memory_fraction:g} of free memory"
+    return f"the default of {DEFAULT_KV_TOKENS} tokens (set num_blocks or memory_fraction to size it)"
 
 
 def allocate_kv_cache(layout: KVCacheLayout, device: torch.device) -> torch.Tensor:

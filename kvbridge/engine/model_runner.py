@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import NamedTuple
 
 import torch
@@ -80,7 +81,10 @@ class ModelRunner:
         self.device = torch.device(model_config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"ModelConfig.device={model_config.device!r} but CUDA is not available; use 'cpu'")
+        started = time.monotonic()
         loaded = load_model(model_config)
+        logger.info("weights loaded: %s (%s, %s on %s) in %.1f s", model_config.model, loaded.model_id,
+                    model_config.dtype, self.device, time.monotonic() - started)  # fmt: skip
         self.model: LlamaForCausalLM | None = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id

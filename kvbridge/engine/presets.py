@@ -7,10 +7,11 @@ their config.json (see `weights.py`). This module imports no torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, ModelNotFoundError
 
 # The byte-level tokenizer's vocabulary: 256 bytes, then the specials, then reserved ids.
 BYTE_VOCAB_BOS = 256
@@ -161,6 +162,17 @@ def get_preset(name: str) -> ModelArgs:
 
 def is_preset(name: str) -> bool:
     return name in PRESETS
+
+
+def check_model_source(model: str) -> None:
+    """Raise ModelNotFoundError unless `model` names a preset or a local directory. Torch-free, so the
+    CLI can refuse a bad `--model` before it starts anything."""
+    if not is_preset(model) and not os.path.isdir(model):
+        raise ModelNotFoundError(
+            f"model {model!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a local directory; "
+            "kvbridge fetches nothing at run time: download the checkpoint first "
+            "(e.g. `hf download <repo> --local-dir <dir>`) and pass the directory"
+        )
 
 
 def with_overrides(args: ModelArgs, **changes: Any) -> ModelArgs:

@@ -19,7 +19,7 @@ import torch
 from kvbridge.config import ModelConfig
 from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model import LlamaForCausalLM
-from kvbridge.engine.presets import PRESETS, ModelArgs, get_preset, is_preset
+from kvbridge.engine.presets import ModelArgs, check_model_source, get_preset, is_preset
 from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvbridge.errors import ConfigError, ModelLoadError
 
@@ -42,12 +42,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         tokenizer = ByteTokenizer(args.vocab_size, args.bos_token_id, (args.eos_token_id,))
         return LoadedModel(model.eval(), tokenizer, f"{model_config.model}:seed={model_config.seed}", args.max_position)
     path = model_config.model
-    if not os.path.isdir(path):
-        raise ModelLoadError(
-            f"model {path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a local directory; "
-            "kvbridge fetches nothing at run time: download the checkpoint first "
-            "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) and pass the directory"
-        )
+    check_model_source(path)
     args, max_position = read_hf_config(path)
     model = load_checkpoint(path, args, device, dtype)
     model_id = checkpoint_id(os.path.join(path, "config.json"), safetensors_files(path))  # pages cached by the load

@@ -263,7 +263,10 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready and /health
-            logger.exception("engine start-up failed")
+            # A named error (a bad model, a busy port, UCX) says what to do: its traceback, only at
+            # DEBUG, would bury that. Anything else is a bug: loud, with its traceback.
+            named = isinstance(exc, KVBridgeError)
+            (logger.debug if named else logger.error)("engine start-up failed", exc_info=True)
             self._error = exc
             self._ready.set()
             return

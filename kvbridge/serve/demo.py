@@ -3,20 +3,24 @@
 Starts a prefill node, a decode node and the proxy as separate processes on loopback, sends
 prompts of mixed lengths through the proxy (greedy), prints each completion with the KV bytes
 the decode node pulled and the times, and checks that each completion equals what one engine
-without a connector gives in this process. Exit code 0: all match; 1: a mismatch or a failed
-request; 2: the cluster did not start. The children are stopped on every exit path.
+without a connector gives in this process. While they start, progress goes to stderr (which
+process starts where, with its log, and when each is ready). Exit code 0: all match; 1: a mismatch
+or a failed request; 2: a bad option or the cluster did not start. The children are stopped on
+every exit path.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from typing import Any
 
-from kvbridge.errors import NodeStartError
+from kvbridge.config import DTYPES
+from kvbridge.errors import KVBridgeError, NodeStartError
 
 _STORY = (
     "Prefill and decode have different appetites: prefill is a burst of matrix multiplies over the "
@@ -100,20 +104,47 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
+class Progress:
+    """Start-up progress on stderr (stdout stays the table or the JSON): which process starts, where
+    its log is, when it answers, so the seconds before the first request are not silent."""
+
+    def __init__(self, t_start: float) -> None:
+        self.t_start = t_start
+
+    def say(self, message: str) -> None:
+        print(f"kvbridge demo: [{time.monotonic() - self.t_start:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def started(self, proc) -> None:
+        self.say(f"starting {proc.name} on {proc.url} (log: {proc.log_path})")
+
+    def ready(self, proc) -> None:
+        self.say(f"{proc.name} is ready")
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Start the cluster, compute the reference while it boots, send the prompts. Returns the summary."""
+    from kvbridge.engine.presets import check_model_source
     from kvbridge.serve.launcher import PDCluster, http_json
 
+    check_model_source(args.model)  # before three processes start only to fail
     prompts = demo_prompts(args.num_prompts)
     node_args = ["--dtype", args.dtype, "--seed", str(args.seed), "--num-threads", "1"]
     node_args += ["--no-connector"] if args.no_connector else ["--kv-connector", args.kv_connector]
-    cluster = PDCluster(args.model, node_args=node_args, startup_timeout_s=args.startup_timeout)
-    t_start = time.monotonic()
-    cluster.start()
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    cluster = PDCluster(
+        args.model, node_args=node_args, startup_timeout_s=args.startup_timeout, log_dir=args.log_dir,
+        base_port=args.base_port,
+    )  # fmt: skip
+    progress = Progress(time.monotonic())
+    cluster.start(on_start=progress.started)
     try:
+        progress.say(f"computing the reference completions with one {args.model} engine in this process")
         expected = reference_completions(args, prompts)  # while the nodes boot
-        cluster.wait()
+        progress.say(f"reference done; waiting for the nodes to answer /health (up to {args.startup_timeout:g} s)")
+        cluster.wait(on_ready=progress.ready)
         t_ready = time.monotonic()
+        progress.say(f"the proxy routes to every node; sending {len(prompts)} prompts through {cluster.proxy_url}")
         rows = []
         for i, prompt in enumerate(prompts):
             body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
@@ -132,7 +163,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "num_failed": len(rows) - len(ok_rows),
         "bytes_transferred": sum(r["kv_bytes"] for r in ok_rows),
         "external_tokens": sum(r["external_tokens"] for r in ok_rows),
-        "startup_s": round(t_ready - t_start, 3),
+        "startup_s": round(t_ready - progress.t_start, 3),
         "requests_s": round(t_done - t_ready, 3),
         "mean_prefill_s": _mean(r["prefill_s"] for r in ok_rows),
         "mean_decode_ttft_s": _mean(r["decode_ttft_s"] for r in ok_rows),
@@ -175,29 +206,48 @@ def _mean(values) -> float | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON summary instead of the table")
-    parser.add_argument("--num-prompts", type=int, default=5)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prompts", type=int, default=5, help="prompts sent through the proxy")
+    parser.add_argument("--model", default="tiny", help="built-in preset or local checkpoint directory")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache precision")
     parser.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--kv-connector", default="NixlConnector")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    parser.add_argument("--kv-connector", default="NixlConnector", help="the nodes' connector")
     parser.add_argument("--no-connector", action="store_true", help="route only; the decode node recomputes")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="seconds for the nodes to be healthy")
-    parser.add_argument("--request-timeout", type=float, default=120.0)
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument(
+        "--log-dir", default=None, metavar="DIR",
+        help="keep each process's log there as NAME.log (default: a temporary directory, removed at exit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-port", type=int, default=None, metavar="PORT",
+        help="pin the ports: the proxy on PORT, prefill0 on PORT+1 (side channel PORT+2), decode0 on PORT+3 "
+        "(side channel PORT+4) (default: free ports)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.cli import error_line
+
     if args.num_prompts < 1:
         print("kvbridge demo: --num-prompts must be at least 1", file=sys.stderr)
+        return 2
+    if args.base_port is not None and not 0 < args.base_port < 65536 - 4:
+        print(f"kvbridge demo: --base-port {args.base_port} leaves no room for 5 ports", file=sys.stderr)
         return 2
     try:
         summary = run_demo(args)
     except NodeStartError as exc:
         print(f"kvbridge demo: the cluster did not start: {exc}", file=sys.stderr)
         return 2
+    except KVBridgeError as exc:  # a bad --model, or the in-process reference engine's start-up
+        print(error_line("demo", exc), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("kvbridge demo: interrupted; all processes stopped", file=sys.stderr)
         return 130
+    if args.log_dir:
+        print(f"kvbridge demo: the processes' logs are in {args.log_dir}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

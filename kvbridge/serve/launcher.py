@@ -195,15 +195,16 @@ def start_node(
 
 def start_proxy(
     prefill_urls: Sequence[str], decode_urls: Sequence[str], log_dir: str, timeout_s: float = 120.0,
-    extra_args: Sequence[str] = (), name: str = "proxy",
+    extra_args: Sequence[str] = (), name: str = "proxy", port: int | None = None, env=None,
 ) -> ManagedProcess:
-    """`kvbridge proxy` on a free loopback port; `extra_args` go to it as they are (e.g. `--routing`)."""
-    (port,) = free_ports(1)
+    """`kvbridge proxy` on loopback `port` (default: a free one); `extra_args` go to it as they are
+    (e.g. `--routing`), `env` adds to its environment."""
+    port = port or free_ports(1)[0]
     argv = cli_argv(
         "proxy", "--host", HOST, "--port", str(port), "--timeout", str(timeout_s),
         "--prefill", *prefill_urls, "--decode", *decode_urls, *extra_args,
     )  # fmt: skip
-    return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir)
+    return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir, env)
 
 
 class PDCluster:
@@ -212,13 +213,15 @@ class PDCluster:
     `node_args` go to every `kvbridge serve` (e.g. `["--num-blocks", "64"]`, or `["--no-connector"]`).
     Entering starts them and waits for health, the proxy's view of every node included (`start()` +
     `wait()` split the two, so a caller can work while they boot); leaving (or `stop()`) stops them
-    all, whatever happened.
+    all, whatever happened. With `base_port`, the ports are pinned (see `pinned_ports`), else free
+    ones are picked; with `log_dir`, the logs are kept there, else in a directory removed at stop.
     """
 
     def __init__(self, model: str = "tiny", num_prefill: int = 1, num_decode: int = 1, node_args=(), env=None,
-                 startup_timeout_s: float = 120.0, log_dir: str | None = None) -> None:  # fmt: skip
+                 startup_timeout_s: float = 120.0, log_dir: str | None = None, base_port: int | None = None) -> None:  # fmt: skip
         self.model, self.num_prefill, self.num_decode = model, num_prefill, num_decode
         self.node_args, self.env, self.startup_timeout_s = list(node_args), env, startup_timeout_s
+        self.base_port = base_port
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="kvbridge-cluster-")
         self.log_dir = log_dir or self._tmp.name
         self.prefill: list[ManagedProcess] = []
@@ -233,21 +236,39 @@ class PDCluster:
     def proxy_url(self) -> str:
         return self.proxy.url
 
-    def start(self) -> PDCluster:
+    def pinned_ports(self) -> tuple[int | None, list[tuple[int, int] | None]]:
+        """(proxy port, each node's (HTTP, side-channel) ports, prefill nodes first). From `base_port`:
+        the proxy's, then two per node in order; without it, None everywhere (free ports)."""
+        num_nodes = self.num_prefill + self.num_decode
+        if self.base_port is None:
+            return None, [None] * num_nodes
+        base = self.base_port
+        return base, [(base + 1 + 2 * i, base + 2 + 2 * i) for i in range(num_nodes)]
+
+    def start(self, on_start: Callable[[ManagedProcess], None] | None = None) -> PDCluster:
+        """Start every process (`on_start(proc)` after each), the proxy last."""
+        proxy_port, node_ports = self.pinned_ports()
+        roles = [("prefill", i, self.prefill) for i in range(self.num_prefill)]
+        roles += [("decode", i, self.decode) for i in range(self.num_decode)]
         try:
-            for i in range(self.num_prefill):
-                self.prefill.append(start_node(f"prefill{i}", "prefill", self.log_dir, self.model, self.node_args, self.env))
-            for i in range(self.num_decode):
-                self.decode.append(start_node(f"decode{i}", "decode", self.log_dir, self.model, self.node_args, self.env))
-            self.proxy = start_proxy([p.url for p in self.prefill], [d.url for d in self.decode], self.log_dir)
+            for (role, i, nodes), ports in zip(roles, node_ports):
+                nodes.append(start_node(f"{role}{i}", role, self.log_dir, self.model, self.node_args, self.env, ports))
+                if on_start is not None:
+                    on_start(nodes[-1])
+            self.proxy = start_proxy(
+                [p.url for p in self.prefill], [d.url for d in self.decode], self.log_dir, port=proxy_port
+            )
+            if on_start is not None:
+                on_start(self.proxy)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait(self) -> None:
+    def wait(self, on_ready: Callable[[ManagedProcess], None] | None = None) -> None:
+        """Wait until every process is healthy (`on_ready(proc)` as each is) and the proxy routes to all."""
         try:
-            wait_healthy(self.processes, self.startup_timeout_s)
+            wait_healthy(self.processes, self.startup_timeout_s, on_ready)
             wait_proxy_routes_to_all(self.proxy, self.startup_timeout_s)
         except BaseException:
             self.stop()

@@ -24,6 +24,8 @@ closes the upstream connection, which aborts the request on that node.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
 import time
 from typing import Any
@@ -42,6 +44,8 @@ from kvbridge.serve.proxy_release import LeaseReleaser
 from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
 
 MAX_RETRIES = 2
+
+logger = logging.getLogger(__name__)
 
 
 class PDProxy:
@@ -212,20 +216,20 @@ def create_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL", help="prefill nodes")
     parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL", help="decode nodes")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a node may stay silent")
     parser.add_argument(
         "--routing", choices=ROUTINGS, default="load-prefix",
         help="load-prefix: prefill by prompt-prefix affinity within a bounded load, decode to the least loaded; "
-        "round-robin: in turn (default load-prefix)",
+        "round-robin: in turn",
     )  # fmt: skip
     parser.add_argument("--max-retries", type=int, default=MAX_RETRIES, help="other nodes tried per leg after a failure")
     parser.add_argument(
         "--deadline", type=float, default=None, metavar="SECONDS",
-        help="per request: no attempt starts after it, and a request without an answer by then gets a 504 (default none)",
+        help="per request: no attempt starts after it, and a request without an answer by then gets a 504 (default: none)",
     )  # fmt: skip
     parser.add_argument(
         "--health-interval", type=float, default=CHECK_INTERVAL_S, help="seconds between health checks of a healthy node"
@@ -236,19 +240,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+async def serve(app: web.Application, sock, url: str) -> None:
+    """Serve the proxy app on `sock` until SIGINT/SIGTERM."""
+    from kvbridge.serve.listen import serving, stop_signal
+
+    stopped = stop_signal()
+    async with serving(app, sock):  # the nodes are checked once before this block starts
+        print(f"kvbridge proxy: ready on {url}", file=sys.stderr, flush=True)
+        logger.info("%s: stopping", await stopped)
+
+
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.cli import error_line
+    from kvbridge.serve.listen import bind
+
     try:
         app = create_proxy_app(
             args.prefill, args.decode, args.timeout, routing=args.routing, max_retries=args.max_retries,
             deadline_s=args.deadline, check_interval_s=args.health_interval, max_backoff_s=args.max_probe_backoff,
         )  # fmt: skip
+        sock = bind(args.host, args.port)
     except ConfigError as exc:
-        print(f"kvbridge proxy: {exc}", file=sys.stderr)
+        print(error_line("proxy", exc), file=sys.stderr)
         return 2
-    print(f"kvbridge proxy: ready on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    try:
-        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None)
-    except OSError as exc:
-        print(f"kvbridge proxy: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
+    logger.info("starting: %d prefill and %d decode node(s), routing %s; checking each node once",
+                len(args.prefill), len(args.decode), args.routing)  # fmt: skip
+    asyncio.run(serve(app, sock, f"http://{args.host}:{args.port}"))
+    logger.info("stopped")
     return 0

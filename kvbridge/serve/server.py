@@ -5,10 +5,11 @@
     kvbridge serve --no-connector --port 8000                     # a plain engine
 
 `--role` picks the NixlConnector's role (prefill -> kv_producer, decode -> kv_consumer, both ->
-kv_both); `--kv-connector NAME` runs another connector, `--no-connector` none. The HTTP port
-opens at once and `/health` answers 503 until the engine is built; a start-up failure ends the
-process with exit code 1. SIGINT/SIGTERM stop admitting, then shut the engine down (which
-flushes its connector) before exiting. `--admin-token-file PATH` (else KVBRIDGE_ADMIN_TOKEN) makes
+kv_both); `--kv-connector NAME` runs another connector, `--no-connector` none. The HTTP port is
+bound before the engine is built (a busy one ends the process at once) and `/health` answers 503
+until the engine is ready. A user error (a bad flag or `--model`, a busy port) is one named line
+and exit code 2; any other start-up failure exit code 1. SIGINT/SIGTERM stop admitting, then
+shut the engine down (which flushes its connector) before exiting. `--admin-token-file PATH` (else KVBRIDGE_ADMIN_TOKEN) makes
 the admin endpoints require that bearer token (serve/admin.py).
 """
 
@@ -18,11 +19,10 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 
 from kvbridge import env
-from kvbridge.config import DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from kvbridge.config import DEFAULT_KV_TOKENS, DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.interfaces import advertised_host
 
@@ -30,17 +30,18 @@ logger = logging.getLogger(__name__)
 
 ROLE_TO_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 DEFAULT_CONNECTOR = "NixlConnector"
+DEFAULT_CUDA_MEMORY_FRACTION = 0.8  # of the memory free once the weights are loaded; the rest for activations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     net.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both", help="P/D role of this node")
-    net.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
+    net.add_argument("--host", default="127.0.0.1", help="HTTP bind address (loopback: the API has no authentication)")
     net.add_argument("--port", type=int, default=8000, help="HTTP port")
     net.add_argument("--side-channel-port", type=int, default=0, help="connector side-channel port (0: pick one)")
     net.add_argument(
         "--side-channel-host", default=None,
-        help="address peers reach this node's side channel and KV at (default --host; for a wildcard --host, "
+        help="address peers reach this node's side channel and KV at (default: --host; for a wildcard --host, "
         "the default route's address)",
     )  # fmt: skip
     net.add_argument(
@@ -48,30 +49,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding the bearer token the admin endpoints require (default: $KVBRIDGE_ADMIN_TOKEN, else open)",
     )  # fmt: skip
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default="tiny", help="built-in preset or checkpoint directory")
-    model.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default --model)")
-    model.add_argument("--dtype", choices=DTYPES, default="float32")
+    model.add_argument("--model", default="tiny", help="built-in preset or local checkpoint directory")
+    model.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: --model)")
+    model.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache precision")
     model.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     model.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
-    model.add_argument("--max-model-len", type=int, default=None)
-    model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of this process")
+    model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of this process (default: torch's)")
     model.add_argument(
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (slower; for debugging)",
     )  # fmt: skip
     cache = parser.add_argument_group("cache and scheduler")
-    cache.add_argument("--block-size", type=int, default=16)
-    cache.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    cache.add_argument("--memory-fraction", type=float, default=None)
-    cache.add_argument("--no-prefix-caching", action="store_true")
-    cache.add_argument("--max-num-seqs", type=int, default=64)
-    cache.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    cache.add_argument(
+        "--num-blocks", type=int, default=None,
+        help=f"KV cache size in blocks (default: on CUDA, --memory-fraction {DEFAULT_CUDA_MEMORY_FRACTION} of the "
+        f"memory free after the weights load; on CPU, {DEFAULT_KV_TOKENS} tokens' worth, small because CPU nodes "
+        "share the host's RAM)",
+    )  # fmt: skip
+    cache.add_argument(
+        "--memory-fraction", type=float, default=None,
+        help="size the KV cache as this fraction of free memory instead: CUDA memory free after the weights load, "
+        "or the host's available RAM capped at 8 GiB (default: see --num-blocks)",
+    )  # fmt: skip
+    cache.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    cache.add_argument("--max-num-seqs", type=int, default=64, help="requests in one step")
+    cache.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     kv = parser.add_argument_group("KV connector")
     kv.add_argument("--kv-connector", default=DEFAULT_CONNECTOR, help="connector name or module:Class")
     kv.add_argument("--no-connector", action="store_true", help="run a plain engine without a connector")
-    kv.add_argument("--engine-id", default=None, help="this engine's id in transfers (default random)")
-    kv.add_argument("--load-failure-policy", choices=("recompute", "fail"), default="recompute")
+    kv.add_argument("--engine-id", default=None, help="this engine's id in transfers (default: random)")
+    kv.add_argument(
+        "--load-failure-policy", choices=("recompute", "fail"), default="recompute",
+        help="when KV cannot be pulled: compute the prompt here, or fail the request",
+    )  # fmt: skip
     kv.add_argument("--kv-connector-extra", default="{}", help="JSON object of connector-specific options")
+
+
+def cache_sizing(args: argparse.Namespace) -> tuple[int | None, float | None]:
+    """(num_blocks, memory_fraction) for CacheConfig. A node on CUDA with neither flag sizes its cache
+    from free memory; on CPU the engine's small default applies (kvbridge/engine/kv_cache.py)."""
+    if args.num_blocks is None and args.memory_fraction is None and args.device.startswith("cuda"):
+        return None, DEFAULT_CUDA_MEMORY_FRACTION
+    return args.num_blocks, args.memory_fraction
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -98,6 +119,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         )
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a port")
+    num_blocks, memory_fraction = cache_sizing(args)
     return EngineConfig(
         model=ModelConfig(
             model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
@@ -105,8 +127,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         cache=CacheConfig(
             block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            memory_fraction=args.memory_fraction,
+            num_blocks=num_blocks,
+            memory_fraction=memory_fraction,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
@@ -127,56 +149,54 @@ def _engine_factory(config: EngineConfig, num_threads: int | None):
     return build
 
 
-async def serve(app, engine, host: str, port: int, describe: str) -> int:
-    """Serve `app` until SIGINT/SIGTERM or an engine failure; returns the exit code."""
-    from aiohttp import web
+async def serve(app, engine, sock, describe: str) -> int:
+    """Serve `app` on `sock` until SIGINT/SIGTERM or an engine start-up failure; returns the exit code:
+    0, 2 for a start-up failure that a flag caused (a ConfigError), else 1."""
+    from kvbridge.cli import error_line
+    from kvbridge.serve.listen import serving, stop_signal
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    exit_code = 0
-    try:
+    stopped = stop_signal()
+    async with serving(app, sock):
         ready = asyncio.ensure_future(engine.wait_ready(timeout_s=3600))
-        stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is not None:
-            print(f"kvbridge serve: engine start-up failed: {ready.exception()}", file=sys.stderr, flush=True)
-            exit_code = 1
-        else:
-            if ready.done():
-                print(f"kvbridge serve: ready: {describe} on http://{host}:{port}", file=sys.stderr, flush=True)
-            await stopped
+            cause = ready.exception().__cause__ or ready.exception()  # the engine's own error, not EngineDeadError
+            print(error_line("serve", cause, "engine start-up failed"), file=sys.stderr, flush=True)
+            return 2 if isinstance(cause, ConfigError) else 1
+        if ready.done():
+            print(f"kvbridge serve: ready: {describe}", file=sys.stderr, flush=True)
+        logger.info("%s: stopping; in-flight requests end, then the engine shuts down", await stopped)
         ready.cancel()
-    finally:
-        await runner.cleanup()
-    return exit_code
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.cli import error_line
+    from kvbridge.engine.presets import check_model_source
     from kvbridge.serve.admin import open_admin_warning, read_admin_token
     from kvbridge.serve.api import create_app
     from kvbridge.serve.async_engine import AsyncEngine
+    from kvbridge.serve.listen import bind
 
     try:
+        check_model_source(args.model)  # before anything starts: a bad --model is a bad flag
         config = build_engine_config(args)
         admin_token = read_admin_token(args.admin_token_file, env.admin_token())
+        sock = bind(args.host, args.port)  # before the engine: a busy port fails at once
     except ConfigError as exc:
-        print(f"kvbridge serve: {exc}", file=sys.stderr)
+        print(error_line("serve", exc), file=sys.stderr)
         return 2
     if (warning := open_admin_warning(args.host, args.port, admin_token)) is not None:
         logger.warning("%s", warning)
+    connector = f"{config.kv_transfer.connector}/{config.kv_transfer.role}" if config.kv_transfer else "no connector"
+    url = f"http://{args.host}:{args.port}"
+    logger.info("starting: model %s (%s on %s), role %s, %s; %s/health answers 503 until the engine is built",
+                args.model, args.dtype, args.device, args.role, connector, url)  # fmt: skip
     engine = AsyncEngine(_engine_factory(config, args.num_threads))
     engine.start()
-    connector = f"{config.kv_transfer.connector}/{config.kv_transfer.role}" if config.kv_transfer else "no connector"
     app = create_app(engine, args.served_model_name or args.model, args.role, admin_token)
     try:
-        return asyncio.run(serve(app, engine, args.host, args.port, f"role={args.role}, {connector}"))
-    except OSError as exc:
-        print(f"kvbridge serve: cannot listen on {args.host}:{args.port}: {exc}; pick another --port", file=sys.stderr)
-        return 1
+        return asyncio.run(serve(app, engine, sock, f"role={args.role}, {connector} on {url}"))
     finally:
         engine.shutdown()
+        logger.info("stopped")

@@ -109,6 +109,19 @@ def tensor_registration(tensor: torch.Tensor) -> Registration:
     )
 
 
+def _backend_hint(backend: str, error: Exception) -> str:
+    """What to try when UCX cannot start: NIXL_ERR_BACKEND there means UCX found no transport that
+    NIXL can use (it needs active messages with peer-failure detection), which UCX_TLS decides."""
+    if backend != "UCX" or "NIXL_ERR_BACKEND" not in str(error):
+        return ""
+    tls = env.ucx_tls()
+    setting = f"UCX_TLS={tls}" if tls else "UCX_TLS unset"
+    return (
+        f" ({setting}): UCX found no usable transport. Include tcp in UCX_TLS, e.g. UCX_TLS=tcp,self,sm on a "
+        "machine without RDMA or CUDA (shared memory alone, UCX_TLS=sm,self, is not enough), or unset UCX_TLS"
+    )
+
+
 class NixlAgent:
     """One NIXL agent with one backend (UCX unless `backend` or KVBRIDGE_NIXL_BACKEND says otherwise)."""
 
@@ -141,7 +154,7 @@ class NixlAgent:
         try:
             self._agent.create_backend(self.backend, params)
         except Exception as e:
-            raise NixlNotAvailableError(f"NIXL backend {self.backend!r} failed to start: {e}") from None
+            raise NixlNotAvailableError(f"NIXL backend {self.backend!r} failed to start: {e}{_backend_hint(self.backend, e)}") from None
         self._registrations: dict[int, tuple[Registration, Any]] = {}  # base_addr -> (reg, nixl reg dlist)
         self._peers: dict[str, bytes] = {}  # agent name -> metadata
         self._dlists: dict[int, tuple[str | None, Any]] = {}  # id(handle) -> (peer or None, handle)

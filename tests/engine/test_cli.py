@@ -29,7 +29,7 @@ def test_generate_text_output(capsys):
 
 def test_bad_model_is_a_named_error_with_exit_code_2(capsys):
     assert cli.main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 2
-    assert "ModelLoadError" in capsys.readouterr().err
+    assert "ModelNotFoundError" in capsys.readouterr().err
 
 
 def test_generate_module_does_not_import_torch():

@@ -39,7 +39,7 @@ def test_memory_fraction_of_available_host_memory(monkeypatch):
     monkeypatch.setattr(kv_cache, "available_host_bytes", lambda: 10**15)  # capped on CPU
     assert kv_cache.num_kv_blocks(CacheConfig(memory_fraction=0.5), 2**20, CPU) == kv_cache.CPU_KV_CAP_BYTES // 2**21
     monkeypatch.setattr(kv_cache, "available_host_bytes", lambda: 2**20)
-    with pytest.raises(ConfigError, match="raise memory_fraction"):
+    with pytest.raises(ConfigError, match="raise CacheConfig.memory_fraction"):
         kv_cache.num_kv_blocks(CacheConfig(memory_fraction=0.5), 2**20, CPU)
 
 

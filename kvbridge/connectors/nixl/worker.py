@@ -99,7 +99,7 @@ class NixlWorker:
             ipc_min_runs=opts.ipc_min_runs,
         )
         if self._endpoint.server is not None:
-            logger.info("NixlConnector %s serving KV on %s", self.config.engine_id, self._endpoint.address)
+            logger.info("NixlConnector %s: side channel on %s, serving KV to peers", self.config.engine_id, self._endpoint.address)
 
     @property
     def side_channel_port(self) -> int | None:
