@@ -24,8 +24,10 @@ NUM_TOP = 2
 PROMPT = "hello world how are you " * 5  # 25 tokens: one full KV block moves from prefill to decode
 OTHER_PROMPT = "the cat is fine thanks"
 MESSAGES = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hello world how are you " * 5}]
-# Another conversation for the stream: the decode node's own prefix cache holds MESSAGES' prompt by then.
+# Other conversations for the later tests: the decode node's own prefix cache holds MESSAGES' prompt by
+# then, and each test must see the prompt's KV pulled from the prefill node.
 STREAMED_MESSAGES = [{"role": "system", "content": "the dog"}, MESSAGES[1]]
+LOGPROBS_MESSAGES = [{"role": "system", "content": "a dog"}, MESSAGES[1]]
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
 NODE_ARGS = ["--served-model-name", SERVED_NAME, "--num-threads", "1", "--num-blocks", "64",
              "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
@@ -37,13 +39,13 @@ class Expected:
     def __init__(self, checkpoint: str) -> None:
         template = load_chat_template(checkpoint)
         chats = [{"prompt_token_ids": template.encode(template.render(m, add_generation_prompt=True))}
-                 for m in (MESSAGES, STREAMED_MESSAGES)]  # fmt: skip
+                 for m in (MESSAGES, STREAMED_MESSAGES, LOGPROBS_MESSAGES)]  # fmt: skip
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=NUM_TOP)
         with LLM(model=checkpoint, max_model_len=MAX_MODEL_LEN) as llm:
-            prompt, other, chat, streamed_chat = llm.generate([PROMPT, OTHER_PROMPT, *chats], params)
+            prompt, other, chat, streamed, logprobs = llm.generate([PROMPT, OTHER_PROMPT, *chats], params)
         self.text, self.other_text = prompt.outputs[0].text, other.outputs[0].text
-        self.chat, self.streamed_chat = chat.outputs[0].text, streamed_chat.outputs[0].text
-        self.chat_logprobs = [e.logprob for e in chat.outputs[0].logprobs]
+        self.chat, self.streamed_chat = chat.outputs[0].text, streamed.outputs[0].text
+        self.chat_logprobs = [e.logprob for e in logprobs.outputs[0].logprobs]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +88,9 @@ def test_streamed_chat_goes_through_prefill_then_decode(proxy):
 def test_chat_logprobs_come_from_the_decode_node(proxy):
     client, expected = proxy
     chat = client.chat.completions.create(
-        model=SERVED_NAME, messages=MESSAGES, logprobs=True, top_logprobs=NUM_TOP, **GREEDY
+        model=SERVED_NAME, messages=LOGPROBS_MESSAGES, logprobs=True, top_logprobs=NUM_TOP, **GREEDY
     )
+    assert _proxy_stats(chat)["num_external_tokens"] >= 16  # the decode node computed from pulled KV
     content = chat.choices[0].logprobs.content
     assert [e.logprob for e in content] == pytest.approx(expected.chat_logprobs, abs=1e-4)
     assert all(len(e.top_logprobs) == NUM_TOP for e in content)
