@@ -15,13 +15,15 @@ import sys
 import time
 
 from kvbridge.config import DTYPES
+from kvbridge.engine.presets import PRESETS
 from kvbridge.errors import KVBridgeError
 
 DEFAULT_PROMPT = "Hello, kvbridge"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="a built-in preset (tiny, small) or a local HF checkpoint dir")
+    presets = ", ".join(PRESETS)
+    parser.add_argument("--model", default="tiny", help=f"a built-in preset ({presets}) or a local HF checkpoint dir")
     parser.add_argument("--prompt", action="append", help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

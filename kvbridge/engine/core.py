@@ -28,7 +28,7 @@ from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnec
 from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.faults import fail_request, fail_step
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import CompletionOutput, RequestOutput
+from kvbridge.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.request_limits import RequestLimits
 from kvbridge.engine.sampling_params import SamplingParams
@@ -193,7 +193,7 @@ class EngineCore:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, token_ids, text, FINISH_REASONS.get(request.status))],
+            outputs=[CompletionOutput(0, token_ids, text, FINISH_REASONS.get(request.status), _logprobs(request))],
             finished=request.is_finished,
             kv_transfer_params=update.kv_transfer_params,
             num_cached_tokens=request.num_cached_tokens,
@@ -358,3 +358,8 @@ def _eos_ids(tokenizer) -> tuple[int, ...]:
     if ids is None:
         ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     return tuple(ids)
+
+
+def _logprobs(request: Request) -> list[TokenLogprobs] | None:
+    """The request's logprobs so far, or None when its params did not ask for them."""
+    return list(request.output_logprobs) if request.sampling_params.logprobs is not None else None

@@ -21,7 +21,7 @@ from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, bui
 from kvbridge.engine.cuda_graphs import DecodeGraphs
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
-from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs, to_device
 from kvbridge.engine.weights import load_model
@@ -66,6 +66,14 @@ def _token_ids(request: Request, start: int, end: int) -> list[int]:
 class StepLogits(NamedTuple):
     req_ids: list[str]  # requests whose step reached request.num_tokens, in scheduled order
     logits: torch.Tensor  # [len(req_ids), vocab] float32
+
+
+class Sampled(NamedTuple):
+    """What sampling a step gave, per request id."""
+
+    tokens: dict[str, int]
+    errors: dict[str, str]  # why a request's sampling failed
+    logprobs: dict[str, TokenLogprobs]  # for the requests that asked
 
 
 class ModelRunner:
@@ -133,8 +141,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
         connector = self._connector
-        sampled: dict[str, int] = {}
-        request_errors: dict[str, str] = {}
+        sampled = Sampled({}, {}, {})
         kv_output = KVConnectorOutput()
         try:
             if connector is not None:
@@ -144,7 +151,7 @@ class ModelRunner:
             if scheduler_output.scheduled:
                 hooks = (connector.wait_for_layer_load, connector.save_kv_layer) if connector else (None, None)
                 step = self.forward(scheduler_output, *hooks)
-                sampled, request_errors = self._sample(scheduler_output, step)
+                sampled = self._sample(scheduler_output, step)
             if connector is not None:
                 connector.wait_for_save()
                 sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
@@ -157,7 +164,7 @@ class ModelRunner:
         finally:
             if connector is not None:
                 connector.clear_connector_metadata()
-        return ModelRunnerOutput(sampled, kv_output, request_errors)
+        return ModelRunnerOutput(sampled.tokens, kv_output, sampled.errors, sampled.logprobs)
 
     def forward(
         self,
@@ -224,8 +231,7 @@ class ModelRunner:
         if min(block_ids) < 0 or max(block_ids) >= self.layout.num_blocks:
             raise ValueError(f"request {req_id}: block ids {block_ids} outside [0, {self.layout.num_blocks})")
 
-    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> tuple[dict[str, int], dict[str, str]]:
-        """(token per request, reason per request whose sampling failed)."""
+    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> Sampled:
         requests = {s.request.request_id: s.request for s in scheduler_output.scheduled}
         params = [requests[r].sampling_params for r in step.req_ids]
         generators = [self._generator_for(r, p) for r, p in zip(step.req_ids, params)]
@@ -234,13 +240,19 @@ class ModelRunner:
             sampler.TokenHistory(requests[r].prompt_token_ids, requests[r].output_token_ids) for r in step.req_ids
         ]
         tokens = sampler.sample(step.logits, params, generators, histories, self.tokenizer.eos_token_ids)
-        sampled, errors = {}, {}
+        sampled = Sampled({}, {}, {})
         for req_id, token in zip(step.req_ids, tokens):
             if isinstance(token, Exception):
-                errors[req_id] = f"request {req_id} failed: sampling raised {type(token).__name__}: {token}"
+                sampled.errors[req_id] = f"request {req_id} failed: sampling raised {type(token).__name__}: {token}"
             else:
-                sampled[req_id] = token
-        return sampled, errors
+                sampled.tokens[req_id] = token
+        # Only the rows that asked: a request without `logprobs` costs nothing.
+        rows = [i for i, r in enumerate(step.req_ids) if params[i].logprobs is not None and r in sampled.tokens]
+        if rows:
+            row_tokens = [sampled.tokens[step.req_ids[i]] for i in rows]
+            entries = sampler.token_logprobs(step.logits[rows], row_tokens, [params[i].logprobs for i in rows])
+            sampled.logprobs.update((step.req_ids[i], entry) for i, entry in zip(rows, entries))
+        return sampled
 
     def _generator_for(self, req_id: str, params) -> torch.Generator | None:
         if params.seed is None or params.is_greedy:

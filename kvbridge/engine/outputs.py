@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from kvbridge.connectors.base import KVConnectorMetadata
@@ -51,6 +51,15 @@ class KVConnectorOutput:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability and the `SamplingParams.logprobs` most likely tokens', most
+    likely first (the sampled token among them only if it is one of those)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob)
+
+
 @dataclass
 class ModelRunnerOutput:
     # One sampled token for each request whose step reached the end of its known tokens
@@ -59,6 +68,8 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
     # Requests whose share of the step failed (e.g. sampling), with the reason: the scheduler ends them.
     request_errors: dict[str, str] = field(default_factory=dict)
+    # The sampled token's logprobs, for the requests whose SamplingParams.logprobs is set.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +78,7 @@ class CompletionOutput:
     token_ids: list[int]  # every generated token so far
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when SamplingParams.logprobs is set
 
 
 @dataclass

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
+from kvbridge.engine.outputs import TokenLogprobs
 from kvbridge.engine.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
         self.arrival_time = time.monotonic()
 
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []  # one per output token, if the params ask for them
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the local prefix cache
@@ -76,8 +78,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         if self.num_tokens % self.block_size == 0:
             self.block_hashes = hash_full_blocks(
                 self.all_token_ids, self.block_size, self.block_hashes, self.hash_namespace

@@ -5,6 +5,10 @@ A request with `SamplingParams.seed` draws from its own `torch.Generator`, owned
 runner for the request's lifetime, so its completion does not depend on what it was batched
 with. Requests without a seed draw from torch's global generator.
 
+Log-probabilities (`token_logprobs`) are computed only for requests whose `SamplingParams.logprobs`
+is set, from the model's raw logits: before penalties, min_tokens, temperature, top-k and top-p, as
+vLLM returns them by default. They describe the model's distribution, whatever the sampling settings.
+
 A row whose sampling fails yields its exception instead of a token: one request's bad luck (logits
 that are not finite) ends that request only. Probabilities are checked before `multinomial`,
 which on a GPU answers NaN with a device-side assert that ends the whole process.
@@ -18,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kvbridge.engine.faults import is_engine_fault
+from kvbridge.engine.outputs import TokenLogprobs
 from kvbridge.engine.sampling_params import SamplingParams
 
 
@@ -126,6 +131,20 @@ def sample(
                 raise
             tokens[i] = exc
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """logits [N, V] (the model's raw output), the token sampled from each row and how many of the most
+    likely tokens each row wants -> each row's TokenLogprobs. One log_softmax and one topk for all rows."""
+    logprobs = logits.float().log_softmax(-1)
+    rows = torch.arange(len(token_ids), device=logits.device)
+    chosen = logprobs[rows, torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)].tolist()
+    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(token_id, logprob, list(zip(top_ids[i][:k], top_values[i][:k])))
+        for i, (token_id, logprob, k) in enumerate(zip(token_ids, chosen, num_top))
+    ]
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -24,6 +24,7 @@ MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
 # repetition_penalty divides positive logits (multiplies negative ones): far outside this, a repeated
 # token is certain or impossible already, and the extremes only risk overflow.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's chat limit (its completions API allows 5)
 
 
 def _check(ok: bool, name: str, expected: str, value: object) -> None:
@@ -51,6 +52,9 @@ class SamplingParams:
     # vLLM's / transformers', on the prompt and the output: a seen token's logit / p if > 0, else * p.
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # until this many are generated, EOS and stop_token_ids cannot be sampled
+    # None: no log-probabilities (nothing computed). N: each sampled token's logprob and the N most
+    # likely tokens', all from the model's raw logits (engine/sampler.py, `token_logprobs`).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -77,6 +81,8 @@ class SamplingParams:
             "repetition_penalty", f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1: none)", rp,
         )  # fmt: skip
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]", self.min_tokens)
+        lp = self.logprobs
+        _check(lp is None or 0 <= lp <= MAX_LOGPROBS, "logprobs", f"None or in [0, {MAX_LOGPROBS}]", lp)
 
     @property
     def is_greedy(self) -> bool:

@@ -275,7 +275,7 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
+            request.append_output_token(token_id, runner_output.logprobs.get(request.request_id))
             self.stats.num_generated_tokens += 1
             status = self._stop_status(request, token_id)
             updates.append(self.finish_request(request, status) if status else RequestUpdate(request))

@@ -19,10 +19,11 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.outputs import RequestOutput, TokenLogprobs
 from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.http_errors import error_response
 from kvbridge.serve.async_engine import EngineDeadError
+from kvbridge.serve.logprobs import ChatLogprobs, CompletionLogprobs, Decode, LogprobsFormatter
 from kvbridge.serve.stop_strings import ChoiceText, Delta
 
 
@@ -71,12 +72,16 @@ class Wire(NamedTuple):
     prompt_param: str  # the field a 400 about the prompt names: `prompt`, or `messages` for chat
     response: Callable[..., dict[str, Any]]  # (id, created, model, Choices, last outputs, kvbridge stats)
     chunk: Callable[..., dict[str, Any]]  # (id, created, model, delta Choice, is_first)
+    logprobs: Callable[[Decode], LogprobsFormatter]  # the route's shape of a choice's logprobs
 
 
-COMPLETIONS = Wire("cmpl", "text_completion", "prompt", protocol.completion_response, protocol.completion_chunk)
-CHAT = Wire(
-    "chatcmpl", chat_protocol.CHAT_COMPLETION_CHUNK, "messages", chat_protocol.chat_response, chat_protocol.chat_chunk
+COMPLETIONS = Wire(
+    "cmpl", "text_completion", "prompt", protocol.completion_response, protocol.completion_chunk, CompletionLogprobs
 )
+CHAT = Wire(
+    "chatcmpl", chat_protocol.CHAT_COMPLETION_CHUNK, "messages", chat_protocol.chat_response, chat_protocol.chat_chunk,
+    ChatLogprobs,
+)  # fmt: skip
 
 
 @dataclass
@@ -89,6 +94,7 @@ class ChoiceRun:
     outputs: AsyncIterator[RequestOutput]
     counts_prompt: bool = True  # the first choice of its prompt: usage counts each prompt once
     is_first_chunk: bool = True
+    logprobs: LogprobsFormatter | None = None  # set when the request asked for log-probabilities
 
     async def updates(self) -> AsyncIterator[Delta]:
         """What each engine output adds to the choice, until the request finished or hit a stop string."""
@@ -102,7 +108,15 @@ class ChoiceRun:
 
     def answer(self) -> protocol.Choice:
         """The whole choice (once it finished)."""
-        return protocol.Choice(self.index, self.text.text, self.text.token_ids, self.text.finish_reason)
+        text = self.text
+        return protocol.Choice(self.index, text.text, text.token_ids, text.finish_reason, self._logprobs(text.logprobs))
+
+    def part(self, delta: Delta) -> protocol.Choice:
+        """What one chunk adds to the choice."""
+        return protocol.Choice(self.index, delta.text, delta.token_ids, delta.finish_reason, self._logprobs(delta.logprobs))
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        return None if self.logprobs is None or entries is None else self.logprobs.format(entries)
 
     def settle(self) -> str | None:
         """Record the outcome of a finished choice; returns the engine's error, if any."""
@@ -186,8 +200,7 @@ class AnswerWriter:
                 async for choice, delta in deltas:
                     if not delta.token_ids and not delta.is_last:
                         continue
-                    part = protocol.Choice(choice.index, delta.text, delta.token_ids, delta.finish_reason)
-                    chunk = wire.chunk(request_id, created, self.model_name, part, choice.is_first_chunk)
+                    chunk = wire.chunk(request_id, created, self.model_name, choice.part(delta), choice.is_first_chunk)
                     choice.is_first_chunk = False
                     if delta.is_last:
                         num_unfinished -= 1

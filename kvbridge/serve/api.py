@@ -142,7 +142,8 @@ class CompletionsAPI:
                     outputs = self.engine.generate(run_id, prompt_ids, params, fields.kv_transfer_params)
                     await stack.enter_async_context(aclosing(outputs))
                     text = ChoiceText(fields.stop, params.min_tokens)
-                    choices.append(ChoiceRun(index, run, text, outputs, counts_prompt=sample == 0))
+                    logprobs = None if params.logprobs is None else wire.logprobs(self.engine.engine.tokenizer.decode)
+                    choices.append(ChoiceRun(index, run, text, outputs, counts_prompt=sample == 0, logprobs=logprobs))
                 if (refusal := await self._first_outputs(choices, wire)) is not None:
                     return refusal
                 if fields.stream:

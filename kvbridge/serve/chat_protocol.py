@@ -11,20 +11,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.engine.sampling_params import MAX_LOGPROBS
+from kvbridge.errors import InvalidRequestError
 from kvbridge.serve.protocol import (
     NOT_ASKED,
     UNSUPPORTED_FIELDS,
     Choice,
     CommonFields,
     check_unsupported,
+    choice_body,
+    envelope,
+    get_checked,
     parse_common_fields,
+    whole_response,
 )
-from kvbridge.errors import InvalidRequestError
 
 # Chat has no echo, suffix or best_of; it has tools and formats kvbridge cannot honour.
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     **{k: v for k, v in UNSUPPORTED_FIELDS.items() if k not in ("echo", "suffix", "best_of")},
-    "top_logprobs": ("kvbridge does not return log-probabilities", NOT_ASKED),
     "tools": ("kvbridge does not call tools", NOT_ASKED),
     "functions": ("kvbridge does not call functions", NOT_ASKED),
     "tool_choice": ("kvbridge does not call tools", (None, "none", "auto")),
@@ -84,8 +88,20 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         raise _fail("'add_generation_prompt' must be true or false", "add_generation_prompt")
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; either is accepted.
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    fields = parse_common_fields(body, max_tokens_field, default_max_tokens)
+    fields = parse_common_fields(body, max_tokens_field, default_max_tokens, _parse_logprobs(body))
     return ChatRequest(messages, add_generation_prompt, fields)
+
+
+def _parse_logprobs(body: dict) -> int | None:
+    """SamplingParams.logprobs from chat's `logprobs` (a switch) and `top_logprobs` (how many alternatives)."""
+    wanted = get_checked(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+    num_top = get_checked(
+        body, "top_logprobs", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS,
+        f"an integer in [0, {MAX_LOGPROBS}]", None,
+    )  # fmt: skip
+    if num_top is not None and not wanted:
+        raise _fail("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (num_top or 0) if wanted else None
 
 
 def chat_response(
@@ -93,42 +109,11 @@ def chat_response(
     kv_transfer_params: dict[str, Any] | None, extra: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
     """The whole (non-streamed) response."""
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text},
-                "token_ids": choice.token_ids,
-                "finish_reason": choice.finish_reason,
-                "logprobs": None,
-            }
-            for choice in choices
-        ],
-        "usage": usage,
-        "kv_transfer_params": kv_transfer_params,
-        "kvbridge": extra,
-    }
+    bodies = [choice_body(c, {"message": {"role": "assistant", "content": c.text}}) for c in choices]
+    return whole_response(request_id, "chat.completion", created, model, bodies, usage, kv_transfer_params, extra)
 
 
 def chat_chunk(request_id: str, created: int, model: str, delta: Choice, is_first: bool) -> dict[str, Any]:
     """One SSE chunk: the content one choice generated since its previous chunk; its first names the role."""
     content = {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
-    return {
-        "id": request_id,
-        "object": CHAT_COMPLETION_CHUNK,
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": delta.index,
-                "delta": content,
-                "token_ids": delta.token_ids,
-                "finish_reason": delta.finish_reason,
-                "logprobs": None,
-            }
-        ],
-    }
+    return envelope(request_id, CHAT_COMPLETION_CHUNK, created, model, [choice_body(delta, {"delta": content})])

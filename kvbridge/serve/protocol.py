@@ -26,6 +26,7 @@ from kvbridge.connectors.nixl.params import parse_remote_prefill
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams
 from kvbridge.errors import InvalidRequestError, SamplingParamsError
+from kvbridge.serve.logprobs import MAX_COMPLETION_LOGPROBS
 from kvbridge.serve.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default
@@ -34,9 +35,8 @@ MAX_CHOICES = 16  # per request: n times the prompts, each choice an engine requ
 # nothing (the defaults clients send): any other value is a 400 naming the field, never ignored.
 NOT_ASKED = (None, False, 0, "", [], {})
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "logprobs": ("kvbridge does not return log-probabilities", NOT_ASKED),
     "echo": ("kvbridge does not echo the prompt", NOT_ASKED),
-    "best_of": ("ranking candidates needs log-probabilities; ask for n choices instead", (None, 1)),
+    "best_of": ("kvbridge does not rank candidates; ask for n choices instead", (None, 1)),
     "suffix": ("kvbridge does not insert text", NOT_ASKED),
     "logit_bias": ("kvbridge's sampler takes no logit bias", NOT_ASKED),
 }
@@ -130,7 +130,7 @@ def _parse_prompts(prompt: Any) -> list[Prompt]:
     )
 
 
-def _get(body: dict, name: str, check, expected: str, default: Any, parent: str | None = None) -> Any:
+def get_checked(body: dict, name: str, check, expected: str, default: Any, parent: str | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
@@ -202,31 +202,33 @@ class CompletionRequest:
 
 
 def parse_common_fields(
-    body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS
-) -> CommonFields:
-    """Sampling, stop strings, streaming and P/D fields. Raises InvalidRequestError naming the bad field."""
-    n = _get(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
-    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
-    max_tokens = _get(body, max_tokens_field, _is_int, "an integer >= 1", default_max_tokens)
-    temperature = _get(body, "temperature", _is_number, "0 or a number in [0.01, 100]", 1.0)
-    top_p = _get(body, "top_p", _is_number, "a number in (0, 1]", 1.0)
-    top_k = _get(body, "top_k", _is_int, "an integer >= 0 (0 or -1 for no cut)", 0)
-    seed = _get(body, "seed", _is_int, "an integer in [0, 2**64 - 1]", None)
-    stop_token_ids = _get(
+    body: dict, max_tokens_field: str = "max_tokens", default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    num_logprobs: int | None = None,
+) -> CommonFields:  # fmt: skip
+    """Sampling, stop strings, streaming and P/D fields; `num_logprobs` is what the route's own logprobs
+    fields asked for (SamplingParams.logprobs). Raises InvalidRequestError naming the bad field."""
+    n = get_checked(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
+    model = get_checked(body, "model", lambda v: isinstance(v, str), "a string", None)
+    max_tokens = get_checked(body, max_tokens_field, _is_int, "an integer >= 1", default_max_tokens)
+    temperature = get_checked(body, "temperature", _is_number, "0 or a number in [0.01, 100]", 1.0)
+    top_p = get_checked(body, "top_p", _is_number, "a number in (0, 1]", 1.0)
+    top_k = get_checked(body, "top_k", _is_int, "an integer >= 0 (0 or -1 for no cut)", 0)
+    seed = get_checked(body, "seed", _is_int, "an integer in [0, 2**64 - 1]", None)
+    stop_token_ids = get_checked(
         body, "stop_token_ids", _is_token_id_list, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", []
     )
-    presence_penalty = _get(body, "presence_penalty", _is_number, "a number in [-2, 2]", 0.0)
-    frequency_penalty = _get(body, "frequency_penalty", _is_number, "a number in [-2, 2]", 0.0)
-    repetition_penalty = _get(body, "repetition_penalty", _is_number, "a number in [0.01, 100] (1: none)", 1.0)
-    min_tokens = _get(body, "min_tokens", _is_int, "an integer in [0, max_tokens]", 0)
+    presence_penalty = get_checked(body, "presence_penalty", _is_number, "a number in [-2, 2]", 0.0)
+    frequency_penalty = get_checked(body, "frequency_penalty", _is_number, "a number in [-2, 2]", 0.0)
+    repetition_penalty = get_checked(body, "repetition_penalty", _is_number, "a number in [0.01, 100] (1: none)", 1.0)
+    min_tokens = get_checked(body, "min_tokens", _is_int, "an integer in [0, max_tokens]", 0)
     stop = () if body.get("stop") is None else _parse_stop(body["stop"])
-    ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
-    stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
-    stream_options = _get(body, "stream_options", lambda v: isinstance(v, dict), "a JSON object", {})
-    include_usage = _get(
+    ignore_eos = get_checked(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
+    stream = get_checked(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    stream_options = get_checked(body, "stream_options", lambda v: isinstance(v, dict), "a JSON object", {})
+    include_usage = get_checked(
         stream_options, "include_usage", lambda v: isinstance(v, bool), "true or false", False, "stream_options"
     )
-    kv_transfer_params = _get(body, "kv_transfer_params", lambda v: isinstance(v, dict), "a JSON object", None)
+    kv_transfer_params = get_checked(body, "kv_transfer_params", lambda v: isinstance(v, dict), "a JSON object", None)
     if n > 1 and kv_transfer_params:
         raise _fail("'n' must be 1 with kv_transfer_params: a P/D hand-off moves one request's KV", "n")
     try:
@@ -246,6 +248,7 @@ def parse_common_fields(
             frequency_penalty=_float(frequency_penalty),
             repetition_penalty=_float(repetition_penalty),
             min_tokens=min_tokens,
+            logprobs=num_logprobs,
         )
     except SamplingParamsError as exc:
         param = max_tokens_field if exc.field == "max_tokens" else exc.field
@@ -262,7 +265,11 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise _fail("'prompt' is required", "prompt")
     check_unsupported(body, UNSUPPORTED_FIELDS)
     prompts = _parse_prompts(body["prompt"])
-    fields = parse_common_fields(body)
+    num_logprobs = get_checked(
+        body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_COMPLETION_LOGPROBS,
+        f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] (alternatives per token), or null for none", None,
+    )  # fmt: skip
+    fields = parse_common_fields(body, num_logprobs=num_logprobs)
     if len(prompts) > 1 and fields.kv_transfer_params:
         raise _fail("send one prompt with kv_transfer_params: a P/D hand-off moves one request's KV", "prompt")
     if len(prompts) * fields.n > MAX_CHOICES:
@@ -317,6 +324,33 @@ class Choice(NamedTuple):
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None  # already in the route's shape (serve/logprobs.py)
+
+
+def choice_body(choice: Choice, content: dict[str, Any]) -> dict[str, Any]:
+    """One entry of `choices`, in either route's response or chunk: `content` is the route's own part
+    (`text`, or chat's `message` / `delta`)."""
+    return {
+        "index": choice.index,
+        **content,
+        "token_ids": choice.token_ids,
+        "finish_reason": choice.finish_reason,
+        "logprobs": choice.logprobs,
+    }
+
+
+def envelope(request_id: str, obj: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every response and chunk of both routes starts with."""
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def whole_response(
+    request_id: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, int],
+    kv_transfer_params: dict[str, Any] | None, extra: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """A non-streamed response of either route."""
+    body = envelope(request_id, obj, created, model, choices)
+    return {**body, "usage": usage, "kv_transfer_params": kv_transfer_params, "kvbridge": extra}
 
 
 def completion_response(
@@ -324,47 +358,15 @@ def completion_response(
     kv_transfer_params: dict[str, Any] | None, extra: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
     """The whole (non-streamed) response."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": choice.index,
-                "text": choice.text,
-                "token_ids": choice.token_ids,
-                "finish_reason": choice.finish_reason,
-                "logprobs": None,
-            }
-            for choice in choices
-        ],
-        "usage": usage,
-        "kv_transfer_params": kv_transfer_params,
-        "kvbridge": extra,
-    }
+    bodies = [choice_body(c, {"text": c.text}) for c in choices]
+    return whole_response(request_id, "text_completion", created, model, bodies, usage, kv_transfer_params, extra)
 
 
 def completion_chunk(request_id: str, created: int, model: str, delta: Choice, is_first: bool) -> dict[str, Any]:
     """One SSE chunk: the text and token ids one choice generated since its previous chunk."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": delta.index,
-                "text": delta.text,
-                "token_ids": delta.token_ids,
-                "finish_reason": delta.finish_reason,
-                "logprobs": None,
-            }
-        ],
-    }
+    return envelope(request_id, "text_completion", created, model, [choice_body(delta, {"text": delta.text})])
 
 
 def usage_chunk(request_id: str, created: int, model: str, chunk_object: str, usage: dict[str, int]) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return {"id": request_id, "object": chunk_object, "created": created, "model": model, "choices": [],
-            "usage": usage}  # fmt: skip
+    return {**envelope(request_id, chunk_object, created, model, []), "usage": usage}

@@ -1,11 +1,15 @@
-"""`kvbridge proxy`: the P/D router. Each completion goes to a prefill node, then to a decode node.
+"""`kvbridge proxy`: the P/D router. Each completion or chat completion goes to a prefill node, then
+to a decode node.
 
     kvbridge proxy --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 http://10.0.0.3:8200
 
-Per request (docs/pd-disaggregation.md, "Failure model of the proxy"):
-0. Validate the body as a node would (`parse_completion_request`): a request the decode node would
-   refuse gets its 400 here, before a prefill node computes and holds anything for it. With no
-   healthy decode node, answer 503 at once.
+Per request to POST /v1/completions or /v1/chat/completions (docs/pd-disaggregation.md, "Failure
+model of the proxy"); each leg posts to the same route of its node:
+0. Validate the body as a node would (`parse_completion_request`, `parse_chat_request`): a request
+   the decode node would refuse gets its 400 here, before a prefill node computes and holds anything
+   for it. With no healthy decode node, answer 503 at once. A request for several choices (`n` > 1)
+   or several prompts skips step 1: a P/D hand-off moves one engine request's KV, so the decode node
+   computes those prompts itself (`kvbridge.proxy.disaggregated` is false in the answer).
 1. Prefill leg: POST the body to a healthy prefill node (serve/routing.py picks it) with
    `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; its answer
    carries `kv_transfer_params` naming the blocks it holds for us. A node that fails before it
@@ -28,12 +32,14 @@ import asyncio
 import logging
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from kvbridge import env
 from kvbridge.errors import ConfigError, InvalidRequestError
+from kvbridge.serve.chat_protocol import parse_chat_request
 from kvbridge.serve.node_pool import CHECK_INTERVAL_S, MAX_BACKOFF_S, MIN_BACKOFF_S, NodePool, NodeState, NodeStats
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.http_errors import error_response, openai_errors
@@ -44,6 +50,34 @@ from kvbridge.serve.proxy_release import LeaseReleaser
 from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
 
 MAX_RETRIES = 2
+# Chat's default max_tokens is the node's max_model_len, which the proxy does not know: it validates
+# with no bound, and the decode node applies its own.
+UNBOUNDED_MAX_TOKENS = sys.maxsize
+
+
+class Routed(NamedTuple):
+    """How the proxy routes a validated request."""
+
+    prompt: PromptKey  # for prefix affinity
+    disaggregated: bool  # one prompt, one choice: prefill node then decode node
+
+
+def _route_completion(body: Any) -> Routed:
+    parsed = parse_completion_request(body)
+    single = len(parsed.prompts) == 1 and parsed.fields.n == 1
+    return Routed(prompt_key(parsed.prompt_text, parsed.prompt_token_ids), single)
+
+
+def _route_chat(body: Any) -> Routed:
+    """The proxy renders no chat template: the messages' roles and text stand in for the prompt, and
+    conversations that share their first messages share a prefix key."""
+    parsed = parse_chat_request(body, default_max_tokens=UNBOUNDED_MAX_TOKENS)
+    text = "".join(f"{m['role']}: {m['content'] or ''}\n" for m in parsed.messages)
+    return Routed(prompt_key(text, None), parsed.fields.n == 1)
+
+
+# The routes the proxy serves, each with its validation; a leg posts to the same route of its node.
+ROUTES: dict[str, Callable[[Any], Routed]] = {"/v1/completions": _route_completion, "/v1/chat/completions": _route_chat}
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +129,11 @@ class PDProxy:
     # ------------------------------------------------------------------ completions
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions and /v1/chat/completions."""
+        path = request.path
         try:  # the client's kv_transfer_params are replaced on both legs: not theirs to get wrong
             body = protocol_decode_body(await request.read())
-            parsed = parse_completion_request({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
+            routed = ROUTES[path]({**body, "kv_transfer_params": None} if isinstance(body, dict) else body)
         except InvalidRequestError as exc:
             self.metrics.requests.labels(outcome="client_error").inc()
             return error_response(400, str(exc), "invalid_request_error", exc.param)
@@ -105,7 +141,7 @@ class PDProxy:
         outcome = "aborted"  # until an answer is made: a client that hangs up leaves it so
         try:
             try:
-                response = await self._complete(request, body, prompt_key(parsed.prompt_text, parsed.prompt_token_ids))
+                response = await self._complete(request, path, body, routed)
             except Reply as reply:
                 response = reply.response
             except TimeoutError:
@@ -116,17 +152,20 @@ class PDProxy:
         finally:
             self.metrics.requests.labels(outcome=outcome).inc()
 
-    async def _complete(self, request: web.Request, body: dict[str, Any], prompt: PromptKey) -> web.StreamResponse:
-        """Both legs. Raises Reply (a node's 4xx) and TimeoutError (the deadline)."""
+    async def _complete(
+        self, request: web.Request, path: str, body: dict[str, Any], routed: Routed
+    ) -> web.StreamResponse:
+        """Both legs (the decode leg only, for a request that is not disaggregated). Raises Reply (a
+        node's 4xx) and TimeoutError (the deadline)."""
         if not self.decode_pool.has_healthy():
             return self._leg_failed(LegFailed("decode", None, 0))
         deadline = Deadline(self.deadline_s)
         t0 = time.monotonic()
-        prefill = await self.upstream.prefill(body, prompt, deadline)
+        prefill = await self.upstream.prefill(path, body, routed.prompt, deadline) if routed.disaggregated else None
         kv_params = prefill.value.get("kv_transfer_params") if prefill else None
         t1, complete = time.monotonic(), False
         try:
-            decode = await self.upstream.decode(request, decode_body(body, kv_params), prompt, deadline)
+            decode = await self.upstream.decode(request, path, decode_body(body, kv_params), routed.prompt, deadline)
             response, complete = decode.value
         except LegFailed as exc:
             return self._leg_failed(exc)
@@ -141,6 +180,7 @@ class PDProxy:
                 "decode_url": decode.url,
                 "prefill_attempts": prefill.num_attempts if prefill else None,
                 "decode_attempts": decode.num_attempts,
+                "disaggregated": routed.disaggregated,
                 "recomputed": prefill is None,
                 "prefill_s": round(t1 - t0, 6),
                 "decode_s": round(time.monotonic() - t1, 6),
@@ -196,7 +236,7 @@ def _outcome(status: int) -> str:
     return {502: "upstream_error", 503: "unavailable", 504: "timeout"}.get(status, "client_error")
 
 
-PROXY_SERVES = "the proxy serves POST /v1/completions, GET /v1/models, /health and /metrics"
+PROXY_SERVES = "the proxy serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health and /metrics"
 PROXY_KEY = web.AppKey("proxy", PDProxy)
 
 
@@ -208,7 +248,8 @@ def create_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s:
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.on_startup)
     app.on_cleanup.append(proxy.on_cleanup)
-    app.router.add_post("/v1/completions", proxy.completions)
+    for path in ROUTES:
+        app.router.add_post(path, proxy.completions)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.metrics_text)

@@ -15,6 +15,7 @@ Event loop thread only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -33,11 +34,17 @@ PREFILL_PARAMS = {"do_remote_decode": True}
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
+# Dropped from a prefill leg: `stream_options` is only valid with stream=true (vLLM refuses the leg
+# with a 400), chat's `max_completion_tokens` would override the leg's one token, and the one token
+# the leg samples is thrown away, so its logprobs are not worth computing.
+NOT_FOR_PREFILL = ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs")
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request a prefill node gets: compute the prompt, keep its KV for a decode node."""
-    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
-    leg.pop("stream_options", None)  # only valid with stream=true: vLLM refuses the leg with a 400
-    return leg
+    """The request a prefill node gets: compute the prompt, keep its KV for a decode node. One token,
+    so no min_tokens beyond it (a client's min_tokens is the decode leg's to honour)."""
+    leg = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
+    return {**leg, "max_tokens": 1, "min_tokens": 0, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
 
 
 def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) -> dict[str, Any]:
@@ -119,10 +126,10 @@ class Upstream:
         leg.pool.report_failure(url, message)
         return NodeFailed(status, message)
 
-    async def _open(self, leg: Leg, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST to a node; returns the open response of a 2xx/3xx. Raises NodeFailed or Reply (a 4xx)."""
+    async def _open(self, leg: Leg, url: str, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST to a node's `path`; returns the open response of a 2xx/3xx. Raises NodeFailed or Reply (a 4xx)."""
         try:
-            resp = await self.session.post(f"{url}/v1/completions", json=body)
+            resp = await self.session.post(f"{url}{path}", json=body)
         except TimeoutError:
             raise self._node_failed(leg, url, 504, f"{leg.role} node {url} did not answer within {self.timeout_s:g}s") from None
         except aiohttp.ClientError as exc:
@@ -170,28 +177,33 @@ class Upstream:
 
     # ------------------------------------------------------------------ the two legs
 
-    async def _prefill_on(self, url: str, body: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+    async def _prefill_on(self, url: str, path: str, body: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
         async with deadline.timeout():
-            resp = await self._open(self.prefill_leg, url, prefill_body(body))
+            resp = await self._open(self.prefill_leg, url, path, prefill_body(body))
             try:
                 return await self._read_json(self.prefill_leg, url, resp)
             finally:
                 resp.release()
 
-    async def prefill(self, body: dict[str, Any], prompt: PromptKey, deadline: Deadline) -> Answer | None:
-        """The prefill node's answer, or None when no prefill node gave one: the decode node then computes the prompt."""
+    async def prefill(self, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline) -> Answer | None:
+        """The prefill node's answer to `body` at `path` (a completions route), or None when no prefill
+        node gave one: the decode node then computes the prompt."""
         try:
-            return await self._on_some_node(self.prefill_leg, prompt, lambda url: self._prefill_on(url, body, deadline))
+            attempt = functools.partial(self._prefill_on, path=path, body=body, deadline=deadline)
+            return await self._on_some_node(self.prefill_leg, prompt, attempt)
         except LegFailed as exc:
             self.metrics.recompute_fallbacks.inc()
             logger.warning("no prefill node answered (%s): the decode node computes the prompt", exc)
             return None
 
-    async def decode(self, request: web.Request, body: dict[str, Any], prompt: PromptKey, deadline: Deadline) -> Answer:
-        """The decode leg for `body` (the decode node's request, KV params included). The answer's
-        value: (the JSON answer, or the stream already relayed to the client; whether it arrived whole).
-        Raises LegFailed, Reply, or TimeoutError at the deadline."""
-        return await self._on_some_node(self.decode_leg, prompt, lambda url: self._decode_on(url, request, body, deadline))
+    async def decode(
+        self, request: web.Request, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline
+    ) -> Answer:
+        """The decode leg for `body` (the decode node's request, KV params included) at `path`. The
+        answer's value: (the JSON answer, or the stream already relayed to the client; whether it
+        arrived whole). Raises LegFailed, Reply, or TimeoutError at the deadline."""
+        attempt = functools.partial(self._decode_on, request=request, path=path, body=body, deadline=deadline)
+        return await self._on_some_node(self.decode_leg, prompt, attempt)
 
     async def models(self) -> web.Response:
         """A healthy decode node's /v1/models. Raises LegFailed."""
@@ -209,14 +221,14 @@ class Upstream:
         return (await self._on_some_node(self.decode_leg, (), fetch)).value
 
     async def _decode_on(
-        self, url: str, request: web.Request, body: dict[str, Any], deadline: Deadline
+        self, url: str, request: web.Request, path: str, body: dict[str, Any], deadline: Deadline
     ) -> tuple[dict[str, Any] | web.StreamResponse, bool]:
         """The decode node's answer (a JSON object, or the stream relayed to the client) and whether
         it arrived whole. NodeFailed only until the client has been sent a byte."""
         resp = None
         try:
             async with deadline.timeout():
-                resp = await self._open(self.decode_leg, url, body)
+                resp = await self._open(self.decode_leg, url, path, body)
                 if not body.get("stream"):
                     return await self._read_json(self.decode_leg, url, resp), True
                 try:

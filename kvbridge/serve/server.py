@@ -1,7 +1,7 @@
 """`kvbridge serve`: one engine behind the OpenAI-compatible HTTP API (serve/api.py).
 
     kvbridge serve --role prefill --port 8100 --side-channel-port 5600 --model tiny
-    kvbridge serve --role decode  --port 8200 --side-channel-port 5700 --model tiny
+    kvbridge serve --role decode  --port 8200 --model tiny       # a decode node opens no side channel
     kvbridge serve --no-connector --port 8000                     # a plain engine
 
 `--role` picks the NixlConnector's role (prefill -> kv_producer, decode -> kv_consumer, both ->

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvbridge.engine.outputs import CompletionOutput
+from kvbridge.engine.outputs import CompletionOutput, TokenLogprobs
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; LangChain-style clients send a handful
 MAX_STOP_STRING_CHARS = 1000  # each is searched for in every step's new text
@@ -53,6 +53,7 @@ class Delta(NamedTuple):
     token_ids: list[int]
     is_last: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # of `token_ids`, when the request asked for them
 
 
 class ChoiceText:
@@ -69,6 +70,7 @@ class ChoiceText:
         self._num_searched = 0  # characters of settled text already searched for stop strings
         self.text = ""  # every character handed out so far
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
         self.num_sent_tokens = 0
         self.finish_reason: str | None = None
         self.is_finished = False  # the engine finished the request, or a stop string matched
@@ -84,13 +86,17 @@ class ChoiceText:
             self.finish_reason = completion.finish_reason
         self.is_finished = finished or self.is_stopped
         self.token_ids = list(completion.token_ids)
+        self.logprobs = completion.logprobs
         visible = settled
         if not self.is_finished and self.stop:
             visible = settled[: len(settled) - partial_stop_len(settled, self.stop)]
         # Decoding more tokens only appends to a settled text; should a tokenizer rewrite it, wait.
         new_text = visible[len(self.text) :] if visible.startswith(self.text) else ""
         self.text += new_text
-        delta = Delta(new_text, self.token_ids[self.num_sent_tokens :], self.is_finished, self.finish_reason)
+        new_logprobs = None if self.logprobs is None else self.logprobs[self.num_sent_tokens :]
+        delta = Delta(
+            new_text, self.token_ids[self.num_sent_tokens :], self.is_finished, self.finish_reason, new_logprobs
+        )
         self.num_sent_tokens = len(self.token_ids)
         return delta
 

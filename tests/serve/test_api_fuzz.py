@@ -141,7 +141,8 @@ def valid_fields() -> dict[str, st.SearchStrategy]:
         "repetition_penalty": st.sampled_from([1, 0.01, 1.3, 100]),
         "min_tokens": st.sampled_from([0, 1]),
         "stream_options": st.sampled_from([None, {}, {"include_usage": True}]),
-        **{name: st.sampled_from([None, False, 0, ""]) for name in ("logprobs", "echo", "suffix")},
+        "logprobs": st.sampled_from([None, 0, 2, 5]),
+        **{name: st.sampled_from([None, False, 0, ""]) for name in ("echo", "suffix")},
     }
 
 

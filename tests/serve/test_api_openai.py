@@ -100,7 +100,8 @@ def test_a_chat_stop_string(checkpoint):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({**CHAT, "logprobs": 1}, "logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),

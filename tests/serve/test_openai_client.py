@@ -16,6 +16,7 @@ MODEL = SERVED_NAME
 MAX_TOKENS = 8
 PROMPT = "hello world how are you"
 MESSAGES = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hello world"}]
+NUM_TOP = 3
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
 
 
@@ -26,11 +27,13 @@ class Node:
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         template = load_chat_template(checkpoint)
         chat_ids = template.encode(template.render(MESSAGES, add_generation_prompt=True))
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=NUM_TOP)
         with LLM(model=checkpoint, max_model_len=MAX_MODEL_LEN) as llm:  # the reference
             prompt_out, chat_out = llm.generate([PROMPT, {"prompt_token_ids": chat_ids}], params)
         self.expected_text = prompt_out.outputs[0].text
         self.expected_chat = chat_out.outputs[0].text
+        self.expected_logprobs = prompt_out.outputs[0].logprobs
+        self.expected_chat_logprobs = chat_out.outputs[0].logprobs
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,7 @@ def test_errors(node):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         node.client.completions.create(model=MODEL, prompt=PROMPT, presence_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        node.client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2)
+        node.client.completions.create(model=MODEL, prompt=PROMPT, logprobs=6)
     with pytest.raises(openai.BadRequestError, match="'n'"):
         node.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
     with pytest.raises(openai.BadRequestError, match="tokens") as info:  # the engine's limit, about the messages
@@ -122,3 +125,43 @@ def test_errors(node):
         node.client.chat.completions.create(model="other", messages=MESSAGES)
     with pytest.raises(openai.NotFoundError):
         node.client.embeddings.create(model=MODEL, input="x")  # a route the node does not have
+
+
+def _assert_logprobs(expected, tokens, logprobs, tops, text):
+    """Against the in-process engine's TokenLogprobs: values, greedy's max, texts that join into the answer."""
+    assert logprobs == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    for entry, top in zip(expected, tops):
+        assert sorted(top.values(), reverse=True) == pytest.approx([lp for _, lp in entry.top], abs=1e-4)
+        assert entry.logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy took the most likely
+    assert "".join(tokens) == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs(node, stream):
+    answer = node.client.completions.create(model=MODEL, prompt=PROMPT, logprobs=NUM_TOP, stream=stream, **GREEDY)
+    parts = [c.choices[0].logprobs for c in answer if c.choices] if stream else [answer.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    tops = [t for p in parts for t in p.top_logprobs]
+    _assert_logprobs(node.expected_logprobs, tokens, [lp for p in parts for lp in p.token_logprobs], tops,
+                     node.expected_text)  # fmt: skip
+    offsets = [o for p in parts for o in p.text_offset]
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(node, stream):
+    answer = node.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=NUM_TOP, stream=stream, **GREEDY
+    )
+    chunks = [c for c in answer if c.choices and c.choices[0].logprobs] if stream else [answer]
+    content = [entry for c in chunks for entry in c.choices[0].logprobs.content]
+    assert all(bytes(e.bytes).decode() == e.token for e in content)
+    tops = [{alt.token: alt.logprob for alt in e.top_logprobs} for e in content]
+    _assert_logprobs(node.expected_chat_logprobs, [e.token for e in content], [e.logprob for e in content], tops,
+                     node.expected_chat)  # fmt: skip
+
+
+def test_no_logprobs_unless_asked(node):
+    completion = node.client.completions.create(model=MODEL, prompt=PROMPT, **GREEDY)
+    chat = node.client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=False, **GREEDY)
+    assert completion.choices[0].logprobs is None and chat.choices[0].logprobs is None

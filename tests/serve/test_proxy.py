@@ -21,8 +21,12 @@ from kvbridge.serve.proxy_legs import decode_body, prefill_body
 
 def test_bodies():
     body = {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
-            "kv_transfer_params": {"junk": 1}}  # fmt: skip
-    assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+            "kv_transfer_params": {"junk": 1}, "min_tokens": 3, "logprobs": 2}  # fmt: skip
+    assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "min_tokens": 0, "stream": False,
+                                  "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    chat = {"messages": [], "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2}
+    assert prefill_body(chat) == {"messages": [], "max_tokens": 1, "min_tokens": 0, "stream": False,
+                                  "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
     assert decode_body(body, {"remote_engine_id": "e"})["kv_transfer_params"] == {
         "remote_engine_id": "e",
         "do_remote_prefill": True,

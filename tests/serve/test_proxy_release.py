@@ -161,7 +161,7 @@ def _wait_no_held_blocks(node) -> dict:
         ({"max_tokens": "4"}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"best_of": 2}, "best_of"),
         ({"prompt": ""}, "prompt"),
         ({"stream": "yes"}, "stream"),
