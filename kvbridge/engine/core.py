@@ -286,7 +286,11 @@ class EngineCore:
         return stats
 
     def check_integrity(self) -> None:
+        """The scheduler's and both connector halves' bookkeeping holds; raises AssertionError."""
         self.scheduler.check_integrity()
+        for connector in (self.scheduler_connector, self.worker_connector):
+            if connector is not None:
+                connector.check_integrity()
 
     # ------------------------------------------------------------------ shutdown
 

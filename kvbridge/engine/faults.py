@@ -21,7 +21,7 @@ from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import KVBridgeError
 
 if TYPE_CHECKING:
-    from kvbridge.engine.outputs import SchedulerOutput
+    from kvbridge.connectors.base import SchedulerOutput
     from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)

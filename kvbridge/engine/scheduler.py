@@ -28,9 +28,9 @@ from collections import deque
 from typing import NamedTuple
 
 from kvbridge.config import SchedulerConfig
-from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata, ScheduledRequest, SchedulerOutput
 from kvbridge.engine.kv_cache_manager import KVCacheManager
-from kvbridge.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvbridge.engine.outputs import ModelRunnerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.scheduler_connector import ConnectorState
 from kvbridge.engine.scheduler_stats import SchedulerStats

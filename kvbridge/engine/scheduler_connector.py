@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.errors import KVLoadError
 
 if TYPE_CHECKING:
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)

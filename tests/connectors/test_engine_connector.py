@@ -197,6 +197,15 @@ def test_shutdown_flushes_then_shuts_both_halves_down():
     assert worker.num_shutdowns == 1
 
 
+def test_engine_integrity_check_covers_both_connector_halves(monkeypatch):
+    with make_llm() as llm:
+        checked = []
+        for half in (llm.engine.scheduler_connector, llm.engine.worker_connector):
+            monkeypatch.setattr(half, "check_integrity", lambda role=half.role: checked.append(role))
+        llm.engine.check_integrity()
+        assert checked == [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER]
+
+
 def test_shutdown_with_transfers_that_never_finish_is_bounded():
     config = KVTransferConfig(connector="delay_connector:DelayConnector", flush_timeout_s=0.2,
                               extra={"store": uuid.uuid4().hex, "never_finish": True})

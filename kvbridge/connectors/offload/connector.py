@@ -40,7 +40,3 @@ class OffloadingConnector(SplitConnector):
         from kvbridge.connectors.offload.worker import OffloadWorker  # imports torch
 
         return OffloadWorker(self.offload_config, self.context.model_id, self.config.flush_timeout_s)
-
-    def check_integrity(self) -> None:
-        """Tier invariants (free + used == capacity, pins, visibility); raises AssertionError."""
-        self.half.check_integrity()
