@@ -79,7 +79,7 @@ def fail_step(scheduler: Scheduler, output: SchedulerOutput, exc: Exception) -> 
     if is_engine_fault(exc):
         raise exc
     reason = f"{type(exc).__name__}: {exc}"
-    victims = [s.request for s in output.scheduled] + scheduler.conn.parked_requests()
+    victims = [s.request for s in output.scheduled] + scheduler.parked_requests()
     if not victims:
         raise EngineFaultError(f"an engine step that worked on no request failed: {reason}") from exc
     logger.error("a step failed; its %d request(s) end with the error", len(victims), exc_info=exc)

@@ -179,7 +179,7 @@ def test_try_reset_never_waits_and_resets_once_the_transfers_it_waits_on_ended()
         assert pool.num_cached_blocks > 0
         # Asked while `first` was in flight: a transfer that started since does not delay the reset.
         assert llm.engine.try_reset_prefix_cache(frozenset({first.request_id})) == frozenset()
-        assert later.request_id in llm.engine.scheduler.conn.pending_req_ids() and pool.num_cached_blocks == 0
+        assert later.request_id in llm.engine.scheduler.pending_transfer_req_ids() and pool.num_cached_blocks == 0
         llm.engine.check_integrity()
 
 
