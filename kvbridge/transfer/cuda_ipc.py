@@ -17,7 +17,7 @@ run: 0.26), a read through `KVEndpoint` 0.86-0.89. Few-run transfers measured fa
 inside the P/D engine, hence `min_runs` (KVEndpoint's `ipc_min_runs`).
 
 Everything else stays as with NIXL: the same handshake (compatibility hash, version), leases and
-the release that validates them, deadlines, notifications and failure reporting. The path is used
+the release that validates them, deadlines and failure reporting. The path is used
 only when the owner runs on the same host (same boot id) in another process; any failure to map
 falls back to NIXL. Talks to the CUDA driver (libcuda) through ctypes: no extra dependency.
 """

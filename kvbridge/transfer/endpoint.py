@@ -2,18 +2,18 @@
 
 An endpoint owns one `NixlAgent` with the engine's KV tensor registered, a `SideChannelServer`
 answering handshakes (and passing other messages to the connector's `message_handler`), side
-channel clients to peers, and a `TransferTracker`. Typical decode-pulls use:
+channel clients to peers, and a `TransferTracker`. The decode side pulls:
 
     ep = KVEndpoint(engine_id, model_id, kv, layout, host=..., port=..., message_handler=on_msg)
     rec = ep.read_blocks(req_id, remote_address, local_ids, remote_ids, expect=(peer_engine_id, peer_incarnation))
     ...each engine step: for rec in ep.poll(): report rec.req_id as done / failed
-    ep.flush(timeout_s)  # before blocks are reused; ep.close() at shutdown
+    ep.request(remote_address, m.TransferDone(...), audience=...)  # tell the owner its blocks were read
+    ep.close()  # at shutdown
 
-On the prefill side, `ep.get_notifs()` yields the decoded `TransferDone`s, and `message_handler`
-receives side-channel `TransferDone` / `LeaseRenew` messages (on the server thread).
+The owner of the blocks (the prefill side) only serves: its `message_handler` receives the
+side-channel messages of its readers (`TransferDone`, `LeaseRenew`, ...) on the server thread.
 
-`read_blocks` / `write_blocks` never block: when the peer is not known yet the record starts
-HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
+`read_blocks` never blocks: when the peer is not known yet the record starts HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
 handshakes again (a restarted peer is picked up). Every live record has a deadline.
 
@@ -30,7 +30,6 @@ peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from kvbridge import env
-from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, TransferError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
@@ -50,27 +49,17 @@ from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, check_descriptor_mode
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
-from kvbridge.transfer.tracker import FlushOutcome, TransferRecord, TransferState, TransferTracker
+from kvbridge.transfer.tracker import TransferRecord, TransferState, TransferTracker
 
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
 _FROM_ENV = object()
 
 
-class Notification(NamedTuple):
-    """A decoded NIXL notification: which peer agent sent which message."""
-
-    agent_name: str
-    message: m.Message
-
-
-class _Op(NamedTuple):
-    op: str  # "READ" | "WRITE"
+class _Read(NamedTuple):
     local_ids: np.ndarray  # [n] int64
     remote_ids: np.ndarray  # [n] int64
-    notif: bytes
     expect: tuple[str, str] | None  # (engine_id, incarnation) the peer must be; None: whoever answers
 
 
@@ -198,33 +187,22 @@ class KVEndpoint:
     # ------------------------------------------------------------------ transfers
 
     def read_blocks(
-        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None, expect=None
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, timeout_s=None, expect=None
     ) -> TransferRecord:
         """Start copying the peer's `remote_block_ids` into local `local_block_ids` (same order). Non-blocking.
 
-        `notif` (a Message or bytes) reaches the peer when the read is complete; `expect` is the
-        (engine_id, incarnation) the peer must be. Returns the live record.
+        `expect` is the (engine_id, incarnation) the peer must be. Returns the live record.
         """
-        return self._start("READ", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s, expect)
-
-    def write_blocks(
-        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None, expect=None
-    ) -> TransferRecord:
-        """Start copying local `local_block_ids` into the peer's `remote_block_ids`. Non-blocking."""
-        return self._start("WRITE", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s, expect)
-
-    def _start(self, op, req_id, address, local_ids, remote_ids, notif, timeout_s, expect) -> TransferRecord:
         try:
-            local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
-            remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+            local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+            remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
         except OverflowError:
             raise ValueError("a block id does not fit in 64 bits") from None
         if local.shape != remote.shape:
             raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
         self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
-        payload = notif if isinstance(notif, bytes) else m.encode(notif)
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
-        rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload, expect))
+        rec = self.tracker.start(req_id, address, timeout_s, payload=_Read(local, remote, expect))
         if address in self.peers and self.peers.get(address).is_instance(expect):
             self._post(rec)
         else:  # unknown, or another instance than expected: (re)handshake, then decide
@@ -232,47 +210,44 @@ class KVEndpoint:
         return rec
 
     def _post(self, rec: TransferRecord) -> None:
-        op: _Op = rec.payload
+        read: _Read = rec.payload
         peer = self.peers.get(rec.peer)
         try:
-            peer.layout.block_offsets(op.remote_ids)  # IndexError for ids the peer does not have
+            peer.layout.block_offsets(read.remote_ids)  # IndexError for ids the peer does not have
         except IndexError as e:  # the caller's ids are wrong, not the peer: keep it
             self.tracker.mark_failed(rec.req_id, f"IndexError: {e} (the peer has {peer.layout.num_blocks} blocks)")
             return
         try:
-            posted, num_descs = self._post_op(op, peer)
+            posted, num_descs = self._post_read(read, peer)
         except (KVBridgeError, IndexError, ValueError) as e:
             self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
             self.forget_peer(rec.peer)  # a post that fails with valid ids: the peer is gone or broken
             return
         # the record keeps its original deadline: handshake time counts against it
         remaining_s = max(0.0, rec.deadline - self.tracker.clock())
-        nbytes = len(op.local_ids) * self.layout.block_nbytes
+        nbytes = len(read.local_ids) * self.layout.block_nbytes
         self.tracker.mark_posted(rec.req_id, remaining_s, handle=posted, nbytes=nbytes, num_descriptors=num_descs)
         if posted is None:
             self.tracker.mark_done(rec.req_id)
 
-    def _post_op(self, op: _Op, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
-        if len(op.local_ids) == 0:
-            if op.notif:
-                self.agent.send_notif(peer.agent_name, op.notif)
+    def _post_read(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
+        if len(read.local_ids) == 0:
             return None, 0
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
-        copy = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids) if mapping is not None else None
+        copy = (
+            self._ipc.start("READ", mapping, peer.layout, read.local_ids, read.remote_ids)
+            if mapping is not None else None
+        )  # fmt: skip
         if copy is not None:  # None: no mapping, or too few runs for it to pay; NIXL moves it
             return copy, copy.num_runs
         remote_list = self.peers.block_list(peer.address) if self._nixl.mode == "blocks" else None
-        post = self._nixl.post(op.op, op.local_ids, op.remote_ids, op.notif, peer, remote_list)
+        post = self._nixl.post("READ", read.local_ids, read.remote_ids, peer, remote_list)
         return post, post.num_descriptors
 
     def poll(self) -> list[TransferRecord]:
         """Advance every transfer without blocking; return (and forget) the records that became final."""
         self._advance()
         return self.tracker.pop_final()
-
-    def flush(self, timeout_s: float) -> FlushOutcome:
-        """Drive transfers until none is live or `timeout_s` passed. Final records stay for `poll`."""
-        return self.tracker.flush(timeout_s, self._advance)
 
     def _advance(self) -> None:
         self._finish_handshakes()
@@ -283,13 +258,10 @@ class KVEndpoint:
                 if state is XferState.IN_PROGRESS:
                     continue
                 self._release(rec)
-                error = None if state is XferState.DONE else f"NIXL reported a failed {rec.op} from {rec.peer}"
-                if error is None and isinstance(handle, IpcCopy) and rec.payload.notif:
-                    error = self._notify(rec)  # NIXL sends it with the transfer; here it follows the copy
-                if error is None:
+                if state is XferState.DONE:
                     self.tracker.mark_done(rec.req_id)
                 else:
-                    self.tracker.mark_failed(rec.req_id, error)
+                    self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
             self._release(rec)
@@ -320,14 +292,6 @@ class KVEndpoint:
             return XferState.DONE if handle.is_done() else XferState.IN_PROGRESS
         return self.agent.poll(handle.xfer)
 
-    def _notify(self, rec: TransferRecord) -> str | None:
-        """Send a finished CUDA IPC copy's notification; the error, if that failed."""
-        try:
-            self.agent.send_notif(self.peers.get(rec.peer).agent_name, rec.payload.notif)
-        except (TransferError, KeyError) as e:
-            return f"the {rec.op} finished but its notification to {rec.peer} failed: {e}"
-        return None
-
     def _sync_ipc_copies(self) -> None:
         if self._ipc is not None:
             self._ipc.synchronize()
@@ -341,22 +305,7 @@ class KVEndpoint:
         elif handle is not None:
             self._nixl.release(handle)
 
-    # ------------------------------------------------------------------ notifications
-
-    def send_notif(self, address: str, msg: m.Message) -> None:
-        """Send `msg` as a NIXL notification to a peer we handshook with."""
-        self.agent.send_notif(self.peers.get(address).agent_name, m.encode(msg))
-
-    def get_notifs(self) -> list[Notification]:
-        """Decoded NIXL notifications received since the last call; undecodable ones are logged and dropped."""
-        out = []
-        for agent_name, payloads in self.agent.get_notifs().items():
-            for payload in payloads:
-                try:
-                    out.append(Notification(agent_name, m.decode(payload)))
-                except MalformedMessageError as e:
-                    logger.warning("dropping a NIXL notification from %s: %s", agent_name, e)
-        return out
+    # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict:
         t = self.tracker

@@ -61,10 +61,10 @@ class NixlPoster:
         self._local_lists: dict[Unit, object] = {}  # "blocks" mode: our prepared list per unit
 
     def post(
-        self, op: str, local_ids: np.ndarray, remote_ids: np.ndarray, notif: bytes, peer: PeerInfo,
+        self, op: str, local_ids: np.ndarray, remote_ids: np.ndarray, peer: PeerInfo,
         remote_block_list: object | None,  # the peer's per-unit list ("blocks" mode, PeerDirectory.block_list)
     ) -> NixlPost:
-        """Post READ or WRITE of the paired blocks, `notif` to follow on completion. Raises
+        """Post READ or WRITE of the paired blocks. Raises
         TransferError when NIXL refuses (nothing is left prepared then)."""
         mine = self._region
         if self.mode == "blocks":
@@ -74,7 +74,7 @@ class NixlPoster:
                 self._local_lists[unit] = self._agent.prep_local(descs, mine.mem_type)
             local_idx = unit_indices(self._layout, local_ids, unit)
             remote_idx = unit_indices(peer.layout, remote_ids, unit)
-            xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx, notif)
+            xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx)
             return NixlPost(xfer, (), num_merged_ranges(local_ids, remote_ids, self._layout, peer.layout))
         r = peer.region
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
@@ -90,7 +90,7 @@ class NixlPoster:
             raise
         idx = np.arange(ranges.num_descriptors)
         try:
-            xfer = self._agent.post(op, local_list, idx, remote_list, idx, notif)
+            xfer = self._agent.post(op, local_list, idx, remote_list, idx)
         except TransferError:
             self._agent.release_dlist(local_list)
             self._agent.release_dlist(remote_list)

@@ -7,7 +7,6 @@ Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
 (optional layout keys: "page_format", "layer_major": true for vLLM's CPU placement, "block_padding": bytes)
 
 prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then answers one JSON line per command line:
-    {"cmd": "notifs"}                 -> {"notifs": [[agent_name, type, req_ids], ...]}
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
     {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
     {"cmd": "quit"}                   -> exits 0 after closing the endpoint
@@ -115,9 +114,6 @@ def main() -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         match cmd["cmd"]:
-            case "notifs":
-                out = {"notifs": [[n.agent_name, type(n.message).__name__, lease_ids(n.message)]
-                                  for n in ep.get_notifs()]}
             case "messages":
                 with lock:
                     out = {"messages": list(received)}
