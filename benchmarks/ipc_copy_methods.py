@@ -55,8 +55,8 @@ import numpy as np
 from common import machine_info, versions
 from transfer_bw import scattered_ids
 
+from kvbridge.block_runs import run_starts
 from kvbridge.transfer.cuda_ipc import IpcMapping, _check, _driver, export_tensor
-from kvbridge.transfer.descriptors import run_starts
 from kvbridge.transfer.messages import IpcExport
 
 
