@@ -33,6 +33,7 @@ import numpy as np
 
 from kvbridge import env
 from kvbridge.errors import NixlNotAvailableError, TransferError
+from kvbridge.transfer.options import TransferOp
 
 if TYPE_CHECKING:
     import torch
@@ -243,14 +244,13 @@ class NixlAgent:
 
     # ------------------------------------------------------------------ transfers
 
-    def post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> Any:
+    def post(self, op: TransferOp | str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> Any:
         """Post a READ (remote -> local) or WRITE (local -> remote) of the indexed descriptors.
 
         NIXL merges entries adjacent on both sides. Returns the transfer handle to `poll`. Raises
-        TransferError if NIXL refuses.
+        ValueError for another `op`, TransferError if NIXL refuses.
         """
-        if op not in ("READ", "WRITE"):
-            raise ValueError(f"op must be 'READ' or 'WRITE', got {op!r}")
+        op = TransferOp(op).value
         li = np.ascontiguousarray(local_idx, dtype=np.int32)
         ri = np.ascontiguousarray(remote_idx, dtype=np.int32)
         try:

@@ -36,6 +36,7 @@ from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.cuda_driver import IpcHandle, driver
 from kvbridge.transfer.descriptors import coalesce_blocks
 from kvbridge.transfer.messages import IpcExport
+from kvbridge.transfer.options import TransferOp
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +123,7 @@ class IpcCopy:
 
 
 def copy_plan(
-    op: str,
+    op: TransferOp | str,
     local_addr: int,
     local_layout: KVCacheLayout,
     local_ids: np.ndarray,  # [n] int64
@@ -133,13 +134,12 @@ def copy_plan(
     """(dsts, srcs, sizes) [R] uint64: one copy per byte range adjacent on both sides
     (`descriptors.coalesce_blocks`: a run of blocks between block-major caches), READ
     (remote -> local) or WRITE (local -> remote). Raises IndexError for an id outside a layout."""
-    if op not in ("READ", "WRITE"):
-        raise ValueError(f"op must be 'READ' or 'WRITE', got {op!r}")
+    op = TransferOp(op)  # ValueError for anything else
     ranges = coalesce_blocks(local_ids, remote_ids, local_layout, remote_layout)
     sizes = ranges.nbytes.astype(np.uint64)
     local = np.uint64(local_addr) + ranges.local_offsets.astype(np.uint64)
     remote = np.uint64(remote_addr) + ranges.remote_offsets.astype(np.uint64)
-    return (local, remote, sizes) if op == "READ" else (remote, local, sizes)
+    return (local, remote, sizes) if op is TransferOp.READ else (remote, local, sizes)
 
 
 class IpcCopier:
@@ -155,7 +155,7 @@ class IpcCopier:
         self.num_copies = 0
 
     def start(
-        self, op: str, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
+        self, op: TransferOp, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
     ) -> IpcCopy | None:
         """Enqueue READ (peer -> local) or WRITE (local -> peer) of the paired blocks, after all work
         already queued on this device's current stream; None (nothing enqueued) for fewer than

@@ -23,7 +23,7 @@ the address is another one, the peer is handshaked again, and the transfer fails
 still answers with another instance (it restarted since the caller learnt of it, or the caller was
 given stale or forged params).
 
-A transfer goes through NIXL in a descriptor mode ("blocks" or "ranges", nixl_post.py), or, with a
+A transfer goes through NIXL in a `DescriptorMode` (options.py, nixl_post.py), or, with a
 same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
 peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 """
@@ -46,7 +46,8 @@ from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.interfaces import ucx_on_interface_of
-from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, check_descriptor_mode
+from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
+from kvbridge.transfer.options import DescriptorMode, TransferOp, TransferOptions
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
 from kvbridge.transfer.tracker import TransferRecord, TransferState, TransferTracker
@@ -94,31 +95,23 @@ class KVEndpoint:
         port: int = 0,
         serve: bool = True,
         secret: bytes | None = _FROM_ENV,  # default: KVBRIDGE_SIDE_CHANNEL_SECRET
-        backend: str | None = None,
-        backend_params: dict[str, str] | None = None,  # NIXL backend plugin parameters, e.g. UCX num_workers
         message_handler: Callable[[m.Message], m.Message | None] | None = None,
-        descriptor_mode: str = "blocks",
-        max_descriptor_nbytes: int | None = None,
-        handshake_timeout_s: float = 5.0,
-        handshake_retries: int = 2,
-        transfer_timeout_s: float = 30.0,
-        cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
-        ipc_min_runs: int = 16,  # a transfer with fewer runs of blocks goes through NIXL even when mapped
+        options: TransferOptions | None = None,  # backend, timeouts, descriptor mode, CUDA IPC; default: defaults
         clock: Callable[[], float] = time.monotonic,
         incarnation: str | None = None,  # default: a fresh random one
     ) -> None:
         check_kv_view(kv_cache, layout)
-        check_descriptor_mode(descriptor_mode)  # before anything is registered
+        opts = options or TransferOptions()  # validated when built: before anything is registered
         self.engine_id = engine_id
         self.incarnation = incarnation or secrets.token_hex(16)
         self.layout = layout
         self.compat_hash = layout.compat_hash(model_id)
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s = opts.transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         self._message_handler = message_handler
         self._kv = kv_cache
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
-            self.agent = NixlAgent(engine_id, backend, backend_params=backend_params)
+            self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
         # as one contiguous tensor (as_strided refuses a view that outruns the storage)
         region = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,))
@@ -126,20 +119,20 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
-        self._nixl = NixlPoster(self.agent, layout, self._region, descriptor_mode, max_descriptor_nbytes)
-        use_ipc = cuda_ipc and kv_cache.is_cuda
+        self._nixl = NixlPoster(self.agent, layout, self._region, opts.descriptor_mode, opts.max_descriptor_nbytes)
+        use_ipc = opts.cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
             cuda_ipc=cuda_ipc_export(region) if use_ipc else None,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
-            self.agent, self._me, secret=self._secret, timeout_s=handshake_timeout_s, retries=handshake_retries,
-            cache_block_lists=descriptor_mode == "blocks",
+            self.agent, self._me, secret=self._secret, timeout_s=opts.handshake_timeout_s,
+            retries=opts.handshake_retries, cache_block_lists=opts.descriptor_mode is DescriptorMode.BLOCKS,
             ipc_device=kv_cache.device if use_ipc else None,
             before_unmap=self._sync_ipc_copies,  # nothing may use a mapping once it is closed
         )
-        self._ipc = IpcCopier(kv_cache, layout, ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
+        self._ipc = IpcCopier(kv_cache, layout, opts.ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
         self._closed = False
         self.server = (
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
@@ -235,13 +228,13 @@ class KVEndpoint:
             return None, 0
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
         copy = (
-            self._ipc.start("READ", mapping, peer.layout, read.local_ids, read.remote_ids)
+            self._ipc.start(TransferOp.READ, mapping, peer.layout, read.local_ids, read.remote_ids)
             if mapping is not None else None
         )  # fmt: skip
         if copy is not None:  # None: no mapping, or too few runs for it to pay; NIXL moves it
             return copy, copy.num_runs
-        remote_list = self.peers.block_list(peer.address) if self._nixl.mode == "blocks" else None
-        post = self._nixl.post("READ", read.local_ids, read.remote_ids, peer, remote_list)
+        remote_list = self.peers.block_list(peer.address) if self._nixl.mode is DescriptorMode.BLOCKS else None
+        post = self._nixl.post(TransferOp.READ, read.local_ids, read.remote_ids, peer, remote_list)
         return post, post.num_descriptors
 
     def poll(self) -> list[TransferRecord]:

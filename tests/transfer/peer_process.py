@@ -85,6 +85,7 @@ def main() -> int:
 
     from kvbridge.transfer import messages as m
     from kvbridge.transfer.endpoint import KVEndpoint
+    from kvbridge.transfer.options import TransferOptions
 
     spec = json.loads(sys.argv[1])
     layout = make_layout(spec)
@@ -107,8 +108,8 @@ def main() -> int:
     ep = KVEndpoint(
         spec["engine_id"], spec["model_id"], kv, layout, message_handler=on_message,
         secret=secret.encode() if secret else None,
-        descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True),
         port=spec.get("port", 0),
+        options=TransferOptions(descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True)),
     )
     reply({"address": ep.address, "engine_id": ep.engine_id, "incarnation": ep.incarnation})
     for line in sys.stdin:

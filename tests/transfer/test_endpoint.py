@@ -21,6 +21,7 @@ import pytest
 
 from kvbridge.errors import AuthenticationError, IncompatiblePeerError
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.options import TransferOptions
 from kvbridge.transfer.tracker import TransferState
 
 torch = pytest.importorskip("torch")
@@ -83,12 +84,12 @@ class Peer:
             self.kill()  # interpreter teardown with NIXL loaded can take seconds; nothing left to check
 
 
-def _local_endpoint(engine_id="decode", num_blocks=64, secret=None, **kw):
+def _local_endpoint(engine_id="decode", num_blocks=64, secret=None, **options):
     from kvbridge.transfer.endpoint import KVEndpoint
 
     layout = make_layout({**GEOMETRY, "num_blocks": num_blocks})
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
-    return KVEndpoint(engine_id, MODEL, kv, layout, secret=secret, **kw), kv
+    return KVEndpoint(engine_id, MODEL, kv, layout, secret=secret, options=TransferOptions(**options)), kv
 
 
 def _wait_final(ep, req_id: str, timeout_s: float = 30.0):
@@ -166,7 +167,7 @@ def test_pages_move_between_a_layer_major_owner_and_a_reader_of_either_placement
     extra, num_descriptors = PLACEMENTS[placement]
     layout = make_layout({**GEOMETRY, "page_format": "H2ND", **extra})
     kv = allocate_kv(layout)
-    ep = KVEndpoint(f"decode-{placement}-{mode}", MODEL, kv, layout, secret=None, descriptor_mode=mode)
+    ep = KVEndpoint(f"decode-{placement}-{mode}", MODEL, kv, layout, secret=None, options=TransferOptions(descriptor_mode=mode))
     try:
         local_ids, remote_ids = [10, 11, 12, 0, 63], [3, 4, 5, 20, 9]  # a run of three, then two lone blocks
         rec = _wait_final(ep, ep.read_blocks("lm-read", layer_major_peer.address, local_ids, remote_ids).req_id)
@@ -190,7 +191,7 @@ def test_a_padded_block_major_reader_fills_pages_and_leaves_its_padding_alone(pe
 
     layout = make_layout({**GEOMETRY, "block_padding": 96})
     kv = allocate_kv(layout, fill=0xAB)  # padding and unread blocks keep 0xAB
-    ep = KVEndpoint("decode-padded", MODEL, kv, layout, secret=None, descriptor_mode="ranges")
+    ep = KVEndpoint("decode-padded", MODEL, kv, layout, secret=None, options=TransferOptions(descriptor_mode="ranges"))
     try:
         local_ids, remote_ids = [5, 6, 7, 63], [11, 12, 13, 2]  # 63: the end of the padded region
         rec = _wait_final(ep, ep.read_blocks("padded", peer.address, local_ids, remote_ids).req_id)
@@ -296,7 +297,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
     print(f"victim up {time.monotonic() - t_start:.2f}s")
     layout = make_layout(BIG)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
-    ep = KVEndpoint("decode-big", MODEL, kv, layout, secret=None, transfer_timeout_s=10.0)
+    ep = KVEndpoint("decode-big", MODEL, kv, layout, secret=None, options=TransferOptions(transfer_timeout_s=10.0))
     restarted = None
     try:
         t0 = time.monotonic()
@@ -347,7 +348,7 @@ def test_read_between_gpus_verifies_every_byte(tmp_path, cuda_ipc, scattered):
     gpu_peer = Peer(tmp_path, engine_id="gpu-prefill", device=peer_dev, seed=11, cuda_ipc=cuda_ipc)
     layout = make_layout(GEOMETRY)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device="cuda:0")
-    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc)
+    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None, options=TransferOptions(cuda_ipc=cuda_ipc))
     try:
         if scattered:  # many runs: one batched driver call on the mapping path
             rng = np.random.default_rng(5)
@@ -379,7 +380,8 @@ def test_pages_between_gpus_from_a_layer_major_owner(tmp_path, cuda_ipc):
     owner = Peer(tmp_path, engine_id="gpu-vllm-like", device=peer_dev, seed=13, cuda_ipc=cuda_ipc, **VLLM_CPU)
     layout = make_layout({**GEOMETRY, "page_format": "H2ND"})
     kv = allocate_kv(layout, "cuda:0")
-    ep = KVEndpoint("gpu-reader-h2nd", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc, ipc_min_runs=1)
+    options = TransferOptions(cuda_ipc=cuda_ipc, ipc_min_runs=1)
+    ep = KVEndpoint("gpu-reader-h2nd", MODEL, kv, layout, secret=None, options=options)
     try:
         local_ids, remote_ids = [3, 4, 5, 40, 9], [10, 11, 12, 0, 63]
         rec = _wait_final(ep, ep.read_blocks("gpu-lm", owner.address, local_ids, remote_ids).req_id)
@@ -406,7 +408,7 @@ def test_read_through_the_mapping_from_a_peer_that_sees_only_its_own_gpu(tmp_pat
                     device="cuda:0", seed=11)
     layout = make_layout(GEOMETRY)
     kv = allocate_kv(layout, device="cuda:0")
-    ep = KVEndpoint("gpu-reader", MODEL, kv, layout, secret=None, ipc_min_runs=1)
+    ep = KVEndpoint("gpu-reader", MODEL, kv, layout, secret=None, options=TransferOptions(ipc_min_runs=1))
     try:
         local_ids, remote_ids = [1, 2, 3, 17, 30], [40, 41, 50, 51, 7]
         ep.read_blocks("gpu-read", gpu_peer.address, local_ids, remote_ids)
@@ -443,7 +445,8 @@ def _restart_on_the_same_port(tmp_path, device: str):
     port = int(first.address.rsplit(":", 1)[1])
     layout = make_layout(GEOMETRY)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device=device)
-    ep = KVEndpoint("reader", MODEL, kv, layout, secret=None, ipc_min_runs=1, transfer_timeout_s=10)
+    options = TransferOptions(ipc_min_runs=1, transfer_timeout_s=10)
+    ep = KVEndpoint("reader", MODEL, kv, layout, secret=None, options=options)
     second = None
     rng = np.random.default_rng(3)
     local_ids = rng.permutation(64)[:20].tolist()  # scattered: the mapping path on GPUs
