@@ -47,8 +47,8 @@ class TransferActions:
     resume: list[tuple[Request, int]] = field(default_factory=list)  # async load done: (request, tokens loaded)
 
 
-class FinishedRequest(NamedTuple):
-    """What the bookkeeping decided for a request that finished."""
+class BlockRelease(NamedTuple):
+    """What the bookkeeping decided for the blocks of a request that finished."""
 
     kv_transfer_params: dict[str, Any] | None  # the connector's, for the client
     free_blocks: bool  # False: a transfer still holds them; a later `TransferActions.free` names the request
@@ -177,7 +177,7 @@ class TransferBookkeeping:
 
     # ------------------------------------------------------------------ finishing
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishedRequest:
+    def request_finished(self, request: Request, block_ids: list[int]) -> BlockRelease:
         """A request finished: ask the connector, then decide whether its blocks are free now or held
         for a transfer."""
         request_id = request.request_id
@@ -197,7 +197,7 @@ class TransferBookkeeping:
         if delay and request_id not in self._early_sent:
             self._send_hold.add(request_id)
         self._early_sent.discard(request_id)
-        return FinishedRequest(params, self._is_released(request_id))
+        return BlockRelease(params, self._is_released(request_id))
 
     def _is_released(self, request_id: str) -> bool:
         return request_id not in self._send_hold and request_id not in self._recv_hold
