@@ -157,6 +157,36 @@ def test_import_graph_has_no_cycle() -> None:
     assert not cycles, f"kvbridge has {len(cycles)} import cycle(s) (TYPE_CHECKING imports ignored):\n{described}"
 
 
+# (importing package, imported package): data flows one way between the layers named here.
+FORBIDDEN = [
+    ("kvbridge.transfer", "kvbridge.engine"),  # the transport knows bytes and peers, not engines
+    ("kvbridge.transfer", "kvbridge.connectors"),
+    ("kvbridge.transfer", "kvbridge.serve"),
+    ("kvbridge.connectors.base", "kvbridge.engine"),  # the connector contract stands alone
+    ("kvbridge.engine", "kvbridge.connectors.nixl"),  # the engine knows the contract, not the connectors
+    ("kvbridge.engine", "kvbridge.connectors.offload"),
+    ("kvbridge.engine", "kvbridge.serve"),
+    ("kvbridge.connectors", "kvbridge.serve"),
+    ("kvbridge.serve", "kvbridge.connectors.nixl"),  # P/D params are connector-neutral (kv_transfer_params.py)
+]
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_layers_import_one_way() -> None:
+    runtime, _ = import_graph()
+    broken = [
+        f"{module} -> {target}"
+        for module, targets in sorted(runtime.items())
+        for target in sorted(targets)
+        for importer, imported in FORBIDDEN
+        if _within(module, importer) and _within(target, imported)
+    ]
+    assert not broken, "imports against the layering (TYPE_CHECKING imports ignored):\n" + "\n".join(broken)
+
+
 def test_type_checking_imports_are_kept_apart() -> None:
     """The collector itself: a TYPE_CHECKING import is no edge, a function-level import is one."""
     source = (

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.connectors.base import FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
-from kvbridge.connectors.nixl.params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
 from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import InvalidRequestError
+from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
 from kvbridge.transfer.messages import LeaseRef
 
 if TYPE_CHECKING:

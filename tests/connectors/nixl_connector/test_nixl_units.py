@@ -9,13 +9,13 @@ from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
 from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
-from kvbridge.connectors.nixl.params import MAX_REMOTE_BLOCKS, parse_remote_prefill
 from kvbridge.connectors.nixl.peer_policy import PeerPolicy
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, NixlScheduler
 from kvbridge.connectors.nixl.stats import TransferStats, busy_seconds
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, InvalidRequestError
+from kvbridge.kv_transfer_params import MAX_REMOTE_BLOCKS, parse_remote_prefill
 from kvbridge.transfer.messages import LeaseRef
 from kvbridge.transfer.options import DescriptorMode, TransferOptions
 
