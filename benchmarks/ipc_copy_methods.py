@@ -55,8 +55,9 @@ import numpy as np
 from common import machine_info, versions
 from transfer_bw import scattered_ids
 
-from kvbridge.transfer.cuda_ipc import IpcMapping, _check, _driver, export_tensor
-from kvbridge.transfer.descriptors import run_starts
+from kvbridge.block_runs import run_starts
+from kvbridge.transfer.cuda_driver import driver
+from kvbridge.transfer.cuda_ipc import IpcMapping, export_tensor
 from kvbridge.transfer.messages import IpcExport
 
 
@@ -160,12 +161,12 @@ def copy_methods(local, remote_addr, remote, peer_ctx_remote, lid, rid, streams,
     block_runs = list(zip(lid[starts].tolist(), rid[starts].tolist(), counts.tolist()))
     handles = [s.cuda_stream for s in streams]
     lidt, ridt = (torch.as_tensor(ids, device=local.device) for ids in (lid, rid))
-    drv = _driver()  # kvbridge's libcuda wrapper
+    drv = driver()  # kvbridge's libcuda wrapper
 
     def memcpy_per_run(num_streams):
         def run():
             for i, (dst, src, size) in enumerate(copies):
-                _check(drv.lib.cuMemcpyAsync(dst, src, size, handles[i % num_streams]), "cuMemcpyAsync")
+                drv.memcpy_async(dst, src, size, handles[i % num_streams])
         return run
 
     def torch_copy_peer_ctx():
@@ -253,8 +254,7 @@ def run_patterns(args, export: IpcExport, mappings: list[IpcMapping], gather) ->
     streams = [torch.cuda.Stream(device=0) for _ in range(4)]
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")  # [n * B], for the baselines
     expected = block_bytes(torch.arange(n, device="cuda:0"), block_nbytes).view(-1)  # owner blocks 0..n-1
-    baselines = {"one_range": lambda: _check(_driver().lib.cuMemcpyAsync(
-        dst.data_ptr(), mappings[0].addr, nbytes, streams[0].cuda_stream), "cuMemcpyAsync")}
+    baselines = {"one_range": lambda: driver().memcpy_async(dst.data_ptr(), mappings[0].addr, nbytes, streams[0].cuda_stream)}
     if not args.isolated:
         src = expected.to("cuda:1")
         baselines["peer_copy"] = lambda: dst.copy_(src)
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         "kvbridge_method": "cu_memcpy_batch",
         "baselines": "peer_copy: torch copy_ of the same bytes cuda:1 -> cuda:0 in one process (not with --isolated); "
                      "one_range: one cuMemcpyAsync of one contiguous range of the same bytes through the mapping",
-        "memcpy_batch_in_driver": _driver().memcpy_batch is not None,  # else cu_memcpy_batch is one call per run
+        "memcpy_batch_in_driver": driver().memcpy_batch is not None,  # else cu_memcpy_batch is one call per run
         "bytes": args.blocks * int(args.block_mib * 2**20), "pool_blocks": 2 * args.blocks,
         "timing": "enqueue -> all GPUs synchronized; address lists and mappings outside; reps interleaved",
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "owner")},

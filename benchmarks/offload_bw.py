@@ -33,7 +33,8 @@ import torch
 
 from common import machine_info, versions
 
-from kvbridge.connectors.offload.copier import coalesce_runs, make_copier
+from kvbridge.block_runs import paired_runs
+from kvbridge.connectors.offload.copier import make_copier
 from kvbridge.layout import KVCacheLayout
 
 
@@ -119,7 +120,7 @@ def main() -> int:
     cases = {"store": store, "load": load, "bidir": bidir, "baseline": baseline, "baseline_load": baseline_load}
     if not is_cuda:  # the copier's CPU path before 2026-12-01: one torch copy_ per run, on one thread
         one_thread = ThreadPoolExecutor(1)
-        store_runs = coalesce_runs(store_ids, list(range(n)))
+        store_runs = paired_runs(store_ids, list(range(n)))
 
         def store_torch_copy_per_run() -> None:
             def job() -> None:

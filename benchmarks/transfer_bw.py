@@ -89,6 +89,7 @@ def serve(spec: dict) -> int:
     import torch
 
     from kvbridge.transfer.endpoint import KVEndpoint
+    from kvbridge.transfer.options import TransferOptions
 
     args = parse_args(spec["argv"])
     layout = make_layout(args)
@@ -96,8 +97,8 @@ def serve(spec: dict) -> int:
     kv.view(layout.num_blocks, -1).view(torch.uint8).copy_(
         (torch.arange(layout.num_blocks, device=spec["device"]) % 251).to(torch.uint8)[:, None].expand(
             layout.num_blocks, layout.block_nbytes))
-    ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
-                    cuda_ipc=args.cuda_ipc)
+    options = TransferOptions(backend_params=backend_params(args), cuda_ipc=args.cuda_ipc)
+    ep = KVEndpoint("bench-owner", "bench-model", kv, layout, secret=None, options=options)
     proto.write(json.dumps({"address": ep.address}) + "\n")
     sys.stdin.readline()
     ep.close()
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
 
     from kvbridge.transfer.agent import XferState
     from kvbridge.transfer.endpoint import KVEndpoint
+    from kvbridge.transfer.options import TransferOptions
     from kvbridge.transfer.tracker import TransferState
 
     layout = make_layout(args)
@@ -150,10 +152,11 @@ def main(argv=None) -> int:
     try:
         address = json.loads(child.stdout.readline())["address"]
         kv = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=local_dev)
-        ep = KVEndpoint("bench-reader", "bench-model", kv, layout, secret=None, backend_params=backend_params(args),
-                        cuda_ipc=args.cuda_ipc,
-                        descriptor_mode=args.descriptor_mode,
-                        max_descriptor_nbytes=int(args.max_descriptor_mib * 2**20) if args.max_descriptor_mib else None)
+        options = TransferOptions(
+            backend_params=backend_params(args), cuda_ipc=args.cuda_ipc, descriptor_mode=args.descriptor_mode,
+            max_descriptor_nbytes=int(args.max_descriptor_mib * 2**20) if args.max_descriptor_mib else None,
+        )
+        ep = KVEndpoint("bench-reader", "bench-model", kv, layout, secret=None, options=options)
         peer = ep.handshake(address)
         rng = np.random.default_rng(args.seed)
         local_ids = scattered_ids(rng, n, layout.num_blocks, args.contiguous_fraction)

@@ -13,7 +13,7 @@ from kvbridge import __version__, env
 # command -> (module with add_arguments(parser) and run(args) -> int, one-line help, default log level).
 # Servers log at INFO (start-up progress, one line per request); one-shot commands only warnings.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "generate": ("kvbridge.engine.cli_generate", "generate completions with the reference engine", "WARNING"),
+    "generate": ("kvbridge.cli_generate", "generate completions with the reference engine", "WARNING"),
     "serve": ("kvbridge.serve.server", "run an engine behind an OpenAI-compatible HTTP API", "INFO"),
     "proxy": ("kvbridge.serve.proxy", "route requests to prefill nodes, then decode nodes", "INFO"),
     "demo": ("kvbridge.serve.demo", "P/D disaggregation on one machine: prefill, decode and proxy processes", "WARNING"),

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbridge.transfer.progress import drive_until
+
 
 @dataclass(frozen=True)
 class MemorySnapshot:
@@ -94,15 +96,17 @@ def wait_for_device_memory(
     cuda = _cuda_device(device)
     if cuda is None:
         return 0
-    deadline = time.monotonic() + timeout_s
-    while True:
+    used = 0
+
+    def settled() -> bool:
+        nonlocal used
         free, total = torch.cuda.mem_get_info(cuda)
         used = total - free
-        if used <= threshold_bytes:
-            return used
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"device {cuda} still uses {used} bytes after {timeout_s}s (threshold {threshold_bytes}); "
-                "something still holds device memory: check live tensors and other processes"
-            )
-        time.sleep(poll_s)
+        return used <= threshold_bytes
+
+    if drive_until(settled, time.monotonic() + timeout_s, first_wait_s=poll_s, max_wait_s=poll_s):
+        return used
+    raise TimeoutError(
+        f"device {cuda} still uses {used} bytes after {timeout_s}s (threshold {threshold_bytes}); "
+        "something still holds device memory: check live tensors and other processes"
+    )

@@ -14,6 +14,11 @@ The two halves talk only through `KVConnectorMetadata` (scheduler -> worker, onc
 `KVConnectorOutput` (worker -> scheduler, once per step), so they may live in different
 processes. Every method is called on the engine thread unless its docstring says otherwise.
 
+This module is the whole contract: the connector class, every type its methods take or return
+(`SchedulerOutput`, `KVConnectorOutput`, the answers), and the `SchedulerHalf` / `WorkerHalf`
+protocols a connector written as two plain objects implements (see `split.py`). The engine
+imports these types from here; nothing here depends on the engine beyond the `Request` it hands in.
+
 Per-step order, driven by `EngineCore.step()`:
 
     scheduler: get_num_new_matched_tokens -> update_state_after_alloc   (per admitted request)
@@ -32,7 +37,7 @@ import enum
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.transfer.progress import Wakeup
@@ -40,7 +45,6 @@ from kvbridge.transfer.progress import Wakeup
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
@@ -72,6 +76,49 @@ class KVConnectorMetadata:
 
     Subclasses hold plain data (ids, block ids, hashes) so the plan could cross a process boundary.
     """
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens) are computed."""
+
+    request: Request  # the scheduler's object; the model runner and connectors read it, never mutate it
+    start: int  # request.num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: list[int]  # every block the request holds, in token order, after this step's allocation
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, as `build_connector_meta` sees it (and the model runner runs it)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that finished or were aborted since the last step: per-request worker state can go.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker-side connector reports back to the scheduler after a step."""
+
+    finished_sending: set[str] = field(default_factory=set)  # delay-freed blocks may now be freed
+    finished_recving: set[str] = field(default_factory=set)  # async loads done: the request may run
+    invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 class MatchResult(NamedTuple):
@@ -256,3 +303,58 @@ class KVConnectorBase(ABC):
         Called on demand (`EngineCore.get_stats()`, the server's /metrics), not every step.
         """
         return {}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if this half's own bookkeeping no longer balances. Either side.
+
+        Called by `EngineCore.check_integrity()` (tests, the server's admin state), never on the
+        step path; the default checks nothing.
+        """
+
+
+class SchedulerHalf(Protocol):
+    """The scheduler half of a connector written as two plain objects (`split.SplitConnector`).
+
+    Each method means what the `KVConnectorBase` method of the same name means. May also define
+    `check_integrity()` (see `KVConnectorBase.check_integrity`).
+    """
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult: ...
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None: ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None: ...
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult: ...
+
+    def has_pending_transfers(self) -> bool: ...
+
+    def get_stats(self) -> dict[str, Any]: ...
+
+
+class WorkerHalf(Protocol):
+    """The worker half of a connector written as two plain objects (`split.SplitConnector`).
+
+    `metadata` is this step's plan, or None when the step carried none of the connector's
+    `metadata_type`; the half never sees `bind_connector_metadata`. The other methods mean what
+    the `KVConnectorBase` methods of the same names mean. May also define `get_step_stats()` and
+    `check_integrity()`.
+    """
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, layout: KVCacheLayout) -> None: ...
+
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None: ...
+
+    def wait_for_save(self, metadata: KVConnectorMetadata | None) -> None: ...
+
+    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers: ...
+
+    def get_block_ids_with_load_errors(self) -> set[int]: ...
+
+    def flush(self, timeout_s: float) -> FlushResult: ...
+
+    def shutdown(self) -> None: ...
+
+    def get_stats(self) -> dict[str, Any]: ...

@@ -33,8 +33,10 @@ from kvbridge.connectors.base import (
     FlushResult,
     KVConnectorBase,
     KVConnectorMetadata,
+    KVConnectorOutput,
     KVConnectorRole,
     MatchResult,
+    SchedulerOutput,
 )
 from kvbridge.connectors.factory import create_connector
 from kvbridge.errors import ConfigError
@@ -42,7 +44,6 @@ from kvbridge.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
@@ -224,7 +225,5 @@ class MultiConnector(KVConnectorBase):
 
     def check_integrity(self) -> None:
         for child in self.children:
-            check = getattr(child, "check_integrity", None)
-            if check is not None:
-                check()
+            child.check_integrity()
 

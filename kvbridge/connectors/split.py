@@ -9,13 +9,10 @@ API to it, so a connector is its two halves plus two factory methods:
         def make_scheduler_half(self): return MyScheduler(self.config, self.context)
         def make_worker_half(self): return MyWorker(self.config, self.context)
 
-The scheduler half implements `get_num_new_matched_tokens`, `update_state_after_alloc`,
-`build_connector_meta`, `update_connector_output`, `request_finished`, `has_pending_transfers` and
-`get_stats`, with the signatures of `KVConnectorBase`. The worker half implements
-`register_kv_caches(kv_cache, layout)`, `start_load_kv(metadata)`, `wait_for_save(metadata)`,
-`get_finished(finished_req_ids)`, `get_block_ids_with_load_errors()`, `flush(timeout_s)`,
-`shutdown()`, `get_stats()` and optionally `get_step_stats()`, where `metadata` is this step's plan (None when the step carried
-none of `metadata_type`). Calling a method of the half this instance is not is a RuntimeError.
+The scheduler half is a `SchedulerHalf`, the worker half a `WorkerHalf` (both declared in
+`base.py`, with the contract). The worker half gets this step's plan as an argument of
+`start_load_kv(metadata)` / `wait_for_save(metadata)`: None when the step carried none of
+`metadata_type`. Calling a method of the half this instance is not is a RuntimeError.
 """
 
 from __future__ import annotations
@@ -30,15 +27,18 @@ from kvbridge.connectors.base import (
     FlushResult,
     KVConnectorBase,
     KVConnectorMetadata,
+    KVConnectorOutput,
     KVConnectorRole,
     MatchResult,
+    SchedulerHalf,
+    SchedulerOutput,
+    WorkerHalf,
 )
 
 if TYPE_CHECKING:
     import torch
 
     from kvbridge.config import KVTransferConfig
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
@@ -48,35 +48,35 @@ class SplitConnector(KVConnectorBase):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(config, role, context)
-        self._scheduler_half: Any = None
-        self._worker_half: Any = None
+        self._scheduler_half: SchedulerHalf | None = None
+        self._worker_half: WorkerHalf | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler_half = self.make_scheduler_half()
         else:
             self._worker_half = self.make_worker_half()
 
     @abstractmethod
-    def make_scheduler_half(self) -> Any:
+    def make_scheduler_half(self) -> SchedulerHalf:
         """Build the scheduler half (no torch, no I/O). Called once, for role SCHEDULER."""
 
     @abstractmethod
-    def make_worker_half(self) -> Any:
+    def make_worker_half(self) -> WorkerHalf:
         """Build the worker half. Called once, for role WORKER."""
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> SchedulerHalf:
         if self._scheduler_half is None:
             raise RuntimeError(f"a scheduler-side method was called on {type(self).__name__}'s worker half")
         return self._scheduler_half
 
     @property
-    def worker(self) -> Any:
+    def worker(self) -> WorkerHalf:
         if self._worker_half is None:
             raise RuntimeError(f"a worker-side method was called on {type(self).__name__}'s scheduler half")
         return self._worker_half
 
     @property
-    def half(self) -> Any:
+    def half(self) -> SchedulerHalf | WorkerHalf:
         """Whichever half this instance is."""
         return self._scheduler_half if self._scheduler_half is not None else self._worker_half
 
@@ -136,3 +136,8 @@ class SplitConnector(KVConnectorBase):
 
     def get_stats(self) -> dict[str, Any]:
         return self.half.get_stats()
+
+    def check_integrity(self) -> None:
+        check = getattr(self.half, "check_integrity", None)  # optional for either half
+        if check is not None:
+            check()

@@ -19,6 +19,7 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvbridge.block_runs import find_run
 from kvbridge.engine.block_hash import BlockHash
 
 
@@ -92,7 +93,7 @@ class BlockPool:
         free = self._free_uncached
         if n == 0:
             return []
-        start = self._find_run(n, prefer_start)
+        start = find_run(free, n, prefer_start)
         if start is None:
             taken = free[:n]
             del free[:n]
@@ -100,25 +101,6 @@ class BlockPool:
             taken = free[start : start + n]
             del free[start : start + n]
         return taken
-
-    def _find_run(self, n: int, prefer_start: int | None) -> int | None:
-        """Index into `_free_uncached` of `n` consecutive block ids, or None."""
-        free = self._free_uncached
-        if prefer_start is not None:
-            i = bisect.bisect_left(free, prefer_start)
-            if i + n <= len(free) and free[i] == prefer_start and free[i + n - 1] == prefer_start + n - 1:
-                return i
-        i = 0
-        while i + n <= len(free):
-            j = i + n - 1
-            if free[j] - free[i] == n - 1:
-                return i
-            # The window has a gap; restart after the last gap inside it.
-            k = j
-            while free[k] - free[k - 1] == 1:
-                k -= 1
-            i = k
-        return None
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """A request takes another reference on blocks it hit in the prefix cache."""

@@ -139,7 +139,7 @@ class EngineCore:
         RequestLimits: empty or too long prompt, token ids outside the vocabulary, max_tokens) or a live
         duplicate id."""
         self._check_alive()
-        if request_id in self.scheduler.requests or request_id in self.scheduler.conn.block_owners():
+        if self.scheduler.is_request_id_in_use(request_id):
             raise InvalidRequestError(
                 f"request id {request_id!r} is in use (running, or its KV transfer is still in flight); "
                 "give each request a unique id"
@@ -239,7 +239,7 @@ class EngineCore:
 
         if has_ended() or drive_until(has_ended, deadline, progress=advance, sleep=self.wakeup.wait):
             return frozenset()
-        return worker_pending | self.scheduler.conn.pending_req_ids()
+        return worker_pending | self.scheduler.pending_transfer_req_ids()
 
     def _empty_step(self) -> None:
         empty = self.scheduler.empty_output()
@@ -274,7 +274,7 @@ class EngineCore:
         self._check_alive()
         if self.worker_connector is not None:
             self._empty_step()
-        pending = self.scheduler.conn.pending_req_ids()
+        pending = self.scheduler.pending_transfer_req_ids()
         if waiting_on is not None:
             pending &= waiting_on
         if not pending:
@@ -297,7 +297,11 @@ class EngineCore:
         return stats
 
     def check_integrity(self) -> None:
+        """The scheduler's and both connector halves' bookkeeping holds; raises AssertionError."""
         self.scheduler.check_integrity()
+        for connector in (self.scheduler_connector, self.worker_connector):
+            if connector is not None:
+                connector.check_integrity()
 
     # ------------------------------------------------------------------ shutdown
 
@@ -322,7 +326,8 @@ class EngineCore:
             self._shutdown_connectors()
         finally:
             self.runner.shutdown()
-            self.worker_connector = self.scheduler_connector = self.scheduler.conn.connector = None
+            self.worker_connector = self.scheduler_connector = None
+            self.scheduler.detach_connector()
             self._pending_outputs.clear()
             if self._froze_gc:
                 gc.unfreeze()

@@ -21,7 +21,7 @@ from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import KVBridgeError
 
 if TYPE_CHECKING:
-    from kvbridge.engine.outputs import SchedulerOutput
+    from kvbridge.connectors.base import SchedulerOutput
     from kvbridge.engine.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def fail_step(scheduler: Scheduler, output: SchedulerOutput, exc: Exception) -> 
     if is_engine_fault(exc):
         raise exc
     reason = f"{type(exc).__name__}: {exc}"
-    victims = [s.request for s in output.scheduled] + scheduler.conn.parked_requests()
+    victims = [s.request for s in output.scheduled] + scheduler.parked_requests()
     if not victims:
         raise EngineFaultError(f"an engine step that worked on no request failed: {reason}") from exc
     logger.error("a step failed; its %d request(s) end with the error", len(victims), exc_info=exc)

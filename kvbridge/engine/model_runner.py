@@ -15,13 +15,13 @@ from typing import NamedTuple
 import torch
 
 from kvbridge.config import CacheConfig, ModelConfig
-from kvbridge.connectors.base import KVConnectorBase
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorOutput, SchedulerOutput
 from kvbridge.engine import sampler
 from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata
 from kvbridge.engine.cuda_graphs import DecodeGraphs
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
-from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvbridge.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs, to_device
 from kvbridge.engine.weights import load_model

@@ -1,54 +1,15 @@
-"""What one engine step passes between the scheduler, the model runner and the connector."""
+"""What the model runner returns for a step, and what the engine returns for each request.
+
+The step types a connector sees as well (`SchedulerOutput`, `KVConnectorOutput`) belong to the
+connector contract and live in `kvbridge/connectors/base.py`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from kvbridge.connectors.base import KVConnectorMetadata
-    from kvbridge.engine.request import Request
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + num_new_tokens) are computed."""
-
-    request: Request  # the scheduler's object; the model runner and connectors read it, never mutate it
-    start: int  # request.num_computed_tokens before this step
-    num_new_tokens: int
-    block_ids: list[int]  # every block the request holds, in token order, after this step's allocation
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests that finished or were aborted since the last step: per-request worker state can go.
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: KVConnectorMetadata | None = None
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class KVConnectorOutput:
-    """What the worker-side connector reports back to the scheduler after a step."""
-
-    finished_sending: set[str] = field(default_factory=set)  # delay-freed blocks may now be freed
-    finished_recving: set[str] = field(default_factory=set)  # async loads done: the request may run
-    invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+from kvbridge.connectors.base import KVConnectorOutput
 
 
 class TokenLogprobs(NamedTuple):

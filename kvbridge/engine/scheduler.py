@@ -15,7 +15,8 @@ Policy (first come, first served):
   are kept and recomputed as part of its sequence.
 * Waiting requests are admitted while the budget, `max_num_seqs` and the blocks allow and nothing
   was preempted this step. Admission takes the local prefix-cache hit, then asks the connector
-  for external tokens (`kvbridge/engine/scheduler_connector.py` holds that side).
+  for external tokens (`kvbridge/engine/transfer_bookkeeping.py` decides that side; the scheduler
+  applies what it decides).
 * A request whose admission raises (a connector hook failed for it) or whose sampling failed
   (`ModelRunnerOutput.request_errors`) finishes with FINISHED_ERROR and the reason; the others
   are not affected. See engine/faults.py for what ends the engine instead.
@@ -28,12 +29,18 @@ from collections import deque
 from typing import NamedTuple
 
 from kvbridge.config import SchedulerConfig
-from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata
+from kvbridge.connectors.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvbridge.engine.kv_cache_manager import KVCacheManager
-from kvbridge.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvbridge.engine.outputs import ModelRunnerOutput
 from kvbridge.engine.request import Request, RequestStatus
-from kvbridge.engine.scheduler_connector import ConnectorState
 from kvbridge.engine.scheduler_stats import SchedulerStats
+from kvbridge.engine.transfer_bookkeeping import TransferActions, TransferBookkeeping
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.conn = ConnectorState(connector, self, load_failure_policy)
+        self.transfers = TransferBookkeeping(connector, block_size, load_failure_policy)
         self._finished_req_ids: set[str] = set()  # since the last schedule()
         self._failed: list[RequestUpdate] = []  # failed at admission; reported by update_from_output
 
@@ -100,8 +107,10 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
         self.stats.num_finished_requests += 1
-        params = self.conn.release_blocks(request)
-        return RequestUpdate(request, params)
+        finished = self.transfers.request_finished(request, self.kv.block_ids(request.request_id))
+        if finished.free_blocks:
+            self.kv.free(request.request_id)
+        return RequestUpdate(request, finished.kv_transfer_params)
 
     def take_failed(self) -> list[RequestUpdate]:
         """Requests that failed at admission since the last call (update_from_output reports them)."""
@@ -112,7 +121,23 @@ class Scheduler:
         return bool(self.requests)
 
     def has_pending_transfers(self) -> bool:
-        return self.conn.has_pending_transfers()
+        return self.transfers.has_pending_transfers()
+
+    def pending_transfer_req_ids(self) -> frozenset[str]:
+        """Requests a transfer is still in flight for (parked loads, finished requests' held blocks)."""
+        return self.transfers.pending_req_ids()
+
+    def parked_requests(self) -> list[Request]:
+        """Requests waiting for an async KV load, in the order they were parked."""
+        return self.transfers.parked_requests()
+
+    def is_request_id_in_use(self, request_id: str) -> bool:
+        """A live request, or a finished one whose blocks a transfer still holds, has this id."""
+        return request_id in self.requests or request_id in self.transfers.block_owners()
+
+    def detach_connector(self) -> None:
+        """Forget the connector (it was shut down); the scheduler then runs as without one."""
+        self.transfers.connector = None
 
     # ------------------------------------------------------------------ schedule
 
@@ -185,7 +210,7 @@ class Scheduler:
             return num_new if ok else 0
         hits = self.kv.get_computed_blocks(request)
         num_local = len(hits) * self.block_size
-        match = self.conn.match(request, num_local)
+        match = self.transfers.match(request, num_local)
         if match is None:
             return None
         num_external, load_async = match
@@ -199,9 +224,9 @@ class Scheduler:
         request.num_cached_tokens = num_local
         request.num_external_tokens = num_external
         request.num_computed_tokens = num_local if load_async else num_ready
-        self.conn.after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+        self.transfers.after_alloc(request, self.kv.block_ids(request.request_id), num_external)
         if load_async:
-            self.conn.park(request, num_local + num_external)
+            self.transfers.park(request, num_local + num_external)
             return None
         return num_new
 
@@ -246,7 +271,7 @@ class Scheduler:
         output.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids))
 
     def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata | None:
-        return self.conn.build_meta(output)
+        return self.transfers.build_meta(output)
 
     def empty_output(self) -> SchedulerOutput:
         """A step that computes nothing (lets the worker report transfers, e.g. after a flush)."""
@@ -261,7 +286,7 @@ class Scheduler:
         kv_output = runner_output.kv_connector_output
         updates = self.take_failed()
         self.stats.num_computed_tokens += output.num_scheduled_tokens
-        spoiled = self.conn.begin_update(kv_output, updates)  # load errors: rolled back or failed
+        spoiled = self._receive_report(kv_output, updates)  # rolled back, or failed into updates
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.is_finished or request.request_id in spoiled:
@@ -279,8 +304,52 @@ class Scheduler:
             self.stats.num_generated_tokens += 1
             status = self._stop_status(request, token_id)
             updates.append(self.finish_request(request, status) if status else RequestUpdate(request))
-        self.conn.end_update(kv_output)  # finished receives resume, finished sends free blocks
+        # Finished receives resume, finished sends free blocks.
+        self._apply(self.transfers.finished_transfers(kv_output, self.requests), updates)
         return updates
+
+    def _receive_report(self, kv_output: KVConnectorOutput, updates: list[RequestUpdate]) -> set[str]:
+        """Hand the worker's report to the connector and apply its load errors. Returns the requests
+        whose step used bad KV: their progress this step is void."""
+        tables = {}
+        if kv_output.invalid_block_ids:
+            tables = {request_id: self.kv.block_ids(request_id) for request_id in self.requests}
+        actions = self.transfers.receive_report(kv_output, tables)
+        self._apply(actions, updates)
+        return set(actions.first_bad_block)
+
+    def _apply(self, actions: TransferActions, updates: list[RequestUpdate]) -> None:
+        """Carry out what the transfer bookkeeping decided; failed requests' updates go to `updates`."""
+        self.stats.num_failed_load_blocks += len(actions.uncache_blocks)
+        for block_id in actions.uncache_blocks:
+            self.kv.pool.uncache_block(block_id)
+        for request_id, first_bad in actions.first_bad_block.items():
+            request = self.requests[request_id]
+            self.kv.uncache_from(request_id, first_bad)
+            if request_id in actions.fail:
+                self.stats.num_load_failures += 1
+                updates.append(self.finish_request(request, RequestStatus.FINISHED_ERROR, actions.fail[request_id]))
+            else:
+                self.stats.num_load_recomputes += 1
+                self._roll_back(request, actions.roll_back[request_id])
+        for request_id in actions.free:
+            self.kv.free(request_id)
+        for request, num_loaded in actions.resume:
+            self._resume(request, num_loaded)
+
+    def _roll_back(self, request: Request, num_good_tokens: int) -> None:
+        # A parked request's progress is set when its load ends (the bookkeeping caps it there).
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request.num_computed_tokens = min(request.num_computed_tokens, num_good_tokens)
+        request.num_external_tokens = max(0, min(request.num_external_tokens, num_good_tokens - request.num_cached_tokens))
+
+    def _resume(self, request: Request, num_loaded: int) -> None:
+        """An async load ended: its full blocks join the prefix cache and the request waits in front."""
+        self.kv.cache_blocks(request, num_loaded)
+        # At least one token is computed: it yields the logits of the next token.
+        request.num_computed_tokens = min(num_loaded, request.num_tokens - 1)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -302,7 +371,7 @@ class Scheduler:
         return self.stats.as_dict() | {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
-            "num_waiting_for_remote_kvs": self.conn.num_parked,
+            "num_waiting_for_remote_kvs": self.transfers.num_parked,
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
             "num_used_blocks": pool.num_used_blocks,
@@ -313,7 +382,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Block invariants, plus: every block table belongs to a live request or a parked release."""
         self.kv.check_integrity()
-        owners = set(self.requests) | self.conn.block_owners()
+        owners = set(self.requests) | self.transfers.block_owners()
         for request_id in self.kv._tables:
             if request_id not in owners:
                 raise AssertionError(f"Scheduler integrity: blocks held for unknown request {request_id}")

@@ -21,7 +21,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvbridge.connectors.nixl.release import release_remote_kv
+from kvbridge.transfer.lease_release import release_remote_kv
 
 logger = logging.getLogger(__name__)
 

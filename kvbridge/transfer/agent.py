@@ -1,6 +1,6 @@
-"""A thin owner of one NIXL agent: memory registration, peers, prepared lists, transfers, notifications.
+"""A thin owner of one NIXL agent: memory registration, peers, prepared lists, transfers.
 
-Who calls it: `KVEndpoint` (P/D transfers) and the offload connector (a NIXL POSIX/GDS backend).
+Who calls it: `KVEndpoint` (P/D transfers), through its `PeerDirectory` and `NixlPoster`.
 Every method must be called from one thread, the owner's, unless the agent was created with
 `thread_safe=True` (NIXL's strict sync mode).
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from kvbridge import env
 from kvbridge.errors import NixlNotAvailableError, TransferError
+from kvbridge.transfer.options import TransferOp
 
 if TYPE_CHECKING:
     import torch
@@ -256,20 +257,17 @@ class NixlAgent:
 
     # ------------------------------------------------------------------ transfers
 
-    def post(
-        self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes = b""
-    ) -> Any:
+    def post(self, op: TransferOp | str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> Any:
         """Post a READ (remote -> local) or WRITE (local -> remote) of the indexed descriptors.
 
-        NIXL merges entries adjacent on both sides. `notif` reaches the peer when the transfer is
-        complete. Returns the transfer handle to `poll`. Raises TransferError if NIXL refuses.
+        NIXL merges entries adjacent on both sides. Returns the transfer handle to `poll`. Raises
+        ValueError for another `op`, TransferError if NIXL refuses.
         """
-        if op not in ("READ", "WRITE"):
-            raise ValueError(f"op must be 'READ' or 'WRITE', got {op!r}")
+        op = TransferOp(op).value
         li = np.ascontiguousarray(local_idx, dtype=np.int32)
         ri = np.ascontiguousarray(remote_idx, dtype=np.int32)
         try:
-            handle = self._agent.make_prepped_xfer(op, local, li, remote, ri, notif)
+            handle = self._agent.make_prepped_xfer(op, local, li, remote, ri)
         except Exception as e:
             raise TransferError(f"NIXL refused a {op} of {len(li)} descriptors: {e}") from None
         self._xfers[id(handle)] = handle
@@ -305,19 +303,6 @@ class NixlAgent:
             handle.release()
         except Exception as e:  # NIXL keeps handles it cannot cancel and frees them with the agent
             logger.warning("NIXL transfer handle could not be released now: %s", e)
-
-    # ------------------------------------------------------------------ notifications
-
-    def send_notif(self, peer: str, payload: bytes) -> None:
-        """Send `payload` to a peer agent that was added. Raises TransferError if NIXL refuses."""
-        try:
-            self._agent.send_notif(peer, payload)
-        except Exception as e:
-            raise TransferError(f"NIXL could not send a notification to {peer!r}: {e}") from None
-
-    def get_notifs(self) -> dict[str, list[bytes]]:
-        """Notifications received since the last call: peer agent name -> payloads."""
-        return self._agent.get_new_notifs()
 
     # ------------------------------------------------------------------ shutdown
 

@@ -3,13 +3,11 @@
 Descriptor count is what limits transfer speed (see docs/transfer.md), so:
 - `coalesce_blocks` turns a (local block ids, remote block ids) pairing into byte ranges, merging
   units adjacent on BOTH sides into one range and splitting ranges longer than `max_nbytes`.
-  All arithmetic is vectorized; byte offsets come from `KVCacheLayout`.
+  All arithmetic is vectorized; byte offsets come from `KVCacheLayout`, runs from `block_runs.py`.
 - A unit is what both layouts keep as one byte range: a whole block when each block is
   contiguous on both sides (`Unit.BLOCK`: runs of blocks merge in block-major caches), else one
   page (`Unit.PAGE`, layer by layer: a layer's pages of a run merge where its blocks' pages are
   adjacent on both sides, e.g. between two layer-outermost caches).
-- `take_contiguous` is for allocators: it picks block ids from a free set so that they form as
-  few runs as possible (ideally one), which is what makes coalescing pay off.
 - `range_descs` / `block_descs` turn offsets into NIXL's [N, 3] (addr, nbytes, device_id) arrays;
   `unit_indices` names a transfer's entries of a `block_descs` list.
 """
@@ -21,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvbridge.block_runs import run_lengths, run_starts
 from kvbridge.layout import KVCacheLayout
 
 
@@ -74,15 +73,6 @@ def unit_indices(layout: KVCacheLayout, block_ids, unit: Unit) -> np.ndarray:
     return (layers * layout.num_blocks + ids).reshape(-1)  # [L * n]: page (l, b) is entry l * num_blocks + b
 
 
-def run_starts(local: np.ndarray, remote: np.ndarray, step: int = 1) -> np.ndarray:
-    """Indices where a run adjacent on both sides begins: consecutive entries whose values both grow
-    by `step` (1 for block ids, a unit's bytes for offsets) are one run. [num_runs] int64."""
-    if len(local) == 0:
-        return np.zeros(0, dtype=np.int64)
-    breaks = (np.diff(local) != step) | (np.diff(remote) != step)
-    return np.flatnonzero(np.concatenate(([True], breaks)))
-
-
 def _check_same_pages(local_layout: KVCacheLayout, remote_layout: KVCacheLayout) -> None:
     """ValueError unless blocks and pages have the same sizes on both sides."""
     if local_layout.block_nbytes != remote_layout.block_nbytes:
@@ -118,7 +108,7 @@ def coalesce_blocks(
     local_offsets = unit_offsets(local_layout, local, unit)  # [M]
     remote_offsets = unit_offsets(remote_layout, remote, unit)  # [M]
     starts = run_starts(local_offsets, remote_offsets, nbytes)  # [R]
-    lengths = np.diff(np.append(starts, len(local_offsets)))  # [R] units per run
+    lengths = run_lengths(starts, len(local_offsets))  # [R] units per run
     max_units = len(local_offsets) + 1 if max_nbytes is None else max(1, max_nbytes // nbytes)
     pieces = -(-lengths // max_units)  # [R] ranges per run after splitting
     run_of = np.repeat(np.arange(len(starts)), pieces)  # [P] run index of each range
@@ -154,36 +144,3 @@ def block_descs(layout: KVCacheLayout, base_addr: int, device_id: int, unit: Uni
     l * num_blocks + b = page (l, b)."""
     offsets = unit_offsets(layout, np.arange(layout.num_blocks), unit)
     return range_descs(offsets, np.full(len(offsets), _unit_nbytes(layout, unit)), base_addr, device_id)
-
-
-def contiguous_runs(sorted_ids) -> tuple[np.ndarray, np.ndarray]:
-    """(first id, length) of each run of consecutive ids in a sorted, duplicate-free array."""
-    ids = np.asarray(sorted_ids, dtype=np.int64).reshape(-1)
-    if len(ids) == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
-    starts = np.flatnonzero(np.concatenate(([True], np.diff(ids) != 1)))
-    return ids[starts], np.diff(np.append(starts, len(ids)))
-
-
-def take_contiguous(free_ids, n: int) -> np.ndarray:
-    """Pick `n` ids from `free_ids` in as few runs as possible, returned in ascending run order.
-
-    The smallest run that holds all `n` is used when one exists (best fit, one descriptor);
-    otherwise the longest runs are taken first. Raises ValueError when fewer than `n` are free.
-    """
-    ids = np.unique(np.asarray(free_ids, dtype=np.int64))
-    if n > len(ids):
-        raise ValueError(f"asked for {n} blocks, only {len(ids)} free")
-    if n <= 0:
-        return np.zeros(0, dtype=np.int64)
-    firsts, lengths = contiguous_runs(ids)
-    fits = np.flatnonzero(lengths >= n)
-    if len(fits):
-        best = fits[np.argmin(lengths[fits])]
-        return np.arange(firsts[best], firsts[best] + n)
-    order = np.argsort(-lengths, kind="stable")
-    taken = np.minimum(lengths[order], np.maximum(0, n - (np.cumsum(lengths[order]) - lengths[order])))
-    keep = taken > 0
-    chosen = sorted(zip(firsts[order][keep], taken[keep]))
-    return np.concatenate([np.arange(f, f + k) for f, k in chosen])

@@ -2,18 +2,18 @@
 
 An endpoint owns one `NixlAgent` with the engine's KV tensor registered, a `SideChannelServer`
 answering handshakes (and passing other messages to the connector's `message_handler`), side
-channel clients to peers, and a `TransferTracker`. Typical decode-pulls use:
+channel clients to peers, and a `TransferTracker`. The decode side pulls:
 
     ep = KVEndpoint(engine_id, model_id, kv, layout, host=..., port=..., message_handler=on_msg)
     rec = ep.read_blocks(req_id, remote_address, local_ids, remote_ids, expect=(peer_engine_id, peer_incarnation))
     ...each engine step: for rec in ep.poll(): report rec.req_id as done / failed
-    ep.flush(timeout_s)  # before blocks are reused; ep.close() at shutdown
+    ep.request(remote_address, m.TransferDone(...), audience=...)  # tell the owner its blocks were read
+    ep.close()  # at shutdown
 
-On the prefill side, `ep.get_notifs()` yields the decoded `TransferDone`s, and `message_handler`
-receives side-channel `TransferDone` / `LeaseRenew` messages (on the server thread).
+The owner of the blocks (the prefill side) only serves: its `message_handler` receives the
+side-channel messages of its readers (`TransferDone`, `LeaseRenew`, ...) on the server thread.
 
-`read_blocks` / `write_blocks` never block: when the peer is not known yet the record starts
-HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
+`read_blocks` never blocks: when the peer is not known yet the record starts HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
 handshakes again (a restarted peer is picked up). Every live record has a deadline.
 
@@ -23,14 +23,13 @@ the address is another one, the peer is handshaked again, and the transfer fails
 still answers with another instance (it restarted since the caller learnt of it, or the caller was
 given stale or forged params).
 
-A transfer goes through NIXL in a descriptor mode ("blocks" or "ranges", nixl_post.py), or, with a
+A transfer goes through NIXL in a `DescriptorMode` (options.py, nixl_post.py), or, with a
 same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
 peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 """
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from kvbridge import env
-from kvbridge.errors import ConfigError, KVBridgeError, MalformedMessageError, TransferError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
@@ -47,30 +46,21 @@ from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.interfaces import ucx_on_interface_of
-from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, check_descriptor_mode
+from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
+from kvbridge.transfer.options import DescriptorMode, TransferOp, TransferOptions
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
-from kvbridge.transfer.tracker import FlushOutcome, TransferRecord, TransferState, TransferTracker
+from kvbridge.transfer.tracker import TransferRecord, TransferState, TransferTracker
 
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
 _FROM_ENV = object()
 
 
-class Notification(NamedTuple):
-    """A decoded NIXL notification: which peer agent sent which message."""
-
-    agent_name: str
-    message: m.Message
-
-
-class _Op(NamedTuple):
-    op: str  # "READ" | "WRITE"
+class _Read(NamedTuple):
     local_ids: np.ndarray  # [n] int64
     remote_ids: np.ndarray  # [n] int64
-    notif: bytes
     expect: tuple[str, str] | None  # (engine_id, incarnation) the peer must be; None: whoever answers
 
 
@@ -105,31 +95,23 @@ class KVEndpoint:
         port: int = 0,
         serve: bool = True,
         secret: bytes | None = _FROM_ENV,  # default: KVBRIDGE_SIDE_CHANNEL_SECRET
-        backend: str | None = None,
-        backend_params: dict[str, str] | None = None,  # NIXL backend plugin parameters, e.g. UCX num_workers
         message_handler: Callable[[m.Message], m.Message | None] | None = None,
-        descriptor_mode: str = "blocks",
-        max_descriptor_nbytes: int | None = None,
-        handshake_timeout_s: float = 5.0,
-        handshake_retries: int = 2,
-        transfer_timeout_s: float = 30.0,
-        cuda_ipc: bool = True,  # GPU KV cache: export it to, and map it from, same-host peers (cuda_ipc.py)
-        ipc_min_runs: int = 16,  # a transfer with fewer runs of blocks goes through NIXL even when mapped
+        options: TransferOptions | None = None,  # backend, timeouts, descriptor mode, CUDA IPC; default: defaults
         clock: Callable[[], float] = time.monotonic,
         incarnation: str | None = None,  # default: a fresh random one
     ) -> None:
         check_kv_view(kv_cache, layout)
-        check_descriptor_mode(descriptor_mode)  # before anything is registered
+        opts = options or TransferOptions()  # validated when built: before anything is registered
         self.engine_id = engine_id
         self.incarnation = incarnation or secrets.token_hex(16)
         self.layout = layout
         self.compat_hash = layout.compat_hash(model_id)
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s = opts.transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         self._message_handler = message_handler
         self._kv = kv_cache
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
-            self.agent = NixlAgent(engine_id, backend, backend_params=backend_params)
+            self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
         # as one contiguous tensor (as_strided refuses a view that outruns the storage)
         region = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,))
@@ -137,20 +119,20 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
-        self._nixl = NixlPoster(self.agent, layout, self._region, descriptor_mode, max_descriptor_nbytes)
-        use_ipc = cuda_ipc and kv_cache.is_cuda
+        self._nixl = NixlPoster(self.agent, layout, self._region, opts.descriptor_mode, opts.max_descriptor_nbytes)
+        use_ipc = opts.cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
             cuda_ipc=cuda_ipc_export(region) if use_ipc else None,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
-            self.agent, self._me, secret=self._secret, timeout_s=handshake_timeout_s, retries=handshake_retries,
-            cache_block_lists=descriptor_mode == "blocks",
+            self.agent, self._me, secret=self._secret, timeout_s=opts.handshake_timeout_s,
+            retries=opts.handshake_retries, cache_block_lists=opts.descriptor_mode is DescriptorMode.BLOCKS,
             ipc_device=kv_cache.device if use_ipc else None,
             before_unmap=self._sync_ipc_copies,  # nothing may use a mapping once it is closed
         )
-        self._ipc = IpcCopier(kv_cache, layout, ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
+        self._ipc = IpcCopier(kv_cache, layout, opts.ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
         self._closed = False
         self.server = (
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
@@ -198,33 +180,22 @@ class KVEndpoint:
     # ------------------------------------------------------------------ transfers
 
     def read_blocks(
-        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None, expect=None
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, timeout_s=None, expect=None
     ) -> TransferRecord:
         """Start copying the peer's `remote_block_ids` into local `local_block_ids` (same order). Non-blocking.
 
-        `notif` (a Message or bytes) reaches the peer when the read is complete; `expect` is the
-        (engine_id, incarnation) the peer must be. Returns the live record.
+        `expect` is the (engine_id, incarnation) the peer must be. Returns the live record.
         """
-        return self._start("READ", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s, expect)
-
-    def write_blocks(
-        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, notif=b"", timeout_s=None, expect=None
-    ) -> TransferRecord:
-        """Start copying local `local_block_ids` into the peer's `remote_block_ids`. Non-blocking."""
-        return self._start("WRITE", req_id, address, local_block_ids, remote_block_ids, notif, timeout_s, expect)
-
-    def _start(self, op, req_id, address, local_ids, remote_ids, notif, timeout_s, expect) -> TransferRecord:
         try:
-            local = np.asarray(local_ids, dtype=np.int64).reshape(-1)
-            remote = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+            local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+            remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
         except OverflowError:
             raise ValueError("a block id does not fit in 64 bits") from None
         if local.shape != remote.shape:
             raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
         self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
-        payload = notif if isinstance(notif, bytes) else m.encode(notif)
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
-        rec = self.tracker.start(req_id, address, timeout_s, op=op, payload=_Op(op, local, remote, payload, expect))
+        rec = self.tracker.start(req_id, address, timeout_s, payload=_Read(local, remote, expect))
         if address in self.peers and self.peers.get(address).is_instance(expect):
             self._post(rec)
         else:  # unknown, or another instance than expected: (re)handshake, then decide
@@ -232,47 +203,44 @@ class KVEndpoint:
         return rec
 
     def _post(self, rec: TransferRecord) -> None:
-        op: _Op = rec.payload
+        read: _Read = rec.payload
         peer = self.peers.get(rec.peer)
         try:
-            peer.layout.block_offsets(op.remote_ids)  # IndexError for ids the peer does not have
+            peer.layout.block_offsets(read.remote_ids)  # IndexError for ids the peer does not have
         except IndexError as e:  # the caller's ids are wrong, not the peer: keep it
             self.tracker.mark_failed(rec.req_id, f"IndexError: {e} (the peer has {peer.layout.num_blocks} blocks)")
             return
         try:
-            posted, num_descs = self._post_op(op, peer)
+            posted, num_descs = self._post_read(read, peer)
         except (KVBridgeError, IndexError, ValueError) as e:
             self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
             self.forget_peer(rec.peer)  # a post that fails with valid ids: the peer is gone or broken
             return
         # the record keeps its original deadline: handshake time counts against it
         remaining_s = max(0.0, rec.deadline - self.tracker.clock())
-        nbytes = len(op.local_ids) * self.layout.block_nbytes
+        nbytes = len(read.local_ids) * self.layout.block_nbytes
         self.tracker.mark_posted(rec.req_id, remaining_s, handle=posted, nbytes=nbytes, num_descriptors=num_descs)
         if posted is None:
             self.tracker.mark_done(rec.req_id)
 
-    def _post_op(self, op: _Op, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
-        if len(op.local_ids) == 0:
-            if op.notif:
-                self.agent.send_notif(peer.agent_name, op.notif)
+    def _post_read(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
+        if len(read.local_ids) == 0:
             return None, 0
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
-        copy = self._ipc.start(op.op, mapping, peer.layout, op.local_ids, op.remote_ids) if mapping is not None else None
+        copy = (
+            self._ipc.start(TransferOp.READ, mapping, peer.layout, read.local_ids, read.remote_ids)
+            if mapping is not None else None
+        )  # fmt: skip
         if copy is not None:  # None: no mapping, or too few runs for it to pay; NIXL moves it
             return copy, copy.num_runs
-        remote_list = self.peers.block_list(peer.address) if self._nixl.mode == "blocks" else None
-        post = self._nixl.post(op.op, op.local_ids, op.remote_ids, op.notif, peer, remote_list)
+        remote_list = self.peers.block_list(peer.address) if self._nixl.mode is DescriptorMode.BLOCKS else None
+        post = self._nixl.post(TransferOp.READ, read.local_ids, read.remote_ids, peer, remote_list)
         return post, post.num_descriptors
 
     def poll(self) -> list[TransferRecord]:
         """Advance every transfer without blocking; return (and forget) the records that became final."""
         self._advance()
         return self.tracker.pop_final()
-
-    def flush(self, timeout_s: float) -> FlushOutcome:
-        """Drive transfers until none is live or `timeout_s` passed. Final records stay for `poll`."""
-        return self.tracker.flush(timeout_s, self._advance)
 
     def _advance(self) -> None:
         self._finish_handshakes()
@@ -283,13 +251,10 @@ class KVEndpoint:
                 if state is XferState.IN_PROGRESS:
                     continue
                 self._release(rec)
-                error = None if state is XferState.DONE else f"NIXL reported a failed {rec.op} from {rec.peer}"
-                if error is None and isinstance(handle, IpcCopy) and rec.payload.notif:
-                    error = self._notify(rec)  # NIXL sends it with the transfer; here it follows the copy
-                if error is None:
+                if state is XferState.DONE:
                     self.tracker.mark_done(rec.req_id)
                 else:
-                    self.tracker.mark_failed(rec.req_id, error)
+                    self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
             self._release(rec)
@@ -320,14 +285,6 @@ class KVEndpoint:
             return XferState.DONE if handle.is_done() else XferState.IN_PROGRESS
         return self.agent.poll(handle.xfer)
 
-    def _notify(self, rec: TransferRecord) -> str | None:
-        """Send a finished CUDA IPC copy's notification; the error, if that failed."""
-        try:
-            self.agent.send_notif(self.peers.get(rec.peer).agent_name, rec.payload.notif)
-        except (TransferError, KeyError) as e:
-            return f"the {rec.op} finished but its notification to {rec.peer} failed: {e}"
-        return None
-
     def _sync_ipc_copies(self) -> None:
         if self._ipc is not None:
             self._ipc.synchronize()
@@ -341,22 +298,7 @@ class KVEndpoint:
         elif handle is not None:
             self._nixl.release(handle)
 
-    # ------------------------------------------------------------------ notifications
-
-    def send_notif(self, address: str, msg: m.Message) -> None:
-        """Send `msg` as a NIXL notification to a peer we handshook with."""
-        self.agent.send_notif(self.peers.get(address).agent_name, m.encode(msg))
-
-    def get_notifs(self) -> list[Notification]:
-        """Decoded NIXL notifications received since the last call; undecodable ones are logged and dropped."""
-        out = []
-        for agent_name, payloads in self.agent.get_notifs().items():
-            for payload in payloads:
-                try:
-                    out.append(Notification(agent_name, m.decode(payload)))
-                except MalformedMessageError as e:
-                    logger.warning("dropping a NIXL notification from %s: %s", agent_name, e)
-        return out
+    # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict:
         t = self.tracker

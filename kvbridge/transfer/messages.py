@@ -9,8 +9,7 @@ typed decoder over the `Message` union), and receivers dispatch with `match`:
         case TransferDone(req_ids=ids): ...
 
 The side channel wraps every encoded message in a `Frame` (correlation id, nonce, timestamp and
-an optional HMAC, see `auth.py`). NIXL notification payloads are bare encoded messages (a
-`TransferDone`), never pickles.
+an optional HMAC, see `auth.py`); nothing on the wire is ever a pickle.
 
 Schema evolution (checked by tests/transfer/test_messages.py):
 - a new field always gets a default, so an old peer's message still decodes;
@@ -74,8 +73,8 @@ class HandshakeRequest(_Message, tag="hs_req"):
     """Reader -> owner of KV: "tell me how to read your blocks". Sent once per remote engine.
 
     `compat_hash` is `KVCacheLayout.compat_hash(model_id)`; a mismatch is refused with
-    `ErrorReply(INCOMPATIBLE)`. The requester's own agent name/metadata are informative (logs,
-    mapping NIXL notifications to engines); the server never loads them.
+    `ErrorReply(INCOMPATIBLE)`. The requester's own agent name/metadata are informative (logs);
+    the server never loads them.
     """
 
     protocol_version: int

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvbridge.errors import ConfigError, TransferError
+from kvbridge.errors import TransferError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent
@@ -30,13 +30,7 @@ from kvbridge.transfer.descriptors import (
     unit_indices,
 )
 from kvbridge.transfer.handshake import PeerInfo
-
-DESCRIPTOR_MODES = ("blocks", "ranges")
-
-
-def check_descriptor_mode(mode: str) -> None:
-    if mode not in DESCRIPTOR_MODES:
-        raise ConfigError(f"descriptor_mode={mode!r}; expected 'blocks' or 'ranges'")
+from kvbridge.transfer.options import DescriptorMode, TransferOp
 
 
 class NixlPost(NamedTuple):
@@ -51,30 +45,29 @@ class NixlPoster:
         agent: NixlAgent,
         layout: KVCacheLayout,
         region: m.KVRegion,  # our registered KV tensor
-        mode: str = "blocks",
+        mode: DescriptorMode = DescriptorMode.BLOCKS,
         max_descriptor_nbytes: int | None = None,  # "ranges": split longer ranges
     ) -> None:
-        check_descriptor_mode(mode)
         self._agent, self._layout, self._region = agent, layout, region
         self.mode = mode
         self.max_descriptor_nbytes = max_descriptor_nbytes
         self._local_lists: dict[Unit, object] = {}  # "blocks" mode: our prepared list per unit
 
     def post(
-        self, op: str, local_ids: np.ndarray, remote_ids: np.ndarray, notif: bytes, peer: PeerInfo,
+        self, op: TransferOp, local_ids: np.ndarray, remote_ids: np.ndarray, peer: PeerInfo,
         remote_block_list: object | None,  # the peer's per-unit list ("blocks" mode, PeerDirectory.block_list)
     ) -> NixlPost:
-        """Post READ or WRITE of the paired blocks, `notif` to follow on completion. Raises
+        """Post READ or WRITE of the paired blocks. Raises
         TransferError when NIXL refuses (nothing is left prepared then)."""
         mine = self._region
-        if self.mode == "blocks":
+        if self.mode is DescriptorMode.BLOCKS:
             unit = transfer_unit(self._layout, peer.layout)  # the unit the peer's list was made with
             if unit not in self._local_lists:
                 descs = block_descs(self._layout, mine.base_addr, mine.device_id, unit)
                 self._local_lists[unit] = self._agent.prep_local(descs, mine.mem_type)
             local_idx = unit_indices(self._layout, local_ids, unit)
             remote_idx = unit_indices(peer.layout, remote_ids, unit)
-            xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx, notif)
+            xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx)
             return NixlPost(xfer, (), num_merged_ranges(local_ids, remote_ids, self._layout, peer.layout))
         r = peer.region
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
@@ -90,7 +83,7 @@ class NixlPoster:
             raise
         idx = np.arange(ranges.num_descriptors)
         try:
-            xfer = self._agent.post(op, local_list, idx, remote_list, idx, notif)
+            xfer = self._agent.post(op, local_list, idx, remote_list, idx)
         except TransferError:
             self._agent.release_dlist(local_list)
             self._agent.release_dlist(remote_list)

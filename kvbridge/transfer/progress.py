@@ -1,7 +1,7 @@
 """Waiting without spinning: drive progress until a condition holds or a deadline passes.
 
 Every loop in kvbridge that waits for something it cannot block on (NIXL transfer states, CUDA
-events, a peer's notification, the engine's own bookkeeping) waits here, between two rounds, for
+events, a peer's reply, the engine's own bookkeeping) waits here, between two rounds, for
 a bounded exponential backoff: the first wait is short (a transfer that is nearly done is seen
 at once), later waits double up to a cap (a long wait costs a few wake-ups per millisecond at
 most, not a core).

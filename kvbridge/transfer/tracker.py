@@ -8,8 +8,7 @@
 A record is created HANDSHAKING (waiting for the peer's handshake) or directly POSTED; every
 transition into a live state sets a new deadline; final states never change again (an illegal
 transition raises `IllegalTransitionError`). `expire_overdue(now)` moves overdue live records to
-EXPIRED; `flush(timeout_s, poll)` drives `poll()` until nothing is live or the flush deadline
-passes, and returns what is still live: the connector's `FlushResult`.
+EXPIRED.
 
 The tracker owns no I/O: the transfer owner (e.g. `KVEndpoint`) keeps opaque handles in
 `record.handle` and releases them when it sees a record become final. Pure Python, one thread,
@@ -21,10 +20,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.transfer.progress import FIRST_WAIT_S, MAX_WAIT_S, drive_until
 
 
 class TransferState(enum.Enum):
@@ -58,13 +56,12 @@ class TransferRecord:
     state: TransferState
     deadline: float
     created_at: float
-    op: str = "READ"
     nbytes: int = 0
     num_descriptors: int = 0
     error: str | None = None
     finished_at: float | None = None
     handle: Any = None  # owner's in-flight handle(s); None once released
-    payload: Any = None  # owner's data (block ids, notification to send, ...)
+    payload: Any = None  # owner's data (block ids, the instance expected, ...)
     history: list[TransferState] = field(default_factory=list)
 
     @property
@@ -74,14 +71,6 @@ class TransferRecord:
     @property
     def is_ok(self) -> bool:
         return self.state is TransferState.DONE
-
-
-class FlushOutcome(NamedTuple):
-    """What `flush` left behind (maps 1:1 onto connectors.base.FlushResult)."""
-
-    is_complete: bool
-    pending_req_ids: frozenset[str] = frozenset()
-    num_failed: int = 0
 
 
 class TransferTracker:
@@ -153,34 +142,6 @@ class TransferTracker:
         for rec in final:
             del self._records[rec.req_id]
         return final
-
-    def flush(
-        self,
-        timeout_s: float,
-        poll: Callable[[], object],
-        *,
-        sleep: Callable[[float], object] = time.sleep,
-        first_wait_s: float = FIRST_WAIT_S,
-        max_wait_s: float = MAX_WAIT_S,
-    ) -> FlushOutcome:
-        """Call `poll()` (which advances records) until no record is live or `timeout_s` passed,
-        waiting with backoff in between (`progress.drive_until`).
-
-        Overdue records expire on the way, so a flush longer than every record's deadline always
-        completes. Final records stay in the tracker for `pop_final`.
-        """
-        failed_before = self.num_failed
-
-        def advance() -> None:
-            poll()
-            self.expire_overdue()
-
-        drive_until(
-            lambda: self.num_live == 0, self.clock() + timeout_s, progress=advance,
-            first_wait_s=first_wait_s, max_wait_s=max_wait_s, clock=self.clock, sleep=sleep,
-        )  # fmt: skip
-        pending = frozenset(r.req_id for r in self.live())
-        return FlushOutcome(not pending, pending, self.num_failed - failed_before)
 
     def _transition(self, req_id: str, new: TransferState, now: float | None = None) -> TransferRecord:
         rec = self._records.get(req_id)

@@ -179,7 +179,7 @@ def test_try_reset_never_waits_and_resets_once_the_transfers_it_waits_on_ended()
         assert pool.num_cached_blocks > 0
         # Asked while `first` was in flight: a transfer that started since does not delay the reset.
         assert llm.engine.try_reset_prefix_cache(frozenset({first.request_id})) == frozenset()
-        assert later.request_id in llm.engine.scheduler.conn.pending_req_ids() and pool.num_cached_blocks == 0
+        assert later.request_id in llm.engine.scheduler.pending_transfer_req_ids() and pool.num_cached_blocks == 0
         llm.engine.check_integrity()
 
 
@@ -195,6 +195,15 @@ def test_shutdown_flushes_then_shuts_both_halves_down():
     assert worker._kv is None
     llm.shutdown()
     assert worker.num_shutdowns == 1
+
+
+def test_engine_integrity_check_covers_both_connector_halves(monkeypatch):
+    with make_llm() as llm:
+        checked = []
+        for half in (llm.engine.scheduler_connector, llm.engine.worker_connector):
+            monkeypatch.setattr(half, "check_integrity", lambda role=half.role: checked.append(role))
+        llm.engine.check_integrity()
+        assert checked == [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER]
 
 
 def test_shutdown_with_transfers_that_never_finish_is_bounded():

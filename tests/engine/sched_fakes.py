@@ -10,7 +10,8 @@ depend on batching, chunking, caching or preemption.
 from __future__ import annotations
 
 from kvbridge.config import SchedulerConfig
-from kvbridge.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
+from kvbridge.engine.outputs import ModelRunnerOutput
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler

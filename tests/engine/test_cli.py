@@ -34,7 +34,7 @@ def test_bad_model_is_a_named_error_with_exit_code_2(capsys):
 
 def test_generate_module_does_not_import_torch():
     code = (
-        "import argparse, sys; from kvbridge.engine import cli_generate; "
+        "import argparse, sys; from kvbridge import cli_generate; "
         "cli_generate.add_arguments(argparse.ArgumentParser()); print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

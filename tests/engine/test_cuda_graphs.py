@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.cuda_graphs import MIN_TABLE_BLOCKS, table_width
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 

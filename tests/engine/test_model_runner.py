@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.reference import dense_greedy, dense_logits
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams

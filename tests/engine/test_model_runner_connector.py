@@ -13,9 +13,10 @@ from kvbridge.connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     MatchResult,
+    ScheduledRequest,
+    SchedulerOutput,
 )
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.reference import dense_greedy
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams

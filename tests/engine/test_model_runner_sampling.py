@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 

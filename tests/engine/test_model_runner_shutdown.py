@@ -8,9 +8,16 @@ import weakref
 import pytest
 
 from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
-from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole, MatchResult
+from kvbridge.connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    MatchResult,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.memory import take_snapshot

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_fakes import FakeRunner, expected_output, make_request, make_scheduler
 
-from kvbridge.connectors.base import FinishResult, KVConnectorBase, KVConnectorMetadata, MatchResult
-from kvbridge.engine.outputs import KVConnectorOutput
+from kvbridge.connectors.base import FinishResult, KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, MatchResult
 from kvbridge.engine.request import RequestStatus
 
 BS = 4

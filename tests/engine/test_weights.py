@@ -14,10 +14,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine import checkpoint_id as checkpoint_id_module
 from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.presets import ModelArgs, get_preset, with_overrides
 from kvbridge.engine.reference import dense_greedy, dense_logits
 from kvbridge.engine.request import Request

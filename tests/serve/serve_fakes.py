@@ -13,7 +13,7 @@ import threading
 import time
 
 from kvbridge.config import EngineConfig, ModelConfig
-from kvbridge.connectors.nixl.params import RemotePrefillParams
+from kvbridge.kv_transfer_params import RemotePrefillParams
 from kvbridge.engine.request_limits import RequestLimits
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput
 from kvbridge.errors import InvalidRequestError

@@ -7,7 +7,6 @@ Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
 (optional layout keys: "page_format", "layer_major": true for vLLM's CPU placement, "block_padding": bytes)
 
 prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then answers one JSON line per command line:
-    {"cmd": "notifs"}                 -> {"notifs": [[agent_name, type, req_ids], ...]}
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
     {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
     {"cmd": "quit"}                   -> exits 0 after closing the endpoint
@@ -86,6 +85,7 @@ def main() -> int:
 
     from kvbridge.transfer import messages as m
     from kvbridge.transfer.endpoint import KVEndpoint
+    from kvbridge.transfer.options import TransferOptions
 
     spec = json.loads(sys.argv[1])
     layout = make_layout(spec)
@@ -108,16 +108,13 @@ def main() -> int:
     ep = KVEndpoint(
         spec["engine_id"], spec["model_id"], kv, layout, message_handler=on_message,
         secret=secret.encode() if secret else None,
-        descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True),
         port=spec.get("port", 0),
+        options=TransferOptions(descriptor_mode=spec.get("descriptor_mode", "blocks"), cuda_ipc=spec.get("cuda_ipc", True)),
     )
     reply({"address": ep.address, "engine_id": ep.engine_id, "incarnation": ep.incarnation})
     for line in sys.stdin:
         cmd = json.loads(line)
         match cmd["cmd"]:
-            case "notifs":
-                out = {"notifs": [[n.agent_name, type(n.message).__name__, lease_ids(n.message)]
-                                  for n in ep.get_notifs()]}
             case "messages":
                 with lock:
                     out = {"messages": list(received)}

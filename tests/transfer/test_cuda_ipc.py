@@ -13,6 +13,7 @@ from kvbridge.errors import MalformedMessageError, TransferError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import cuda_ipc
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.cuda_driver import IpcHandle
 
 
 def export(**changes) -> m.IpcExport:
@@ -113,9 +114,9 @@ def test_driver_copies_move_pages_between_a_layer_major_and_a_block_major_cache(
 
 def test_handles_keep_every_byte():
     raw = bytes([0, 1, 0, 2] * 16)  # NULs inside: a C-string round trip would cut them off
-    assert cuda_ipc._IpcHandle.from_bytes(raw).to_bytes() == raw
+    assert IpcHandle.from_bytes(raw).to_bytes() == raw
     with pytest.raises(TransferError, match="64 bytes"):
-        cuda_ipc._IpcHandle.from_bytes(raw[:10])
+        IpcHandle.from_bytes(raw[:10])
 
 
 def test_cpu_tensors_are_not_exported():

@@ -1,4 +1,4 @@
-"""Block ids -> coalesced byte ranges, NIXL descriptor arrays, and contiguous allocation."""
+"""Block ids -> coalesced byte ranges and NIXL descriptor arrays."""
 
 from __future__ import annotations
 
@@ -12,11 +12,8 @@ from kvbridge.transfer.descriptors import (
     Unit,
     block_descs,
     coalesce_blocks,
-    contiguous_runs,
     num_merged_ranges,
     range_descs,
-    run_starts,
-    take_contiguous,
     transfer_unit,
     unit_indices,
     unit_offsets,
@@ -194,11 +191,6 @@ def test_pages_of_another_size_are_refused():
         coalesce_blocks([0], [0], block_major(8), half_pages)
 
 
-def test_run_starts_counts_runs_of_ids_or_of_byte_offsets():
-    assert run_starts(np.array([3, 4, 9]), np.array([7, 8, 9])).tolist() == [0, 2]
-    assert run_starts(np.array([0, 256, 512]), np.array([256, 512, 0]), 256).tolist() == [0, 2]
-
-
 @pytest.mark.parametrize("trial", range(40))
 def test_random_strided_pairings_copy_exactly_every_page_of_the_requested_blocks(trial):
     seed = 5000 + trial
@@ -259,31 +251,3 @@ def test_range_and_block_descriptor_arrays():
     assert d.tolist() == [[1 << 40, 512, 3], [(1 << 40) + 4096, 1024, 3]]
     blocks = block_descs(LAYOUT.with_num_blocks(3), base_addr=100, device_id=0)
     assert blocks.tolist() == [[100, B, 0], [100 + B, B, 0], [100 + 2 * B, B, 0]]
-
-
-def test_contiguous_runs():
-    firsts, lengths = contiguous_runs([1, 2, 3, 7, 9, 10])
-    assert firsts.tolist() == [1, 7, 9] and lengths.tolist() == [3, 1, 2]
-    assert contiguous_runs([])[0].size == 0
-
-
-def test_take_contiguous_prefers_one_best_fit_run_then_longest_runs():
-    free = [0, 1, 5, 6, 7, 8, 20, 21, 22, 23, 24, 25, 40]
-    assert take_contiguous(free, 3).tolist() == [5, 6, 7]  # smallest run that fits
-    assert take_contiguous(free, 6).tolist() == [20, 21, 22, 23, 24, 25]
-    got = take_contiguous(free, 9)  # no single run: longest first (6) then next longest (4, partially)
-    assert got.tolist() == [5, 6, 7, 20, 21, 22, 23, 24, 25]
-    assert len(contiguous_runs(got)[0]) == 2
-    assert take_contiguous(free, 0).size == 0
-    with pytest.raises(ValueError, match="only 13 free"):
-        take_contiguous(free, 14)
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_take_contiguous_random(seed):
-    rng = np.random.default_rng(seed)
-    print(f"seed={seed}")
-    free = np.flatnonzero(rng.random(500) < 0.6)
-    for n in (1, 5, 50, len(free)):
-        got = take_contiguous(free, n)
-        assert len(got) == n == len(set(got.tolist())) and set(got.tolist()) <= set(free.tolist())

@@ -1,7 +1,7 @@
 """KVEndpoint over real NIXL/UCX between two OS processes on loopback (marker `nixl`).
 
 The peer runs tests/transfer/peer_process.py (JSON lines over stdin/stdout, no pickle); this
-process runs the reading/writing endpoint. Every child is killed in a finally block, every wait
+process runs the reading endpoint. Every child is killed in a finally block, every wait
 has a timeout.
 """
 
@@ -21,6 +21,7 @@ import pytest
 
 from kvbridge.errors import AuthenticationError, IncompatiblePeerError
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.options import TransferOptions
 from kvbridge.transfer.tracker import TransferState
 
 torch = pytest.importorskip("torch")
@@ -36,7 +37,7 @@ MODEL = "tiny-test-model"
 
 
 def _done(engine_id: str, *req_ids: str) -> m.TransferDone:
-    """A notification payload naming `req_ids` (the peer reports the request ids it received)."""
+    """A side-channel message naming `req_ids` (the peer reports the request ids it received)."""
     leases = [m.LeaseRef(req_id=r, token="t", block_ids=[], block_hash="") for r in req_ids]
     return m.TransferDone(engine_id=engine_id, incarnation="i", leases=leases)
 
@@ -83,12 +84,12 @@ class Peer:
             self.kill()  # interpreter teardown with NIXL loaded can take seconds; nothing left to check
 
 
-def _local_endpoint(engine_id="decode", num_blocks=64, secret=None, **kw):
+def _local_endpoint(engine_id="decode", num_blocks=64, secret=None, **options):
     from kvbridge.transfer.endpoint import KVEndpoint
 
     layout = make_layout({**GEOMETRY, "num_blocks": num_blocks})
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
-    return KVEndpoint(engine_id, MODEL, kv, layout, secret=secret, **kw), kv
+    return KVEndpoint(engine_id, MODEL, kv, layout, secret=secret, options=TransferOptions(**options)), kv
 
 
 def _wait_final(ep, req_id: str, timeout_s: float = 30.0):
@@ -111,7 +112,7 @@ def peer(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["blocks", "ranges"])
-def test_read_scattered_blocks_verifies_every_byte_and_notifies(peer, mode):
+def test_read_scattered_blocks_verifies_every_byte(peer, mode):
     seed = 1234
     rng = random.Random(seed)
     print(f"seed={seed}")
@@ -119,8 +120,7 @@ def test_read_scattered_blocks_verifies_every_byte_and_notifies(peer, mode):
     local_ids = rng.sample(range(22, 64), 12) + list(range(10, 22))  # distinct local ids
     ep, kv = _local_endpoint(descriptor_mode=mode, max_descriptor_nbytes=3 * 512)
     try:
-        rec = ep.read_blocks(f"read-{mode}", peer.address, local_ids, remote_ids,
-                             notif=_done("decode", f"read-{mode}"))
+        rec = ep.read_blocks(f"read-{mode}", peer.address, local_ids, remote_ids)
         assert rec.state in (TransferState.HANDSHAKING, TransferState.POSTED)
         rec = _wait_final(ep, f"read-{mode}")
         assert rec.state is TransferState.DONE, rec.error
@@ -131,11 +131,6 @@ def test_read_scattered_blocks_verifies_every_byte_and_notifies(peer, mode):
             assert torch.equal(kv[lid].view(torch.uint8), expected[rid].view(torch.uint8)), (lid, rid)
         untouched = sorted(set(range(64)) - set(local_ids))
         assert not kv[untouched].view(torch.uint8).any()
-        deadline = time.monotonic() + 10
-        notifs = []
-        while not notifs and time.monotonic() < deadline:
-            notifs = peer.ask("notifs")["notifs"]
-        assert notifs == [["decode", "TransferDone", [f"read-{mode}"]]]
         assert ep.get_stats()["num_done"] == 1
     finally:
         ep.close()
@@ -172,7 +167,7 @@ def test_pages_move_between_a_layer_major_owner_and_a_reader_of_either_placement
     extra, num_descriptors = PLACEMENTS[placement]
     layout = make_layout({**GEOMETRY, "page_format": "H2ND", **extra})
     kv = allocate_kv(layout)
-    ep = KVEndpoint(f"decode-{placement}-{mode}", MODEL, kv, layout, secret=None, descriptor_mode=mode)
+    ep = KVEndpoint(f"decode-{placement}-{mode}", MODEL, kv, layout, secret=None, options=TransferOptions(descriptor_mode=mode))
     try:
         local_ids, remote_ids = [10, 11, 12, 0, 63], [3, 4, 5, 20, 9]  # a run of three, then two lone blocks
         rec = _wait_final(ep, ep.read_blocks("lm-read", layer_major_peer.address, local_ids, remote_ids).req_id)
@@ -184,14 +179,6 @@ def test_pages_move_between_a_layer_major_owner_and_a_reader_of_either_placement
         _pages_equal(kv, local_ids, expected, remote_ids)
         untouched = sorted(set(range(64)) - set(local_ids))
         assert not kv[untouched].view(torch.uint8).any()
-        # and back: our pages into the owner's blocks, checked block by block in [layer, page] order
-        fill_kv(kv, 99)
-        written = {"blocks": [40, 41, 42, 50], "ranges": [44, 45, 46, 51]}[mode] if placement == "block-major" else \
-            {"blocks": [30, 31, 32, 52], "ranges": [34, 35, 36, 53]}[mode]  # distinct per test: one owner for all
-        rec = _wait_final(ep, ep.write_blocks("lm-write", layer_major_peer.address, [1, 2, 3, 30], written).req_id)
-        assert rec.state is TransferState.DONE, rec.error
-        assert layer_major_peer.ask("digest", ids=written)["digest"] == blocks_digest(kv, [1, 2, 3, 30])
-        assert layer_major_peer.ask("digest", ids=[60, 61])["digest"] == blocks_digest(expected, [60, 61])
         ep.read_blocks("lm-range", layer_major_peer.address, [0], [64])  # the owner has 64 blocks
         rec = _wait_final(ep, "lm-range")
         assert rec.state is TransferState.FAILED and "IndexError" in rec.error
@@ -204,7 +191,7 @@ def test_a_padded_block_major_reader_fills_pages_and_leaves_its_padding_alone(pe
 
     layout = make_layout({**GEOMETRY, "block_padding": 96})
     kv = allocate_kv(layout, fill=0xAB)  # padding and unread blocks keep 0xAB
-    ep = KVEndpoint("decode-padded", MODEL, kv, layout, secret=None, descriptor_mode="ranges")
+    ep = KVEndpoint("decode-padded", MODEL, kv, layout, secret=None, options=TransferOptions(descriptor_mode="ranges"))
     try:
         local_ids, remote_ids = [5, 6, 7, 63], [11, 12, 13, 2]  # 63: the end of the padded region
         rec = _wait_final(ep, ep.read_blocks("padded", peer.address, local_ids, remote_ids).req_id)
@@ -234,31 +221,10 @@ def test_a_kv_tensor_that_is_not_the_layouts_view_is_refused():
         KVEndpoint("decode-wrong-shape", MODEL, allocate_kv(layout)[:32], layout, secret=None)
 
 
-def _drain_notifs(peer, want: int, timeout_s: float = 10.0) -> list:
-    notifs, deadline = [], time.monotonic() + timeout_s
-    while len(notifs) < want and time.monotonic() < deadline:
-        notifs += peer.ask("notifs")["notifs"]
-    return notifs
-
-
-def test_write_path_with_notification_and_side_channel_message(peer):
-    ep, kv = _local_endpoint("prefill-writer")
+def test_a_side_channel_message_reaches_the_peers_handler(peer):
+    ep, _ = _local_endpoint("decode-messenger")
     try:
-        fill_kv(kv, 99)
-        peer.ask("notifs")  # start from an empty notification queue
-        local_ids, remote_ids = [5, 6, 7, 30, 2], [60, 61, 62, 56, 58]  # the read tests never use 52..63
-        rec = ep.write_blocks("w1", peer.address, local_ids, remote_ids,
-                              notif=_done("prefill-writer", "w1"))
-        rec = _wait_final(ep, "w1")
-        assert rec.state is TransferState.DONE, rec.error
-        assert peer.ask("digest", ids=remote_ids)["digest"] == blocks_digest(kv, local_ids)
-        original = torch.empty_like(kv)
-        fill_kv(original, 7)
-        assert peer.ask("digest", ids=[57, 59, 63])["digest"] == blocks_digest(original, [57, 59, 63])
-        assert _drain_notifs(peer, 1) == [["prefill-writer", "TransferDone", ["w1"]]]
-        ep.send_notif(peer.address, _done("prefill-writer", "standalone"))
-        assert _drain_notifs(peer, 1) == [["prefill-writer", "TransferDone", ["standalone"]]]
-        reply = ep.request(peer.address, _done("prefill-writer", "a", "b"))
+        reply = ep.request(peer.address, _done("decode-messenger", "a", "b"))
         assert reply == m.Ack(count=2)
         assert ["TransferDone", ["a", "b"]] in peer.ask("messages")["messages"]
     finally:
@@ -331,7 +297,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
     print(f"victim up {time.monotonic() - t_start:.2f}s")
     layout = make_layout(BIG)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
-    ep = KVEndpoint("decode-big", MODEL, kv, layout, secret=None, transfer_timeout_s=10.0)
+    ep = KVEndpoint("decode-big", MODEL, kv, layout, secret=None, options=TransferOptions(transfer_timeout_s=10.0))
     restarted = None
     try:
         t0 = time.monotonic()
@@ -382,7 +348,7 @@ def test_read_between_gpus_verifies_every_byte(tmp_path, cuda_ipc, scattered):
     gpu_peer = Peer(tmp_path, engine_id="gpu-prefill", device=peer_dev, seed=11, cuda_ipc=cuda_ipc)
     layout = make_layout(GEOMETRY)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device="cuda:0")
-    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc)
+    ep = KVEndpoint("gpu-decode", MODEL, kv, layout, secret=None, options=TransferOptions(cuda_ipc=cuda_ipc))
     try:
         if scattered:  # many runs: one batched driver call on the mapping path
             rng = np.random.default_rng(5)
@@ -414,7 +380,8 @@ def test_pages_between_gpus_from_a_layer_major_owner(tmp_path, cuda_ipc):
     owner = Peer(tmp_path, engine_id="gpu-vllm-like", device=peer_dev, seed=13, cuda_ipc=cuda_ipc, **VLLM_CPU)
     layout = make_layout({**GEOMETRY, "page_format": "H2ND"})
     kv = allocate_kv(layout, "cuda:0")
-    ep = KVEndpoint("gpu-reader-h2nd", MODEL, kv, layout, secret=None, cuda_ipc=cuda_ipc, ipc_min_runs=1)
+    options = TransferOptions(cuda_ipc=cuda_ipc, ipc_min_runs=1)
+    ep = KVEndpoint("gpu-reader-h2nd", MODEL, kv, layout, secret=None, options=options)
     try:
         local_ids, remote_ids = [3, 4, 5, 40, 9], [10, 11, 12, 0, 63]
         rec = _wait_final(ep, ep.read_blocks("gpu-lm", owner.address, local_ids, remote_ids).req_id)
@@ -431,40 +398,31 @@ def test_pages_between_gpus_from_a_layer_major_owner(tmp_path, cuda_ipc):
 
 
 @pytest.mark.gpu
-def test_write_through_the_mapping_to_a_peer_that_sees_only_its_own_gpu(tmp_path):
+def test_read_through_the_mapping_from_a_peer_that_sees_only_its_own_gpu(tmp_path):
     """Per-process CUDA_VISIBLE_DEVICES: the peer's GPU is its cuda:0. The mapping is opened in our
-    GPU's context, so WRITE and READ still go through it, and the notification follows the copy."""
+    GPU's context, so the read still goes through it."""
     from kvbridge.transfer.endpoint import KVEndpoint
 
     last = torch.cuda.device_count() - 1
     gpu_peer = Peer(tmp_path, env={"CUDA_VISIBLE_DEVICES": str(last)}, engine_id="gpu-isolated",
                     device="cuda:0", seed=11)
     layout = make_layout(GEOMETRY)
-    kv = torch.empty(layout.shape, dtype=torch.bfloat16)
-    fill_kv(kv, 23)
-    kv = kv.to("cuda:0")
-    ep = KVEndpoint("gpu-writer", MODEL, kv, layout, secret=None, ipc_min_runs=1)
+    kv = allocate_kv(layout, device="cuda:0")
+    ep = KVEndpoint("gpu-reader", MODEL, kv, layout, secret=None, options=TransferOptions(ipc_min_runs=1))
     try:
         local_ids, remote_ids = [1, 2, 3, 17, 30], [40, 41, 50, 51, 7]
-        ep.write_blocks("gpu-write", gpu_peer.address, local_ids, remote_ids,
-                        notif=_done("gpu-writer", "gpu-write"))
-        rec = _wait_final(ep, "gpu-write")
+        ep.read_blocks("gpu-read", gpu_peer.address, local_ids, remote_ids)
+        rec = _wait_final(ep, "gpu-read")
         assert rec.state is TransferState.DONE, rec.error
         assert ep.get_stats()["num_ipc_copies"] == 1
         assert gpu_peer.ask("digest", ids=remote_ids)["digest"] == blocks_digest(kv, local_ids)
-        assert _drain_notifs(gpu_peer, 1) == [["gpu-writer", "TransferDone", ["gpu-write"]]]
-        ep.read_blocks("gpu-read-back", gpu_peer.address, [60, 61, 62], [40, 41, 50])
-        assert _wait_final(ep, "gpu-read-back").state is TransferState.DONE
-        assert ep.get_stats()["num_ipc_copies"] == 2
-        assert blocks_digest(kv, [60, 61, 62]) == blocks_digest(kv, [1, 2, 3])
     finally:
         ep.close()
         gpu_peer.quit()
 
 
-def test_close_is_idempotent_and_flush_of_nothing_completes():
+def test_close_is_idempotent():
     ep, _ = _local_endpoint("decode-close")
-    assert ep.flush(1.0).is_complete
     ep.close()
     ep.close()
 
@@ -487,7 +445,8 @@ def _restart_on_the_same_port(tmp_path, device: str):
     port = int(first.address.rsplit(":", 1)[1])
     layout = make_layout(GEOMETRY)
     kv = torch.zeros(layout.shape, dtype=torch.bfloat16, device=device)
-    ep = KVEndpoint("reader", MODEL, kv, layout, secret=None, ipc_min_runs=1, transfer_timeout_s=10)
+    options = TransferOptions(ipc_min_runs=1, transfer_timeout_s=10)
+    ep = KVEndpoint("reader", MODEL, kv, layout, secret=None, options=options)
     second = None
     rng = np.random.default_rng(3)
     local_ids = rng.permutation(64)[:20].tolist()  # scattered: the mapping path on GPUs

@@ -1,4 +1,4 @@
-"""Transfer records: state machine, deadlines, expiry and flush, with a fake clock."""
+"""Transfer records: state machine, deadlines and expiry, with a fake clock."""
 
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ class FakeClock:
 
     def __call__(self):
         return self.now
-
-    def sleep(self, dt):
-        self.now += dt
 
 
 @pytest.fixture
@@ -83,44 +80,3 @@ def test_every_live_state_expires_at_its_deadline(tracker, clock):
     assert tracker.expire_overdue(110.0) == [b] and "POSTED" in b.error
     assert tracker.num_failed == 2 and tracker.num_live == 0
     assert tracker.expire_overdue(1e9) == []  # final records never change
-
-
-def test_flush_completes_when_poll_finishes_everything(tracker, clock):
-    tracker.start("a", "p", 50.0, state=S.POSTED)
-    tracker.start("b", "p", 50.0, state=S.POSTED)
-    calls = []
-
-    def poll():
-        calls.append(clock.now)
-        if len(calls) == 3:
-            tracker.mark_done("a")
-        if len(calls) == 5:
-            tracker.mark_failed("b", "peer died")
-
-    out = tracker.flush(10.0, poll, sleep=clock.sleep, first_wait_s=0.5, max_wait_s=0.5)
-    assert out.is_complete and out.pending_req_ids == frozenset() and out.num_failed == 1
-    assert len(calls) == 5 and clock.now == 102.0
-    assert {r.req_id for r in tracker.pop_final()} == {"a", "b"}
-
-
-def test_flush_returns_pending_at_its_deadline(tracker, clock):
-    tracker.start("stuck", "p", 60.0, state=S.POSTED)
-    tracker.start("quick", "p", 60.0, state=S.POSTED)
-    tracker.mark_done("quick")
-    out = tracker.flush(2.0, lambda: None, sleep=clock.sleep, first_wait_s=0.25, max_wait_s=0.25)
-    assert not out.is_complete and out.pending_req_ids == frozenset({"stuck"})
-    assert 102.0 <= clock.now <= 102.25
-    assert tracker.get("stuck").state is S.POSTED  # still live: the flush deadline is not the record's
-
-
-def test_flush_longer_than_record_deadlines_always_completes(tracker, clock):
-    tracker.start("stuck", "p", 1.0, state=S.POSTED)
-    out = tracker.flush(5.0, lambda: None, sleep=clock.sleep, first_wait_s=0.1, max_wait_s=0.1)
-    assert out.is_complete and out.num_failed == 1
-    assert tracker.get("stuck").state is S.EXPIRED
-
-
-def test_flush_with_nothing_live_returns_at_once(tracker, clock):
-    polls = []
-    out = tracker.flush(1.0, lambda: polls.append(1), sleep=clock.sleep)
-    assert out.is_complete and polls == [1] and clock.now == 100.0

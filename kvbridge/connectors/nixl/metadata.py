@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbridge.connectors.base import KVConnectorMetadata
+from kvbridge.kv_transfer_params import tcp_address
 from kvbridge.transfer.messages import LeaseRef
 
 
@@ -19,8 +20,7 @@ class RemoteEngine:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return tcp_address(self.host, self.port)
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,16 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.connectors.base import FinishResult, MatchResult
+from kvbridge.connectors.base import FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
-from kvbridge.connectors.nixl.params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
 from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import InvalidRequestError
+from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
 from kvbridge.transfer.messages import LeaseRef
 
 if TYPE_CHECKING:
     from kvbridge.config import KVTransferConfig
     from kvbridge.connectors.nixl.peer_policy import PeerPolicy
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.request import Request
 
 logger = logging.getLogger(__name__)

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvbridge.connectors.latency import percentiles_ms
+
 _WINDOW = 4096  # most recent transfers kept for percentiles and throughput
 
 
@@ -70,9 +72,8 @@ class TransferStats:
         recent = np.asarray(self._recent, dtype=np.float64).reshape(-1, 3)
         lat = recent[:, 1] - recent[:, 0]
         busy_s = busy_seconds(recent[:, 0], recent[:, 1])
-        p50, p90, p99 = (np.percentile(lat, [50, 90, 99]) * 1e3).tolist() if len(lat) else (0.0, 0.0, 0.0)
-        confirm = np.asarray(self._confirm_s, dtype=np.float64)
-        confirm_p50, confirm_p99 = (np.percentile(confirm, [50, 99]) * 1e3).tolist() if len(confirm) else (0.0, 0.0)
+        p50, p90, p99 = percentiles_ms(lat, (50, 90, 99))
+        confirm_p50, confirm_p99 = percentiles_ms(self._confirm_s, (50, 99))
         return {
             "num_transfers": self.num_transfers,
             "num_failures": self.num_failures,

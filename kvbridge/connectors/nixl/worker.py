@@ -78,7 +78,6 @@ class NixlWorker:
 
         if self._endpoint is not None:
             raise RuntimeError("NixlConnector: register_kv_caches called twice")
-        opts = self.options
         self._endpoint = KVEndpoint(
             self.config.engine_id,
             self.context.model_id,
@@ -88,15 +87,8 @@ class NixlWorker:
             host=self.config.side_channel_host,
             port=self.config.side_channel_port,
             serve=self.config.is_producer,
-            backend=opts.backend,
-            backend_params=opts.backend_params,
             message_handler=self._on_message if self.config.is_producer else None,
-            descriptor_mode=opts.descriptor_mode,
-            handshake_timeout_s=opts.handshake_timeout_s,
-            handshake_retries=opts.handshake_retries,
-            transfer_timeout_s=opts.transfer_timeout_s,
-            cuda_ipc=opts.cuda_ipc,
-            ipc_min_runs=opts.ipc_min_runs,
+            options=self.options,  # NixlOptions extends the endpoint's TransferOptions
         )
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s: side channel on %s, serving KV to peers", self.config.engine_id, self._endpoint.address)

@@ -42,7 +42,3 @@ class OffloadingConnector(SplitConnector):
         return OffloadWorker(
             self.offload_config, self.context.model_id, self.config.flush_timeout_s, wake=self.context.wakeup.ring
         )
-
-    def check_integrity(self) -> None:
-        """Tier invariants (free + used == capacity, pins, visibility); raises AssertionError."""
-        self.half.check_integrity()

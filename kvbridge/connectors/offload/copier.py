@@ -35,38 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
+from kvbridge.block_runs import Run, capped_runs, is_one_run, paired_runs
 from kvbridge.transfer.progress import drive_until
-
-Run = tuple[int, int, int]  # (src_start, dst_start, num_blocks)
-
-
-def coalesce_runs(src_ids: list[int], dst_ids: list[int]) -> list[Run]:
-    """Split a block mapping into runs contiguous on both sides."""
-    runs: list[Run] = []
-    for src, dst in zip(src_ids, dst_ids):
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((src, dst, 1))
-    return runs
-
-
-def split_dst_contiguous(src_ids: list[int], dst_ids: list[int], max_len: int) -> list[tuple[list[int], int]]:
-    """Split into segments whose destination ids are consecutive (at most `max_len` long).
-
-    Returns (source ids, first destination id) per segment: one gather + one DMA each.
-    """
-    segments: list[tuple[list[int], int]] = []
-    for src, dst in zip(src_ids, dst_ids):
-        if segments and segments[-1][1] + len(segments[-1][0]) == dst and len(segments[-1][0]) < max_len:
-            segments[-1][0].append(src)
-        else:
-            segments.append(([src], dst))
-    return segments
-
-
-def is_consecutive(ids: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
 
 
 class CopyHandle(ABC):
@@ -185,7 +155,7 @@ class ThreadCopier(BlockCopier):
         def job() -> None:
             if before is not None:
                 before()
-            runs = coalesce_runs(src_ids, dst_ids)
+            runs = paired_runs(src_ids, dst_ids)
             num_shares = min(self.num_threads, len(src_ids) * self.block_nbytes // self.MIN_SHARE_BYTES)
             first, *others = split_runs(runs, num_shares) or [[]]
             futures = [self._copy_threads.submit(_copy_share, src, dst, share) for share in others]
@@ -269,7 +239,8 @@ class CudaCopier(BlockCopier):
         device = self.kv_cache.device
         order = sorted(range(len(slots)), key=slots.__getitem__)  # host side contiguous when possible
         src_ids, dst_slots = [gpu_ids[i] for i in order], [slots[i] for i in order]
-        segments = split_dst_contiguous(src_ids, dst_slots, staging.shape[1])
+        # one gather + one DMA per run of consecutive host slots: (source ids, first slot)
+        segments = [(src_ids[i : i + n], dst_slots[i]) for i, n in capped_runs(dst_slots, staging.shape[1])]
         with torch.cuda.device(device):
             caller = torch.cuda.current_stream()
             try:
@@ -295,7 +266,7 @@ class CudaCopier(BlockCopier):
         for k, (ids, slot0) in enumerate(segments):
             n, host = len(ids), self.host_pool[slot0 : slot0 + len(ids)]
             seg_index, offset = index[offset : offset + n], offset + n
-            if is_consecutive(ids):  # strided KV: torch stages it on `dma` (a temporary, same cost)
+            if is_one_run(ids):  # strided KV: torch stages it on `dma` (a temporary, same cost)
                 torch.cuda.set_stream(dma)
                 dev = self.kv_cache[ids[0] : ids[0] + n]
                 (host.copy_(dev, non_blocking=True) if direction == "store" else dev.copy_(host, non_blocking=True))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.connectors.base import FinishResult, MatchResult
+from kvbridge.connectors.base import FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.disk_index import DiskTierIndex, scan_block_files
 from kvbridge.connectors.offload.host_index import HostTierIndex, SlotState
@@ -28,7 +28,6 @@ from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, Store
 from kvbridge.engine.block_hash import BlockHash
 
 if TYPE_CHECKING:
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
     from kvbridge.engine.request import Request
 
 

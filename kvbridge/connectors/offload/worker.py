@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from kvbridge.connectors.base import FinishedTransfers, FlushResult
+from kvbridge.connectors.latency import LatencyStats
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.copier import BlockCopier, CopyHandle, make_copier
 from kvbridge.connectors.offload.disk_tier import DiskTier
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
-from kvbridge.connectors.offload.stats import LatencyStats
 from kvbridge.errors import TransferTimeoutError
 from kvbridge.layout import KVCacheLayout
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
-from kvbridge.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.request import RequestStatus
 
 # vLLM's finished statuses -> kvbridge's (vLLM's RequestStatus is an IntEnum; compared by name so

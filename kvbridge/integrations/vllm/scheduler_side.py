@@ -16,9 +16,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from kvbridge.connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorOutput,
+    KVConnectorRole,
+    SchedulerOutput,
+)
 from kvbridge.connectors.factory import create_connector
-from kvbridge.engine.outputs import KVConnectorOutput
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.requests import RequestViews, first_group, step_output
 from kvbridge.integrations.vllm.stats import KVBridgeStats, StatsSnapshots, StepTimer
@@ -162,8 +167,6 @@ class SchedulerSide:
     def plan_drain(self):
         """The kvbridge half's plan for a connector-only step before a reset: what it planned since the
         last step (e.g. the leases of requests that just finished) and the finished requests held."""
-        from kvbridge.engine.outputs import SchedulerOutput
-
         return self.inner.build_connector_meta(SchedulerOutput(finished_req_ids=set(self._delayed)))
 
     def held_requests(self) -> dict[str, Any]:

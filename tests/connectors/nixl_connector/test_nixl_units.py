@@ -6,17 +6,18 @@ import numpy as np
 import pytest
 
 from kvbridge.config import KVTransferConfig
+from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
 from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
-from kvbridge.connectors.nixl.params import MAX_REMOTE_BLOCKS, parse_remote_prefill
 from kvbridge.connectors.nixl.peer_policy import PeerPolicy
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, NixlScheduler
 from kvbridge.connectors.nixl.stats import TransferStats, busy_seconds
-from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, InvalidRequestError
+from kvbridge.kv_transfer_params import MAX_REMOTE_BLOCKS, parse_remote_prefill
 from kvbridge.transfer.messages import LeaseRef
+from kvbridge.transfer.options import DescriptorMode, TransferOptions
 
 BS = 16
 
@@ -111,6 +112,10 @@ def test_options_reject_unknown_and_bad_values():
     assert NixlOptions.from_extra({"ipc_min_runs": 1}).ipc_min_runs == 1
     with pytest.raises(ConfigError, match="ipc_min_runs"):
         NixlOptions.from_extra({"ipc_min_runs": 0})
+    assert NixlOptions.from_extra({"descriptor_mode": "ranges"}).descriptor_mode is DescriptorMode.RANGES
+    with pytest.raises(ConfigError, match="NixlConnector option descriptor_mode='bogus'"):
+        NixlOptions.from_extra({"descriptor_mode": "bogus"})
+    assert isinstance(defaults, TransferOptions)  # the endpoint takes them as they are: one set of defaults
 
 
 def test_decode_asks_only_for_blocks_missing_locally_and_plans_one_read():

@@ -4,9 +4,9 @@ holder of the params can. A real prefill engine in another process, NIXL's side 
 from __future__ import annotations
 
 import pytest
-
-from kvbridge.connectors.nixl.release import release_remote_kv
 from prefill_node import BLOCK_SIZE, engine_kwargs, prefill_node
+
+from kvbridge.transfer.lease_release import release_remote_kv
 
 pytestmark = pytest.mark.nixl
 

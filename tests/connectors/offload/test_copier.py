@@ -1,4 +1,4 @@
-"""The copy engine: run coalescing, and block copies on the CPU threads and the CUDA stream path."""
+"""The copy engine: shares of runs, and block copies on the CPU threads and the CUDA stream path."""
 
 from __future__ import annotations
 
@@ -8,22 +8,13 @@ import threading
 import pytest
 import torch
 
+from kvbridge.block_runs import paired_runs
 from kvbridge.connectors.offload import copier as copier_module
-from kvbridge.connectors.offload.copier import coalesce_runs, make_copier, split_dst_contiguous, split_runs
+from kvbridge.connectors.offload.copier import make_copier, split_runs
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.layout import KVCacheLayout
 
 SHAPE = (3, 2, 4, 2, 8)  # [L, 2, block_size, H, D]
-
-
-def test_coalesce_runs_merges_adjacent_ids_on_both_sides():
-    assert coalesce_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
-    assert coalesce_runs([], []) == []
-
-
-def test_split_dst_contiguous_respects_max_len():
-    segments = split_dst_contiguous([9, 3, 7, 1, 2], [0, 1, 2, 5, 6], max_len=2)
-    assert segments == [([9, 3], 0), ([7], 2), ([1, 2], 5)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -31,7 +22,7 @@ def test_split_runs_cuts_into_even_shares_covering_every_block_once(seed):
     print("seed", seed)
     rng = random.Random(seed)
     src = rng.sample(range(200), 60)
-    runs = coalesce_runs(sorted(src), list(range(60))) + coalesce_runs(src[:10], list(range(100, 110)))
+    runs = paired_runs(sorted(src), list(range(60))) + paired_runs(src[:10], list(range(100, 110)))
     total = sum(n for _, _, n in runs)
     for num_shares in (1, 2, 3, 7, 500):
         shares = split_runs(runs, num_shares)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvbridge.connectors.base import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.scheduler import OffloadScheduler
-from kvbridge.engine.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 

@@ -1,42 +1,65 @@
-"""The scheduler's dealings with the scheduler-side connector half (see `connectors/base.py`).
+"""The scheduler's transfer bookkeeping: the scheduler-side connector half and the requests and
+blocks its transfers hold (see `connectors/base.py`).
 
 Pure bookkeeping (no torch), on the engine thread. Without a connector every method degrades to
 "no external tokens, nothing in flight".
 
 What it keeps:
-* parked requests (`WAITING_FOR_REMOTE_KVS`): blocks allocated, an async load in flight; they go
-  back to the front of the waiting queue when the worker names them in `finished_recving`, with
-  the loaded tokens counted as computed (at least one token left to compute) and the loaded full
-  blocks registered in the prefix cache;
+* parked requests (`WAITING_FOR_REMOTE_KVS`): blocks allocated, an async load in flight; they
+  resume when the worker names them in `finished_recving`, with the loaded tokens counted as
+  computed;
 * held blocks of finished requests: until `finished_sending` names them (`delay_free_blocks`), and,
   for a request aborted while its load was in flight, until `finished_recving` names it (nothing
   may be reused while a transfer still writes into it);
 * load errors: blocks the worker failed to load are never served from the prefix cache; their
   requests roll back to the first bad block (`recompute`) or finish with an error (`fail`).
+
+It decides and never acts on the scheduler: each report of the worker comes back as
+`TransferActions`, which the `Scheduler` applies to its queues, block tables and stats.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.errors import KVLoadError
 
 if TYPE_CHECKING:
-    from kvbridge.engine.outputs import KVConnectorOutput, SchedulerOutput
-    from kvbridge.engine.scheduler import RequestUpdate, Scheduler
+    from collections.abc import Container, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
 
-class ConnectorState:
+@dataclass
+class TransferActions:
+    """What the scheduler must do after a worker report, in field order."""
+
+    uncache_blocks: set[int] = field(default_factory=set)  # their load failed: never serve them from the cache
+    # Live requests holding such a block -> index of the first one: their blocks from there lose their hashes.
+    first_bad_block: dict[str, int] = field(default_factory=dict)
+    fail: dict[str, str] = field(default_factory=dict)  # request id -> error (load_failure_policy "fail")
+    roll_back: dict[str, int] = field(default_factory=dict)  # request id -> tokens still good ("recompute")
+    free: list[str] = field(default_factory=list)  # finished requests no transfer holds any more
+    resume: list[tuple[Request, int]] = field(default_factory=list)  # async load done: (request, tokens loaded)
+
+
+class BlockRelease(NamedTuple):
+    """What the bookkeeping decided for the blocks of a request that finished."""
+
+    kv_transfer_params: dict[str, Any] | None  # the connector's, for the client
+    free_blocks: bool  # False: a transfer still holds them; a later `TransferActions.free` names the request
+
+
+class TransferBookkeeping:
     """Connector calls and transfer-related request state, on behalf of one `Scheduler`."""
 
-    def __init__(self, connector: KVConnectorBase | None, scheduler: Scheduler, load_failure_policy: str) -> None:
+    def __init__(self, connector: KVConnectorBase | None, block_size: int, load_failure_policy: str) -> None:
         self.connector = connector
-        self._sched = scheduler
+        self.block_size = block_size
         self.load_failure_policy = load_failure_policy
         self._parked: dict[str, Request] = {}
         self._parked_tokens: dict[str, int] = {}  # tokens being loaded (local hit included)
@@ -91,89 +114,77 @@ class ConnectorState:
 
     # ------------------------------------------------------------------ after the step
 
-    def begin_update(self, kv_output: KVConnectorOutput, updates: list[RequestUpdate]) -> set[str]:
-        """Hand the worker's report to the connector and apply load errors. Returns the requests whose
-        step used bad KV: their progress this step is void (rolled back, or failed into `updates`)."""
+    def receive_report(self, kv_output: KVConnectorOutput, tables: Mapping[str, Sequence[int]]) -> TransferActions:
+        """Hand the worker's report to the connector and decide about its load errors. `tables` are the
+        live requests' block tables; a request named in `first_bad_block` used bad KV: its progress
+        this step is void (rolled back, or failed)."""
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
         invalid = kv_output.invalid_block_ids
+        actions = TransferActions(uncache_blocks=set(invalid))
         if not invalid:
-            return set()
-        kv, stats = self._sched.kv, self._sched.stats
-        stats.num_failed_load_blocks += len(invalid)
-        for block_id in invalid:
-            kv.pool.uncache_block(block_id)
-        spoiled: set[str] = set()
-        for request in list(self._sched.requests.values()):
-            table = kv.block_ids(request.request_id)
+            return actions
+        for request_id, table in tables.items():
             first_bad = next((i for i, b in enumerate(table) if b in invalid), None)
             if first_bad is None:
                 continue
-            kv.uncache_from(request.request_id, first_bad)
-            spoiled.add(request.request_id)
+            actions.first_bad_block[request_id] = first_bad
             if self.load_failure_policy == "fail":
-                stats.num_load_failures += 1
-                error = self._load_error(request, table, invalid, first_bad)
-                updates.append(self._sched.finish_request(request, RequestStatus.FINISHED_ERROR, str(error)))
+                actions.fail[request_id] = str(self._load_error(request_id, table, invalid, first_bad))
             else:
-                stats.num_load_recomputes += 1
-                self._roll_back(request, first_bad * kv.block_size)
-        return spoiled
+                num_good_tokens = first_bad * self.block_size
+                logger.warning("request %s: KV load failed from token %d on; recomputing", request_id, num_good_tokens)
+                if request_id in self._parked:
+                    self._failed_loads[request_id] = first_bad
+                actions.roll_back[request_id] = num_good_tokens
+        return actions
 
-    def _roll_back(self, request: Request, num_good_tokens: int) -> None:
-        logger.warning("request %s: KV load failed from token %d on; recomputing", request.request_id, num_good_tokens)
-        if request.request_id in self._parked:
-            self._failed_loads[request.request_id] = num_good_tokens // self._sched.block_size
-        else:
-            request.num_computed_tokens = min(request.num_computed_tokens, num_good_tokens)
-        request.num_external_tokens = max(0, min(request.num_external_tokens, num_good_tokens - request.num_cached_tokens))
-
-    def _load_error(self, request: Request, table: list[int], invalid: set[int], first_bad: int) -> KVLoadError:
+    def _load_error(self, request_id: str, table: Sequence[int], invalid: set[int], first_bad: int) -> KVLoadError:
         bad = [b for b in table if b in invalid]
         name = type(self.connector).__name__ if self.connector else "connector"
         return KVLoadError(
-            f"request {request.request_id}: {name} failed to load KV into {len(bad)} block(s) "
-            f"(from token {first_bad * self._sched.block_size} on) and load_failure_policy is 'fail'; "
+            f"request {request_id}: {name} failed to load KV into {len(bad)} block(s) "
+            f"(from token {first_bad * self.block_size} on) and load_failure_policy is 'fail'; "
             "retry the request, or set KVTransferConfig.load_failure_policy='recompute' to recompute such blocks locally"
         )
 
-    def end_update(self, kv_output: KVConnectorOutput) -> None:
-        """Resume requests whose loads finished; free blocks whose transfers finished."""
+    def finished_transfers(self, kv_output: KVConnectorOutput, live_req_ids: Container[str]) -> TransferActions:
+        """Requests whose loads finished resume; blocks whose transfers finished are freed.
+        `live_req_ids`: the requests that have not finished (a send may end before its request)."""
+        actions = TransferActions()
         for request_id in kv_output.finished_recving:
             if request_id in self._recv_hold:
                 self._recv_hold.discard(request_id)
-                self._free_if_released(request_id)
+                if self._is_released(request_id):
+                    actions.free.append(request_id)
             elif request_id in self._parked:
-                self._resume(self._parked.pop(request_id))
+                actions.resume.append(self._resume(self._parked.pop(request_id)))
         for request_id in kv_output.finished_sending:
             if request_id in self._send_hold:
                 self._send_hold.discard(request_id)
-                self._free_if_released(request_id)
-            elif request_id in self._sched.requests:
+                if self._is_released(request_id):
+                    actions.free.append(request_id)
+            elif request_id in live_req_ids:
                 self._early_sent.add(request_id)
+        return actions
 
-    def _resume(self, request: Request) -> None:
-        kv = self._sched.kv
+    def _resume(self, request: Request) -> tuple[Request, int]:
         num_loaded = self._parked_tokens.pop(request.request_id)
         first_bad = self._failed_loads.pop(request.request_id, None)
         if first_bad is not None:
-            num_loaded = min(num_loaded, first_bad * kv.block_size)
-        kv.cache_blocks(request, num_loaded)
-        # At least one token is computed: it yields the logits of the next token.
-        request.num_computed_tokens = min(num_loaded, request.num_tokens - 1)
-        request.status = RequestStatus.WAITING
-        self._sched.waiting.appendleft(request)
+            num_loaded = min(num_loaded, first_bad * self.block_size)
+        return request, num_loaded
 
     # ------------------------------------------------------------------ finishing
 
-    def release_blocks(self, request: Request) -> dict | None:
-        """A request finished: ask the connector, then free its blocks now or hold them for a transfer.
-        Returns the connector's kv_transfer_params for the client."""
+    def request_finished(self, request: Request, block_ids: list[int]) -> BlockRelease:
+        """A request finished: ask the connector, then decide whether its blocks are free now or held
+        for a transfer."""
         request_id = request.request_id
         delay, params = False, None
         if self.connector is not None:
             try:
-                delay, params = self.connector.request_finished(request, list(self._sched.kv.block_ids(request_id)))
+                delay, params = self.connector.request_finished(request, list(block_ids))
             except Exception as exc:  # noqa: BLE001 - this request ends in error; its blocks are freed as usual
                 logger.warning("request_finished failed for %s", request_id, exc_info=exc)
                 request.status = RequestStatus.FINISHED_ERROR
@@ -186,9 +197,7 @@ class ConnectorState:
         if delay and request_id not in self._early_sent:
             self._send_hold.add(request_id)
         self._early_sent.discard(request_id)
-        self._free_if_released(request_id)
-        return params
+        return BlockRelease(params, self._is_released(request_id))
 
-    def _free_if_released(self, request_id: str) -> None:
-        if request_id not in self._send_hold and request_id not in self._recv_hold:
-            self._sched.kv.free(request_id)
+    def _is_released(self, request_id: str) -> bool:
+        return request_id not in self._send_hold and request_id not in self._recv_hold

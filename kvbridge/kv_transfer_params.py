@@ -1,6 +1,8 @@
 """The `kv_transfer_params` that P/D requests carry, parsed and validated in one place.
 
-Flow (docs/pd-disaggregation.md):
+Connector-neutral: the NixlConnector builds and reads them, the HTTP API validates a request's
+before it reaches the engine, and a proxy releases the lease they name; none of them parses them
+another way. Flow (docs/pd-disaggregation.md):
 
     client/proxy -> prefill: {"do_remote_decode": true}
     prefill -> client/proxy: RemotePrefillParams as a dict (returned by `request_finished`)
@@ -18,7 +20,6 @@ import msgspec
 
 from kvbridge.errors import InvalidRequestError
 from kvbridge.transfer.messages import LeaseRef
-
 
 MAX_BLOCK_ID = (1 << 63) - 1  # block ids travel as int64 (NIXL descriptors, numpy)
 MAX_REMOTE_BLOCKS = 1 << 20  # far above any prompt; bounds what one request makes a node parse and plan
@@ -47,6 +48,11 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
+    @property
+    def side_channel_address(self) -> str:
+        """Where the prefill engine that holds the blocks answers."""
+        return tcp_address(self.remote_host, self.remote_port)
+
     def lease_ref(self) -> LeaseRef:
         """How the lease is named to the prefill engine in renewals and releases."""
         return LeaseRef(
@@ -55,6 +61,12 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
             block_ids=list(self.remote_block_ids),
             block_hash=self.remote_block_hash,
         )
+
+
+def tcp_address(host: str, port: int) -> str:
+    """A ZMQ TCP address; an IPv6 host goes in brackets."""
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}"
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

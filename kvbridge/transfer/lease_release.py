@@ -2,7 +2,8 @@
 leg fails, so the prefill frees the blocks at once instead of holding them until the lease expires.
 
 Only the holder of the kv_transfer_params can do this: the release names the lease by its token,
-block ids and block hash under the prefill's incarnation (see leases.py), like a decode node's.
+block ids and block hash under the prefill's incarnation, like a decode node's (the NixlConnector's
+leases: docs/pd-disaggregation.md).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ import logging
 import time
 from typing import Any
 
-from kvbridge.connectors.nixl.metadata import RemoteEngine
-from kvbridge.connectors.nixl.params import parse_remote_prefill
 from kvbridge.errors import KVBridgeError
+from kvbridge.kv_transfer_params import parse_remote_prefill
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.auth import audience_of
 from kvbridge.transfer.side_channel import SideChannelClient
@@ -35,17 +35,17 @@ def release_remote_kv(
     params = parse_remote_prefill({**kv_transfer_params, "do_remote_prefill": True})
     if not params.remote_block_ids:
         return True  # nothing was held
-    remote = RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation)
-    msg = m.TransferDone(engine_id=engine_id, incarnation=remote.incarnation, failed_leases=[params.lease_ref()])
-    audience = audience_of(remote.engine_id, remote.incarnation)
+    address = params.side_channel_address
+    msg = m.TransferDone(engine_id=engine_id, incarnation=params.remote_incarnation, failed_leases=[params.lease_ref()])
+    audience = audience_of(params.remote_engine_id, params.remote_incarnation)
     deadline = time.monotonic() + timeout_s
-    client = SideChannelClient(remote.address, secret, timeout_s=timeout_s, retries=0)
+    client = SideChannelClient(address, secret, timeout_s=timeout_s, retries=0)
     try:
         while True:
             try:
                 reply = client.request(msg, timeout_s=max(0.05, deadline - time.monotonic()), audience=audience)
             except KVBridgeError as e:
-                logger.warning("releasing the lease of %s at %s failed: %s", params.remote_request_id, remote.address, e)
+                logger.warning("releasing the lease of %s at %s failed: %s", params.remote_request_id, address, e)
                 return False
             if not isinstance(reply, m.TransferDoneReply):
                 return False
