@@ -9,6 +9,7 @@ import re
 import sys
 
 from kvbridge import __version__, env
+from kvbridge.errors import ConfigError
 
 # command -> (module with add_arguments(parser) and run(args) -> int, one-line help, default log level).
 # Servers log at INFO (start-up progress, one line per request); one-shot commands only warnings.
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.log_level not in LOG_LEVELS:  # a default from KVBRIDGE_LOG_LEVEL, which argparse does not check
         parser.error(f"KVBRIDGE_LOG_LEVEL={args.log_level!r}; expected one of {', '.join(LOG_LEVELS)}")
+    try:
+        env.validate()
+    except ConfigError as exc:
+        parser.error(str(exc))  # usage error: exit 2
     # Other libraries' loggers stay at WARNING; --log-level sets kvbridge's own.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvbridge").setLevel(args.log_level)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from kvbridge.errors import ConfigError
+
 
 def _get_str(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
@@ -16,7 +18,7 @@ def _get_float(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ConfigError(f"environment variable {name}={raw!r} is not a number") from None
 
 
 def _get_bool(name: str, default: bool) -> bool:
@@ -67,7 +69,7 @@ def nixl_progress_delay_us() -> float:
     work (default 100 us). 0 spins, as NIXL's Python wrapper does: a whole core per idle agent."""
     value = _get_float("KVBRIDGE_NIXL_PROGRESS_DELAY_US", 100.0)
     if value < 0:
-        raise ValueError(f"KVBRIDGE_NIXL_PROGRESS_DELAY_US={value} must be >= 0")
+        raise ConfigError(f"environment variable KVBRIDGE_NIXL_PROGRESS_DELAY_US={value:g} must be >= 0")
     return value
 
 
@@ -91,3 +93,10 @@ def torch_uses_expandable_segments() -> bool:
 def ucx_tls() -> str | None:
     """UCX_TLS (UCX's transport list, read here only to explain a backend that fails to start)."""
     return os.environ.get("UCX_TLS") or None
+
+
+def validate() -> None:
+    """Read every numeric variable once: a malformed value is a ConfigError at start, not a
+    traceback from deep inside an engine's start-up."""
+    flush_timeout_s()
+    nixl_progress_delay_us()

@@ -119,6 +119,13 @@ def test_a_bad_log_level_in_the_environment_is_a_usage_error():
     assert proc.returncode == 2 and "KVBRIDGE_LOG_LEVEL='LOUD'; expected one of DEBUG, INFO, WARNING, ERROR" in proc.stderr
 
 
+@pytest.mark.parametrize("name, value", [("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "abc"), ("KVBRIDGE_FLUSH_TIMEOUT_S", "1s")])
+def test_a_malformed_number_in_the_environment_is_a_usage_error(name, value):
+    proc = _run("serve", "--role", "prefill", env={name: value})
+    assert proc.returncode == 2, proc.stderr
+    assert f"environment variable {name}={value!r} is not a number" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # ---------------------------------------------------------------------------------------- user errors
 
 
