@@ -25,8 +25,13 @@ def root_hash(namespace: str = "") -> BlockHash:
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Hash of one full block given its parent's hash."""
+    return _hash_ids(parent, np.asarray(token_ids, dtype=np.int64))
+
+
+def _hash_ids(parent: BlockHash, ids: np.ndarray) -> BlockHash:
+    """`ids`: one block's token ids as contiguous int64 (hashed as their bytes, no copy)."""
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(ids)
     return BlockHash(digest.digest())
 
 
@@ -39,7 +44,10 @@ def hash_full_blocks(
     """Hashes of every full block of `token_ids`, extending the already-known prefix `known`."""
     hashes = list(known)
     parent = hashes[-1] if hashes else root_hash(namespace)
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+    first = len(hashes) * block_size
+    # One conversion for all new blocks (a 4,096-token prompt: 256 blocks), not one per block.
+    ids = np.asarray(token_ids[first:], dtype=np.int64)
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = _hash_ids(parent, ids[start : start + block_size])
         hashes.append(parent)
     return hashes

@@ -11,13 +11,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import InvalidRequestError
 
 
 def _first_outside(token_ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
-    """(position, id) of the first token id outside [0, vocab_size), or None."""
-    return next(((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
+    """(position, id) of the first token id outside [0, vocab_size), or None. Vectorized: a Python
+    loop over a 4,096-token prompt cost ~0.4 ms of every request's admission."""
+    try:
+        ids = np.asarray(token_ids, dtype=np.int64)
+    except OverflowError:  # an id past 64 bits, outside any vocabulary: find it the slow way
+        return next(((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    return (int(outside[0]), int(ids[outside[0]])) if len(outside) else None
 
 
 @dataclass(frozen=True)
