@@ -164,8 +164,24 @@ class PDProxy:
         prefill = await self.upstream.prefill(path, body, routed.prompt, deadline) if routed.disaggregated else None
         kv_params = prefill.value.get("kv_transfer_params") if prefill else None
         t1, complete = time.monotonic(), False
+
+        def annotate(kvbridge: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
+            kvbridge["proxy"] = {
+                "prefill_url": prefill.url if prefill else None,
+                "decode_url": decode_url,
+                "prefill_attempts": prefill.num_attempts if prefill else None,
+                "decode_attempts": decode_attempts,
+                "disaggregated": routed.disaggregated,
+                "recomputed": prefill is None,
+                "prefill_s": round(t1 - t0, 6),
+                "decode_s": round(time.monotonic() - t1, 6),
+                "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,
+            }
+
         try:
-            decode = await self.upstream.decode(request, path, decode_body(body, kv_params), routed.prompt, deadline)
+            decode = await self.upstream.decode(
+                request, path, decode_body(body, kv_params), routed.prompt, deadline, annotate
+            )
             response, complete = decode.value
         except LegFailed as exc:
             return self._leg_failed(exc)
@@ -175,17 +191,7 @@ class PDProxy:
         if isinstance(response, web.StreamResponse):
             return response
         if isinstance(response.get("kvbridge"), dict):
-            response["kvbridge"]["proxy"] = {
-                "prefill_url": prefill.url if prefill else None,
-                "decode_url": decode.url,
-                "prefill_attempts": prefill.num_attempts if prefill else None,
-                "decode_attempts": decode.num_attempts,
-                "disaggregated": routed.disaggregated,
-                "recomputed": prefill is None,
-                "prefill_s": round(t1 - t0, 6),
-                "decode_s": round(time.monotonic() - t1, 6),
-                "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,
-            }
+            annotate(response["kvbridge"], decode.url, decode.num_attempts)
         return web.json_response(response)
 
     def _leg_failed(self, exc: LegFailed) -> web.Response:

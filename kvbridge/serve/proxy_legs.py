@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -83,6 +84,11 @@ class Leg(NamedTuple):
     role: str  # "prefill" | "decode"
     pool: NodePool
     policy: RoutingPolicy
+
+
+# Called with a decode answer's `kvbridge` object, the decode node's URL and the attempt number: adds
+# the proxy's own entry. Applied to the JSON answer by the caller, to a stream's events as they pass.
+Annotate = Callable[[dict[str, Any], str, int], None]
 
 
 class Answer(NamedTuple):
@@ -197,12 +203,15 @@ class Upstream:
             return None
 
     async def decode(
-        self, request: web.Request, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline
-    ) -> Answer:
+        self, request: web.Request, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline,
+        annotate: Annotate,
+    ) -> Answer:  # fmt: skip
         """The decode leg for `body` (the decode node's request, KV params included) at `path`. The
-        answer's value: (the JSON answer, or the stream already relayed to the client; whether it
-        arrived whole). Raises LegFailed, Reply, or TimeoutError at the deadline."""
-        attempt = functools.partial(self._decode_on, request=request, path=path, body=body, deadline=deadline)
+        answer's value: (the JSON answer, or the stream already relayed to the client, its events'
+        `kvbridge` objects passed through `annotate`; whether it arrived whole). Raises LegFailed,
+        Reply, or TimeoutError at the deadline."""
+        attempt = functools.partial(self._decode_on, request=request, path=path, body=body, deadline=deadline,
+                                    annotate=annotate, attempts=itertools.count(1))  # fmt: skip
         return await self._on_some_node(self.decode_leg, prompt, attempt)
 
     async def models(self) -> web.Response:
@@ -221,10 +230,12 @@ class Upstream:
         return (await self._on_some_node(self.decode_leg, (), fetch)).value
 
     async def _decode_on(
-        self, url: str, request: web.Request, path: str, body: dict[str, Any], deadline: Deadline
-    ) -> tuple[dict[str, Any] | web.StreamResponse, bool]:
+        self, url: str, request: web.Request, path: str, body: dict[str, Any], deadline: Deadline,
+        annotate: Annotate, attempts: itertools.count,
+    ) -> tuple[dict[str, Any] | web.StreamResponse, bool]:  # fmt: skip
         """The decode node's answer (a JSON object, or the stream relayed to the client) and whether
         it arrived whole. NodeFailed only until the client has been sent a byte."""
+        attempt_no = next(attempts)
         resp = None
         try:
             async with deadline.timeout():
@@ -237,7 +248,8 @@ class Upstream:
                     raise self._node_failed(self.decode_leg, url, 502, f"decode node {url} failed before it answered: {exc}") from None
                 if not first:
                     raise self._node_failed(self.decode_leg, url, 502, f"decode node {url} ended its stream before it answered")
-            return await self._relay(request, resp, first, url)
+            events = _AnnotatedEvents(lambda kvbridge: annotate(kvbridge, url, attempt_no))
+            return await self._relay(request, resp, first, url, events)
         except BaseException:
             if resp is not None:
                 resp.close()  # a failure or a client that hung up: drop the connection so the node aborts
@@ -247,14 +259,16 @@ class Upstream:
                 resp.release()
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, first: bytes, url: str
+        self, request: web.Request, upstream: aiohttp.ClientResponse, first: bytes, url: str, events: _AnnotatedEvents
     ) -> tuple[web.StreamResponse, bool]:
-        """Copy the decode node's SSE stream to the client as it arrives, `first` bytes first."""
+        """Copy the decode node's SSE stream to the client event by event as it arrives, `first`
+        bytes first, the `kvbridge` objects annotated."""
         response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         data = first
         while data:
-            await response.write(data)  # a client that hung up raises here: not the node's failure
+            if whole := events.feed(data):
+                await response.write(whole)  # a client that hung up raises here: not the node's failure
             try:
                 data = await upstream.content.readany()
             except UPSTREAM_ERRORS as exc:
@@ -264,10 +278,43 @@ class Upstream:
                 await response.write_eof()
                 return response, False
         try:
+            if tail := events.rest():
+                await response.write(tail)
             await response.write_eof()
         except ConnectionResetError:
             pass  # the client hung up after the last event: the answer was whole all the same
         return response, True
+
+
+class _AnnotatedEvents:
+    """Cuts a server-sent event stream into whole events and passes each on byte for byte, except
+    the JSON events that carry a `kvbridge` object, which go through `annotate` first."""
+
+    def __init__(self, annotate: Callable[[dict[str, Any]], None]) -> None:
+        self._annotate = annotate
+        self._partial = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """The events that `data` completes (possibly none)."""
+        *whole, self._partial = (self._partial + data).split(b"\n\n")
+        return b"".join(self._annotated(event) + b"\n\n" for event in whole)
+
+    def rest(self) -> bytes:
+        """Bytes after the last whole event, at the stream's end."""
+        rest, self._partial = self._partial, b""
+        return rest
+
+    def _annotated(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {") or b'"kvbridge"' not in event:
+            return event
+        try:
+            chunk = json.loads(event[len(b"data: ") :])
+        except ValueError:
+            return event
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("kvbridge"), dict):
+            return event
+        self._annotate(chunk["kvbridge"])
+        return b"data: " + json.dumps(chunk).encode()
 
 
 def _error_message(text: str) -> str:

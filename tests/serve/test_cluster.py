@@ -126,6 +126,12 @@ def test_pd_streaming_through_the_proxy(pd_cluster):
     chunks = [json.loads(e) for e in events[:-1]]
     assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
     assert chunks[-1]["kvbridge"]["num_external_tokens"] >= 64  # the prompt's full blocks were pulled
+    # The proxy's entry, as in a plain answer: the stream's last chunk carries it.
+    _, plain = http_json(f"{pd_cluster.proxy_url}/v1/completions", {**body, "stream": False}, timeout_s=60)
+    streamed = chunks[-1]["kvbridge"]["proxy"]
+    assert streamed.keys() == plain["kvbridge"]["proxy"].keys()
+    assert streamed["disaggregated"] and not streamed["recomputed"] and streamed["decode_attempts"] == 1
+    assert streamed["decode_url"] in [d.url for d in pd_cluster.decode]
 
 
 @pytest.mark.nixl

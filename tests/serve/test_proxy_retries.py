@@ -262,3 +262,17 @@ def test_models_metrics_and_the_proxys_own_errors_are_openai_shaped():
         assert metrics[("kvbridge_proxy_node_readmissions_total", _node(role, url))] == 0
     assert metrics[("kvbridge_proxy_node_requests_total", _node("decode", urls[1]))] == 1  # the /v1/models
     assert metrics[("kvbridge_proxy_kv_releases_total", (("outcome", "released"),))] == 0
+
+
+def test_stream_events_are_passed_whole_and_only_kvbridge_objects_change():
+    from kvbridge.serve.proxy_legs import _AnnotatedEvents
+
+    events = _AnnotatedEvents(lambda kvbridge: kvbridge.update(proxy={"decode_url": "u"}))
+    stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
+              b'data: {"choices": [], "kvbridge": {"ttft_s": 0.1}}\n\n'
+              b"data: [DONE]\n\n")  # fmt: skip
+    out = b"".join(events.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + events.rest()
+    first, last, done = out.split(b"\n\n")[:3]
+    assert first == b'data: {"choices": [{"text": "a"}]}'  # byte for byte
+    assert json.loads(last[len(b"data: "):])["kvbridge"] == {"ttft_s": 0.1, "proxy": {"decode_url": "u"}}
+    assert done == b"data: [DONE]" and out.endswith(b"\n\n")
