@@ -11,12 +11,15 @@ their slots, (2) attends. It reads only the strided per-layer view `kv_cache[:, 
 Everything per token (positions, slots, masks) is derived on the device from a few per-request
 tensors with fixed-shape ops (`build_metadata`): nothing waits on the host, and a CUDA graph can
 capture it (cuda_graphs.py). Grouped-query attention folds the query heads of one KV head into the
-query axis, so K/V are never repeated.
+query axis, so K/V are never repeated. On a GPU with Triton, decode batches skip the gather:
+`paged_decode.py` attends while it reads the blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,6 +67,7 @@ class PaddedBatch(NamedTuple):
     # are the batch's new tokens (`RequestBatch.is_from_start`), L = Q.
     key_pad: torch.Tensor | None
     num_queries: int
+    context_lens: torch.Tensor | None = None  # [B] keys of each request (decode batches: for paged_decode)
 
 
 class AttentionMetadata(NamedTuple):
@@ -125,7 +129,8 @@ def _pad(
     if not req.is_from_start:
         is_past_context = key_pos[None, :] >= (req.starts + req.num_new)[:, None]  # [B, L]
         key_pad = is_past_context.view(num_reqs, -1, block_size, 1, 1)
-    batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, key_pad, req.num_queries)
+    context_lens = req.starts + req.num_new if req.num_queries == 1 else None
+    batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, key_pad, req.num_queries, context_lens)
     targets = torch.where(is_real, query_rows, num_tokens).reshape(1, -1)
     slot_blocks = req.block_table.gather(1, query_pos // block_size)  # [B, Q]
     output_rows = first_output_row + torch.arange(num_reqs * req.num_queries, device=device)
@@ -159,6 +164,16 @@ def _lone_decode(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale).add_(mask)  # [1, Hkv, group, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v)
+
+
+@functools.cache
+def _decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """`paged_decode` (paged_decode.py) where Triton is installed, as with CUDA builds of torch."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from kvbridge.engine.paged_decode import paged_decode
+
+    return paged_decode
 
 
 def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -202,6 +217,10 @@ class PagedAttention:
         # -> [B * Q, Hq, D], one row per query slot.
         num_reqs, num_queries = batch.block_table.shape[0], batch.num_queries
         queries = q if batch.query_rows is None else q[batch.query_rows]
+        if batch.context_lens is not None and batch.key_pad is not None and q.is_cuda and (kernel := _decode_kernel()):
+            # Decodes on a GPU: attend while reading the blocks, no gathered copy of the keys.
+            return kernel(queries.contiguous(), kv_layer[:, 0], kv_layer[:, 1], batch.block_table,
+                          batch.context_lens, self.scale)  # fmt: skip
         qf = _fold_gqa(queries.view(num_reqs, num_queries, *q.shape[1:]), k.shape[1])
         if batch.key_pad is None:
             keys, values = _new_keys(k, batch), _new_keys(v, batch)  # [B, Hkv, Q, D]

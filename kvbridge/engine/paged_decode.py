@@ -1,0 +1,144 @@
+"""Decode attention that reads K/V in place from the paged cache (Triton, CUDA only).
+
+The padded-SDPA path (attention.py) first gathers every decode request's keys and values out of
+their blocks into contiguous tensors, then attends: at 4,096 tokens of context that copy is ~0.9 ms
+of a 5.3 ms kv8b decode step on an H200 (docs/benchmarks.md). Here one kernel walks each request's
+block table and attends as it reads (flash-decoding):
+
+    grid (request, KV head, split): the split's blocks -> partial softmax state (max, sum, weighted V)
+    grid (request, KV head):        the splits' states -> the output rows of the KV head's query heads
+
+Splitting the keys over programs keeps the GPU busy at batch 1 (8 KV heads would be 8 programs);
+every split has `BLOCKS_PER_SPLIT` blocks, so the grid depends only on the batch's table width and
+a CUDA graph can capture it. The query heads that share a KV head (GQA) are computed together, so
+each K/V byte is read once. Scores and the softmax state are float32.
+
+Only decode batches (one query per request) come here, on CUDA, when Triton is installed;
+`PagedAttention` uses the gather path otherwise. `TRITON_INTERPRET=1` runs the kernels on the CPU
+(slowly), which is how the tests check them without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCKS_PER_SPLIT = 16  # cache blocks one program reads (256 keys of 16-token blocks)
+# The running max before any key is -1e30 (a literal in the kernels: Triton reads no plain globals):
+# finite, so a split whose keys are all past the context stays free of NaN (exp(-inf - -inf)).
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
+    scale, table_width,
+    s_qb, s_qh,  # q [B, Hq, D], last stride 1
+    s_kb, s_ks, s_kh,  # K/V cache [NB, bs, Hkv, D] (same strides for V), last stride 1
+    s_tb,  # block table [B, NB]
+    num_splits,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+):  # fmt: skip
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, HEAD_DIM)
+    s = tl.arange(0, BLOCK_SIZE)
+    g_ok = g < GROUP
+    q_rows = q_ptr + req * s_qb + (kv_head * GROUP + g)[:, None] * s_qh + d[None, :]
+    q = tl.load(q_rows, mask=g_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
+    context_len = tl.load(lens_ptr + req)
+
+    m = tl.full([GROUP_P2], -1.0e30, tl.float32)
+    l = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for i in range(BLOCKS_PER_SPLIT):
+        block_no = split * BLOCKS_PER_SPLIT + i
+        key_pos = block_no * BLOCK_SIZE + s  # [bs]
+        key_ok = key_pos < context_len
+        block = tl.load(table_ptr + req * s_tb + block_no, mask=block_no < table_width, other=0)
+        offsets = block * s_kb + s[:, None] * s_ks + kv_head * s_kh + d[None, :]  # [bs, D]
+        k = tl.load(k_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, bs]
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    state = (req * tl.num_programs(1) + kv_head) * num_splits + split  # [B, Hkv, S] flattened
+    tl.store(m_ptr + state * GROUP_P2 + g, m)
+    tl.store(l_ptr + state * GROUP_P2 + g, l)
+    tl.store(acc_ptr + (state * GROUP_P2 + g)[:, None] * HEAD_DIM + d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    s_ob, s_oh,  # out [B, Hq, D], last stride 1
+    num_splits,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+):  # fmt: skip
+    req, kv_head = tl.program_id(0), tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, HEAD_DIM)
+    sp_ok = sp < num_splits
+    first = (req * tl.num_programs(1) + kv_head) * num_splits
+    states = (first + sp)[:, None] * GROUP_P2 + g[None, :]  # [S, G]
+    m = tl.load(m_ptr + states, mask=sp_ok[:, None], other=-1.0e30)
+    l = tl.load(l_ptr + states, mask=sp_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)  # [G]: a real score, every request has a key
+    weight = tl.exp(m - m_max[None, :])  # [S, G]; 0 for empty splits
+    total = tl.sum(l * weight, axis=0)  # [G]
+    out = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for i in range(SPLITS_P2):
+        if i < num_splits:
+            w = tl.sum(tl.where((sp == i)[:, None], weight, 0.0), axis=0)  # [G]: split i's weight
+            row = acc_ptr + ((first + i) * GROUP_P2 + g)[:, None] * HEAD_DIM + d[None, :]
+            out += tl.load(row) * w[:, None]
+    out = out / total[:, None]
+    rows = out_ptr + req * s_ob + (kv_head * GROUP + g)[:, None] * s_oh + d[None, :]
+    tl.store(rows, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """q [B, Hq, D] (one query per request) over the keys [0, context_lens[b]) of request b, read
+    through `block_table` [B, NB] from k_cache/v_cache [num_blocks, block_size, Hkv, D] (strided
+    views of one layer) -> [B, Hq, D] in q's dtype."""
+    num_reqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("paged_decode needs K and V with the same strides and contiguous heads")
+    group = num_q_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    table_width = block_table.shape[1]
+    num_splits = triton.cdiv(table_width, BLOCKS_PER_SPLIT)
+    states = num_reqs * num_kv_heads * num_splits * group_p2
+    m = torch.empty(states, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(states, head_dim, dtype=torch.float32, device=q.device)
+    _split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, context_lens, m, l, acc,
+        scale, table_width,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        num_splits,
+        GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _combine_kernel[(num_reqs, num_kv_heads)](
+        m, l, acc, out,
+        out.stride(0), out.stride(1),
+        num_splits,
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out
