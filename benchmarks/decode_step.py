@@ -32,6 +32,7 @@ from common import machine_info, versions
 from engine_throughput import ContiguousKVAttention, sync
 
 from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvbridge.engine import attention
 from kvbridge.engine.core import EngineCore
 from kvbridge.engine.sampling_params import SamplingParams
 
@@ -125,6 +126,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="add the GPU-time profile of graph steps")
+    parser.add_argument("--compare-gather", action="store_true",
+                        help="also time graph steps with decode attention through gather + SDPA instead of the "
+                        "Triton kernel (mode graphs_gather)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     batches = args.batch or [1, 32]
@@ -134,7 +138,11 @@ def main() -> None:
     num_steps = args.warmup + args.reps
     max_tokens = max(batches) * (args.context_len + num_steps * (1 + args.profile) + 1)
     results = {b: {} for b in batches}
-    for mode, enforce_eager in (("graphs", False), ("eager", True)):
+    modes = [("graphs", False), ("eager", True)] + [("graphs_gather", False)] * args.compare_gather
+    for mode, enforce_eager in modes:
+        attention._decode_kernel.cache_clear()
+        if mode == "graphs_gather":
+            attention._decode_kernel = lambda block_size, head_dim: None
         config = EngineConfig(
             model=ModelConfig(args.preset, args.dtype, args.device, seed=args.seed, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=args.block_size, num_blocks=-(-max_tokens // args.block_size) + max(batches),
@@ -159,7 +167,7 @@ def main() -> None:
             engine.shutdown()
 
     for figures in results.values():
-        for mode in ("graphs", "eager"):
+        for mode in [m for m, _ in modes]:
             figures[f"{mode}_speedup_vs_dense"] = figures["dense"]["median_ms"] / figures[mode]["median_ms"]
     report = {
         "benchmark": "decode_step",

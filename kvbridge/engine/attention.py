@@ -167,13 +167,14 @@ def _lone_decode(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 @functools.cache
-def _decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """`paged_decode` (paged_decode.py) where Triton is installed, as with CUDA builds of torch."""
+def _decode_kernel(block_size: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
+    """`paged_decode` (paged_decode.py) where Triton is installed, as with CUDA builds of torch,
+    and runs this geometry."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from kvbridge.engine.paged_decode import paged_decode
+    from kvbridge.engine.paged_decode import paged_decode, supports
 
-    return paged_decode
+    return paged_decode if supports(block_size, head_dim) else None
 
 
 def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -217,7 +218,10 @@ class PagedAttention:
         # -> [B * Q, Hq, D], one row per query slot.
         num_reqs, num_queries = batch.block_table.shape[0], batch.num_queries
         queries = q if batch.query_rows is None else q[batch.query_rows]
-        if batch.context_lens is not None and batch.key_pad is not None and q.is_cuda and (kernel := _decode_kernel()):
+        if (
+            batch.context_lens is not None and batch.key_pad is not None and q.is_cuda
+            and (kernel := _decode_kernel(kv_layer.shape[2], q.shape[-1]))
+        ):  # fmt: skip
             # Decodes on a GPU: attend while reading the blocks, no gathered copy of the keys.
             return kernel(queries.contiguous(), kv_layer[:, 0], kv_layer[:, 1], batch.block_table,
                           batch.context_lens, self.scale)  # fmt: skip

@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 
 BLOCKS_PER_SPLIT = 16  # cache blocks one program reads (256 keys of 16-token blocks)
+KEYS_PER_ITER = 64  # keys one iteration loads and multiplies at once (whole blocks of them)
+MIN_ROWS = 16  # tl.dot needs 16 rows: a KV head's query heads are padded up to it
 # The running max before any key is -1e30 (a literal in the kernels: Triton reads no plain globals):
 # finite, so a split whose keys are all past the context stays free of NaN (exp(-inf - -inf)).
 
@@ -38,34 +40,42 @@ def _split_kernel(
     s_tb,  # block table [B, NB]
     num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr, KEYS_PER_ITER: tl.constexpr, IS_FP32: tl.constexpr,
 ):  # fmt: skip
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, GROUP_P2)
     d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    g_ok = g < GROUP
+    j = tl.arange(0, KEYS_PER_ITER)
     q_rows = q_ptr + req * s_qb + (kv_head * GROUP + g)[:, None] * s_qh + d[None, :]
-    q = tl.load(q_rows, mask=g_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
+    q = tl.load(q_rows, mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)  # [G, D], rows past the group: 0
     context_len = tl.load(lens_ptr + req)
 
     m = tl.full([GROUP_P2], -1.0e30, tl.float32)
     l = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for i in range(BLOCKS_PER_SPLIT):
-        block_no = split * BLOCKS_PER_SPLIT + i
-        key_pos = block_no * BLOCK_SIZE + s  # [bs]
+    first_key = split * BLOCKS_PER_SPLIT * BLOCK_SIZE
+    for it in range(BLOCKS_PER_SPLIT * BLOCK_SIZE // KEYS_PER_ITER):
+        key_pos = first_key + it * KEYS_PER_ITER + j  # [K]
+        block_no = key_pos // BLOCK_SIZE
         key_ok = key_pos < context_len
         block = tl.load(table_ptr + req * s_tb + block_no, mask=block_no < table_width, other=0)
-        offsets = block * s_kb + s[:, None] * s_ks + kv_head * s_kh + d[None, :]  # [bs, D]
-        k = tl.load(k_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, bs]
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        offsets = block[:, None] * s_kb + (key_pos % BLOCK_SIZE)[:, None] * s_ks + kv_head * s_kh + d[None, :]
+        # float32 operands; for a 16-bit cache TF32 products are exact (its 10-bit mantissa holds
+        # theirs), for a float32 cache IEEE keeps every bit.
+        k = tl.load(k_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)  # [K, D]
+        v = tl.load(v_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        if IS_FP32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision="tf32")
+        scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))  # [G, K]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_ptr + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IS_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32")
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
 
@@ -105,6 +115,20 @@ def _combine_kernel(
     tl.store(rows, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
+def _keys_per_iter(block_size: int) -> int:
+    return min(KEYS_PER_ITER, BLOCKS_PER_SPLIT * block_size)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(block_size: int, head_dim: int) -> bool:
+    """Whether the kernels can run this geometry: power-of-two tiles of at least 16 (tl.dot)."""
+    keys = _keys_per_iter(block_size)
+    return _is_pow2(keys) and keys >= MIN_ROWS and _is_pow2(head_dim) and head_dim >= MIN_ROWS
+
+
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     context_lens: torch.Tensor, scale: float,
@@ -117,7 +141,9 @@ def paged_decode(
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("paged_decode needs K and V with the same strides and contiguous heads")
     group = num_q_heads // num_kv_heads
-    group_p2 = triton.next_power_of_2(group)
+    group_p2 = max(MIN_ROWS, triton.next_power_of_2(group))
+    if not supports(block_size, head_dim):
+        raise ValueError(f"paged_decode cannot run blocks of {block_size} tokens with heads of {head_dim}")
     table_width = block_table.shape[1]
     num_splits = triton.cdiv(table_width, BLOCKS_PER_SPLIT)
     states = num_reqs * num_kv_heads * num_splits * group_p2
@@ -132,7 +158,7 @@ def paged_decode(
         block_table.stride(0),
         num_splits,
         GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT,
+        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, KEYS_PER_ITER=_keys_per_iter(block_size), IS_FP32=q.dtype == torch.float32,
     )  # fmt: skip
     out = torch.empty_like(q)
     _combine_kernel[(num_reqs, num_kv_heads)](
