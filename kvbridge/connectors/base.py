@@ -61,7 +61,7 @@ class ConnectorContext:
     model_id: str  # identifies the weights; part of the handshake compatibility hash
     block_size: int
     device: str  # device of the KV cache ("cpu", "cuda:0", ...)
-    hash_namespace: str = ""  # namespace of the chained block hashes (see engine/block_hash.py)
+    hash_namespace: str = ""  # namespace of the chained block hashes (see kvbridge/block_hash.py)
     layout: KVCacheLayout | None = None  # the KV cache geometry, when the engine knows it at build time
     # Random per context, so both halves built from one context share it: peers tell a restarted
     # engine on the same address from the one that answered before (the NixlConnector's leases).

@@ -6,7 +6,7 @@ import enum
 import time
 from typing import Any
 
-from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
+from kvbridge.block_hash import BlockHash, hash_full_blocks
 from kvbridge.engine.outputs import TokenLogprobs
 from kvbridge.engine.sampling_params import SamplingParams
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.block_hash import BlockHash
 from kvbridge.connectors.base import FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.disk_index import DiskTierIndex, scan_block_files
 from kvbridge.connectors.offload.host_index import HostTierIndex, SlotState
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
-from kvbridge.engine.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from kvbridge.engine.request import Request
