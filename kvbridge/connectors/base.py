@@ -17,7 +17,8 @@ processes. Every method is called on the engine thread unless its docstring says
 This module is the whole contract: the connector class, every type its methods take or return
 (`SchedulerOutput`, `KVConnectorOutput`, the answers), and the `SchedulerHalf` / `WorkerHalf`
 protocols a connector written as two plain objects implements (see `split.py`). The engine
-imports these types from here; nothing here depends on the engine beyond the `Request` it hands in.
+imports these types from here; nothing here depends on the engine: a connector reads a request
+through `ConnectorRequest`, which the engine's `Request` and the vLLM integration's view both satisfy.
 
 Per-step order, driven by `EngineCore.step()`:
 
@@ -45,13 +46,57 @@ from kvbridge.transfer.progress import Wakeup
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.engine.request import Request
+    from kvbridge.block_hash import BlockHash
     from kvbridge.layout import KVCacheLayout
 
 
 class KVConnectorRole(enum.Enum):
     SCHEDULER = enum.auto()
     WORKER = enum.auto()
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. Declared here, not in the engine, because connectors read it:
+    a producer hands a finished request's KV on only when it finished normally."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, an async KV load in flight
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. a KV load failed under the `fail` policy
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+
+class ConnectorRequest(Protocol):
+    """What a connector reads from a request, and all it may read: the engine's `Request` and the
+    vLLM integration's `RequestView` both provide it, so a connector works under either engine."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+
+    @property
+    def status(self) -> RequestStatus: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...  # prompt and output tokens so far
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> list[BlockHash]: ...  # chained hashes of every full block so far
 
 
 @dataclass(frozen=True)
@@ -82,7 +127,9 @@ class KVConnectorMetadata:
 class ScheduledRequest:
     """One request's share of a step: tokens [start, start + num_new_tokens) are computed."""
 
-    request: Request  # the scheduler's object; the model runner and connectors read it, never mutate it
+    # The scheduler's object: the engine's Request, of which the model runner reads more; connectors
+    # read what ConnectorRequest names. Neither mutates it.
+    request: ConnectorRequest
     start: int  # request.num_computed_tokens before this step
     num_new_tokens: int
     block_ids: list[int]  # every block the request holds, in token order, after this step's allocation
@@ -170,7 +217,7 @@ class KVConnectorBase(ABC):
     # ------------------------------------------------------------------ scheduler side
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         """How many tokens beyond the local prefix hit the connector can provide.
 
         Called by the scheduler for a waiting request before it allocates blocks; `num_computed_tokens`
@@ -181,7 +228,9 @@ class KVConnectorBase(ABC):
         again for the same request in a later step (if it could not be admitted).
         """
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """Record the blocks that external tokens will land in.
 
         Called by the scheduler once blocks were allocated for a request admitted with a non-zero
@@ -202,7 +251,7 @@ class KVConnectorBase(ABC):
         Called by the scheduler once per step after the model ran, before finished requests are freed.
         """
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
         """A request finished or was aborted; decide whether its blocks must outlive it.
 
         Called by the scheduler once per request. With `delay_free_blocks=True` the scheduler keeps the
@@ -319,15 +368,17 @@ class SchedulerHalf(Protocol):
     `check_integrity()` (see `KVConnectorBase.check_integrity`).
     """
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult: ...
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult: ...
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None: ...
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
 
     def update_connector_output(self, output: KVConnectorOutput) -> None: ...
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult: ...
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult: ...
 
     def has_pending_transfers(self) -> bool: ...
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.base import (
     ConnectorContext,
+    ConnectorRequest,
     FinishedTransfers,
     FinishResult,
     FlushResult,
@@ -44,7 +45,6 @@ from kvbridge.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
 _INHERITED = ("role", "engine_id", "load_failure_policy", "flush_timeout_s", "side_channel_host")
@@ -93,7 +93,7 @@ class MultiConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         self._load_owner.pop(request.request_id, None)
         for i, child in enumerate(self.children):
             num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -104,7 +104,9 @@ class MultiConnector(KVConnectorBase):
                 return MatchResult(num_tokens, load_async)
         return MatchResult(0, False)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         owner = self._load_owner.pop(request.request_id, None)
         for i, child in enumerate(self.children):
             child.update_state_after_alloc(request, block_ids, num_external_tokens if i == owner else 0)
@@ -119,7 +121,7 @@ class MultiConnector(KVConnectorBase):
         for key, child in zip(self._stats_keys(), self.children):
             child.update_connector_output(dataclasses.replace(output, stats=output.stats.get(key, {})))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
         self._load_owner.pop(request.request_id, None)
         delayed_by: list[int] = []
         params: dict[str, Any] | None = None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.connectors.base import (
     ConnectorContext,
+    ConnectorRequest,
     FinishedTransfers,
     FinishResult,
     FlushResult,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.config import KVTransferConfig
-    from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
 
@@ -82,10 +82,12 @@ class SplitConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -94,7 +96,7 @@ class SplitConnector(KVConnectorBase):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
         return self.scheduler.request_finished(request, block_ids)
 
     def has_pending_transfers(self) -> bool:

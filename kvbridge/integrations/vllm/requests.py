@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.block_hash import BlockHash, hash_full_blocks
-from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
-from kvbridge.engine.request import RequestStatus
+from kvbridge.connectors.base import RequestStatus, ScheduledRequest, SchedulerOutput
 
 # vLLM's finished statuses -> kvbridge's (vLLM's RequestStatus is an IntEnum; compared by name so
 # that this module does not import vLLM). Anything not listed and not finished is RUNNING enough
