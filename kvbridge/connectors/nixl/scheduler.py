@@ -120,7 +120,7 @@ class NixlScheduler:
         self._new_recvs[request.request_id] = RecvJob(
             request_id=request.request_id,
             remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
-            lease=params.lease_ref(),
+            lease=LeaseRef.of(params),
             local_block_ids=tuple(block_ids[first : first + count]),
             remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
         )
@@ -134,7 +134,7 @@ class NixlScheduler:
         self._new_recvs[request.request_id] = RecvJob(
             request_id=request.request_id,
             remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
-            lease=params.lease_ref(),
+            lease=LeaseRef.of(params),
             local_block_ids=(),
             remote_block_ids=(),
         )
@@ -170,7 +170,7 @@ class NixlScheduler:
         if not num_full:  # not one full block: nothing is held, the decode side computes the prompt
             return FinishResult(False, self._params(request, []).to_dict())
         params = self._params(request, block_ids[:num_full])
-        self._new_leases[request.request_id] = params.lease_ref()
+        self._new_leases[request.request_id] = LeaseRef.of(params)
         self._leased.add(request.request_id)
         return FinishResult(True, params.to_dict())
 
