@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_reference import dense_greedy
 
 from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
 from kvbridge.connectors.base import (
@@ -17,7 +18,6 @@ from kvbridge.connectors.base import (
     SchedulerOutput,
 )
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.reference import dense_greedy
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 
