@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -179,22 +180,23 @@ class MatchResult(NamedTuple):
     load_async: bool
 
 
-class FinishResult(NamedTuple):
-    """Answer of `request_finished`."""
+class KVHandoff(NamedTuple):
+    """Answer of `request_finished`: what becomes of a finished request's KV, whether its blocks
+    outlive it and what the client is told to fetch it by."""
 
     delay_free_blocks: bool  # True: the scheduler frees the blocks only once get_finished reports the request
     kv_transfer_params: dict[str, Any] | None  # returned to the client with the request's output
 
 
-class FinishedTransfers(NamedTuple):
+class CompletedTransfers(NamedTuple):
     """Answer of `get_finished`: request ids whose sends / receives completed since the last call."""
 
     finished_sending: set[str]
     finished_recving: set[str]
 
 
-class FlushResult(NamedTuple):
-    """Answer of `flush`.
+class FlushReport(NamedTuple):
+    """Answer of `flush`: how far draining the in-flight transfers got by the deadline.
 
     `is_complete` is True when nothing is in flight any more. `pending_req_ids` names the requests
     whose transfers are still in flight at the deadline; `num_failed` counts transfers that ended in
@@ -204,6 +206,23 @@ class FlushResult(NamedTuple):
     is_complete: bool
     pending_req_ids: frozenset[str] = frozenset()
     num_failed: int = 0
+
+
+# The answers' earlier names (`FinishResult`, `FinishedTransfers`, `FlushResult` read alike but
+# mean different things); connectors written against them still import, with a DeprecationWarning.
+_DEPRECATED_NAMES = {
+    "FinishResult": "KVHandoff",
+    "FinishedTransfers": "CompletedTransfers",
+    "FlushResult": "FlushReport",
+}
+
+
+def __getattr__(name: str) -> Any:
+    new_name = _DEPRECATED_NAMES.get(name)
+    if new_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use {new_name}", DeprecationWarning, stacklevel=2)
+    return globals()[new_name]
 
 
 class KVConnectorBase(ABC):
@@ -251,13 +270,13 @@ class KVConnectorBase(ABC):
         Called by the scheduler once per step after the model ran, before finished requests are freed.
         """
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         """A request finished or was aborted; decide whether its blocks must outlive it.
 
         Called by the scheduler once per request. With `delay_free_blocks=True` the scheduler keeps the
         blocks until the worker reports the request in `finished_sending` (a transfer or store in flight).
         """
-        return FinishResult(False, None)
+        return KVHandoff(False, None)
 
     def has_pending_transfers(self) -> bool:
         """True while any request this side knows of still waits on a transfer."""
@@ -309,19 +328,19 @@ class KVConnectorBase(ABC):
         complete before blocks are reused waits here, or reports them as pending through
         `request_finished` / `get_finished` instead of waiting."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         """Request ids whose sends / receives completed since the last call. Must not block.
 
         Called by the model runner once per step; `finished_req_ids` are the requests the scheduler
         finished since the last step.
         """
-        return FinishedTransfers(set(), set())
+        return CompletedTransfers(set(), set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; the scheduler recomputes or fails their requests."""
         return set()
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         """Drive every in-flight transfer to completion or failure, waiting at most `timeout_s`.
 
         Called by the engine before `reset_prefix_cache` touches blocks and before `shutdown`. Must
@@ -329,7 +348,7 @@ class KVConnectorBase(ABC):
         (finished sends/receives, load errors) are reported by the following `get_finished` and
         `get_block_ids_with_load_errors` calls as usual.
         """
-        return FlushResult(True)
+        return FlushReport(True)
 
     def shutdown(self) -> None:
         """Release everything: deregister memory from transports before it is freed, release
@@ -378,7 +397,7 @@ class SchedulerHalf(Protocol):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None: ...
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult: ...
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff: ...
 
     def has_pending_transfers(self) -> bool: ...
 
@@ -400,11 +419,11 @@ class WorkerHalf(Protocol):
 
     def wait_for_save(self, metadata: KVConnectorMetadata | None) -> None: ...
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers: ...
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers: ...
 
     def get_block_ids_with_load_errors(self) -> set[int]: ...
 
-    def flush(self, timeout_s: float) -> FlushResult: ...
+    def flush(self, timeout_s: float) -> FlushReport: ...
 
     def shutdown(self) -> None: ...
 

@@ -21,15 +21,15 @@ from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.connectors.base import (
+    CompletedTransfers,
     ConnectorContext,
     ConnectorRequest,
-    FinishedTransfers,
-    FinishResult,
-    FlushResult,
+    FlushReport,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
+    KVHandoff,
     MatchResult,
     SchedulerHalf,
     SchedulerOutput,
@@ -96,7 +96,7 @@ class SplitConnector(KVConnectorBase):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(output)
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         return self.scheduler.request_finished(request, block_ids)
 
     def has_pending_transfers(self) -> bool:
@@ -117,7 +117,7 @@ class SplitConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._step_metadata())
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -127,8 +127,8 @@ class SplitConnector(KVConnectorBase):
         step_stats = getattr(self.worker, "get_step_stats", None)  # optional for worker halves
         return step_stats() if step_stats is not None else {}
 
-    def flush(self, timeout_s: float) -> FlushResult:
-        return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushResult(True)
+    def flush(self, timeout_s: float) -> FlushReport:
+        return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushReport(True)
 
     def shutdown(self) -> None:
         if self._worker_half is not None:

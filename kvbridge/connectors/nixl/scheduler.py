@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.connectors.base import (
     ConnectorRequest,
-    FinishResult,
     KVConnectorOutput,
+    KVHandoff,
     MatchResult,
     RequestStatus,
     SchedulerOutput,
@@ -157,22 +157,22 @@ class NixlScheduler:
 
     # ------------------------------------------------------------------ prefill
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         if request.request_id not in self._handled:
             self._release_unread(request)
         self._handled.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return FinishResult(False, None)  # aborted or failed: there is nothing worth reading
+            return KVHandoff(False, None)  # aborted or failed: there is nothing worth reading
         num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
         if not num_full:  # not one full block: nothing is held, the decode side computes the prompt
-            return FinishResult(False, self._params(request, []).to_dict())
+            return KVHandoff(False, self._params(request, []).to_dict())
         params = self._params(request, block_ids[:num_full])
         self._new_leases[request.request_id] = LeaseRef.of(params)
         self._leased.add(request.request_id)
-        return FinishResult(True, params.to_dict())
+        return KVHandoff(True, params.to_dict())
 
     def _params(self, request: ConnectorRequest, held: list[int]) -> RemotePrefillParams:
         """What the decode side needs to read `held` and to prove it read this request's blocks."""

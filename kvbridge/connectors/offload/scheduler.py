@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.block_hash import BlockHash
-from kvbridge.connectors.base import ConnectorRequest, FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
+from kvbridge.connectors.base import ConnectorRequest, KVConnectorOutput, KVHandoff, MatchResult, SchedulerOutput
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.disk_index import DiskTierIndex, scan_block_files
 from kvbridge.connectors.offload.host_index import HostTierIndex, SlotState
@@ -216,21 +216,21 @@ class OffloadScheduler:
         self._release_load(job, self._failed_blocks)
         self._failed_blocks -= set(job.gpu_block_ids) | set(job.failed_gpu_block_ids)
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         req_id = request.request_id
         self._matches.pop(req_id, None)
         self._lookups.pop(req_id, None)  # never admitted
         state = self._reqs.get(req_id)
         if state is None:
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         if state.load is not None and not state.is_load_emitted:  # never reached the worker
             self._cancel_load(state.load)
             state.load = None
         if not state.has_jobs:
             del self._reqs[req_id]
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         state.is_finished = True
-        return FinishResult(True, None)
+        return KVHandoff(True, None)
 
     def has_pending_transfers(self) -> bool:
         return any(s.has_jobs and (s.storing or s.load is not None or s.is_finished) for s in self._reqs.values())
