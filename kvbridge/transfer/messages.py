@@ -272,10 +272,7 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     """Decode one message; raises MalformedMessageError on anything else."""
-    try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise MalformedMessageError(f"not a kvbridge message ({len(data)} bytes): {e}") from None
+    return _decode(_decoder, data, "message")
 
 
 def encode_frame(frame: Frame) -> bytes:
@@ -283,10 +280,16 @@ def encode_frame(frame: Frame) -> bytes:
 
 
 def decode_frame(data: bytes) -> Frame:
+    """Decode one side-channel frame; raises MalformedMessageError on anything else."""
+    return _decode(_frame_decoder, data, "side-channel frame")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str) -> Message | Frame:
+    # Bytes from the network: whatever msgspec refuses is the peer's fault, reported as one error type.
     try:
-        return _frame_decoder.decode(data)
+        return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise MalformedMessageError(f"not a kvbridge side-channel frame ({len(data)} bytes): {e}") from None
+        raise MalformedMessageError(f"not a kvbridge {what} ({len(data)} bytes): {e}") from None
 
 
 def negotiate_version(peer_version: int, peer_min_version: int) -> int:
