@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import re
 import sys
 
 from kvbridge import __version__, env
@@ -36,28 +35,6 @@ examples:
 
 `kvbridge COMMAND --help` lists a command's options and their defaults."""
 
-# Config fields that a flag sets, as errors name them, and the flag a CLI user types instead.
-CONFIG_FLAGS = {
-    "ModelConfig.model": "--model",
-    "ModelConfig.dtype": "--dtype",
-    "ModelConfig.device": "--device",
-    "ModelConfig.seed": "--seed",
-    "ModelConfig.max_model_len": "--max-model-len",
-    "CacheConfig.block_size": "--block-size",
-    "CacheConfig.num_blocks": "--num-blocks",
-    "CacheConfig.memory_fraction": "--memory-fraction",
-    "SchedulerConfig.max_num_seqs": "--max-num-seqs",
-    "SchedulerConfig.max_num_batched_tokens": "--max-num-batched-tokens",
-    "KVTransferConfig.connector": "--kv-connector",
-    "KVTransferConfig.engine_id": "--engine-id",
-    "KVTransferConfig.load_failure_policy": "--load-failure-policy",
-    "KVTransferConfig.side_channel_host": "--side-channel-host",
-    "KVTransferConfig.side_channel_port": "--side-channel-port",
-    "KVTransferConfig.extra": "--kv-connector-extra",
-}
-_CONFIG_FIELD = re.compile(r"\b(?:Model|Cache|Scheduler|KVTransfer)Config\.\w+(=?)")
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Appends "(default: X)" to an option's help, unless the help already says what the default
     is: a default of None or False means "not set", which only the help text can explain."""
@@ -68,25 +45,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if "default" in text or unset or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
-
-
-def flag_names(message: str) -> str:
-    """`message` with the config fields that a flag sets named by the flag (`CacheConfig.num_blocks=1`
-    -> `--num-blocks 1`): the library's errors name fields, a CLI user needs the flag."""
-
-    def to_flag(match: re.Match) -> str:
-        flag = CONFIG_FLAGS.get(match.group(0).rstrip("="))
-        if flag is None:
-            return match.group(0)
-        return f"{flag} " if match.group(1) else flag
-
-    return _CONFIG_FIELD.sub(to_flag, message)
-
-
-def error_line(command: str, exc: BaseException, context: str | None = None) -> str:
-    """One line for stderr: `kvbridge COMMAND: [CONTEXT: ]ErrorName: message`, flags named as typed."""
-    prefix = f"kvbridge {command}: " + (f"{context}: " if context else "")
-    return prefix + f"{type(exc).__name__}: {flag_names(str(exc))}"
 
 
 def build_parser() -> argparse.ArgumentParser:

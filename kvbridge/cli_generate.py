@@ -14,6 +14,7 @@ import platform
 import sys
 import time
 
+from kvbridge.cli_errors import error_line
 from kvbridge.config import DTYPES
 from kvbridge.engine.presets import PRESETS
 from kvbridge.errors import KVBridgeError
@@ -38,7 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.cli import error_line
     from kvbridge.engine.llm import LLM
     from kvbridge.engine.sampling_params import SamplingParams
 

@@ -19,7 +19,6 @@ from typing import Any
 import msgspec
 
 from kvbridge.errors import InvalidRequestError
-from kvbridge.transfer.messages import LeaseRef
 
 MAX_BLOCK_ID = (1 << 63) - 1  # block ids travel as int64 (NIXL descriptors, numpy)
 MAX_REMOTE_BLOCKS = 1 << 20  # far above any prompt; bounds what one request makes a node parse and plan
@@ -52,15 +51,6 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     def side_channel_address(self) -> str:
         """Where the prefill engine that holds the blocks answers."""
         return tcp_address(self.remote_host, self.remote_port)
-
-    def lease_ref(self) -> LeaseRef:
-        """How the lease is named to the prefill engine in renewals and releases."""
-        return LeaseRef(
-            req_id=self.remote_request_id,
-            token=self.remote_lease_token,
-            block_ids=list(self.remote_block_ids),
-            block_hash=self.remote_block_hash,
-        )
 
 
 def tcp_address(host: str, port: int) -> str:

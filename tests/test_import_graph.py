@@ -1,4 +1,5 @@
-"""kvbridge's modules import one another one way: the import graph has no cycle.
+"""kvbridge's modules import one another one way: the import graph has no cycle, and no module
+imports from a layer above its own (LAYERS, bottom first).
 
 A cycle between two modules means neither can be read, tested or replaced without the other; it
 usually shows a type or a decision living on the wrong side of a layer. The graph is read from the
@@ -157,25 +158,69 @@ def test_import_graph_has_no_cycle() -> None:
     assert not cycles, f"kvbridge has {len(cycles)} import cycle(s) (TYPE_CHECKING imports ignored):\n{described}"
 
 
-# (importing package, imported package): data flows one way between the layers named here.
+# kvbridge's layers, bottom first. A module may import from its own layer and the layers below it,
+# never from one above, whether the import runs or sits under TYPE_CHECKING (an annotation still
+# makes the lower layer's contract speak of the upper one). Entries name modules or packages; a
+# module belongs to the most specific entry that names it or a package above it, and any other
+# top-level module (kvbridge/NAME.py) to the bottom layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("basics", ()),  # config, errors, env, layout, block_hash, block_runs, kv_transfer_params, cli_errors, ...
+    ("transfer", ("kvbridge.transfer",)),  # bytes and peers
+    ("connectors", ("kvbridge.connectors",)),  # the connector contract and its implementations
+    ("engine", ("kvbridge.engine",)),  # the reference engine, which drives connectors
+    ("front ends", ("kvbridge.serve", "kvbridge.integrations")),  # HTTP serving; vLLM hosting connectors
+    # `import kvbridge` (the public API) and `kvbridge CMD`; `kvbridge demo` runs the public API
+    # next to the serve and proxy commands.
+    ("commands", ("kvbridge", "kvbridge.cli", "kvbridge.cli_generate", "kvbridge.serve.demo")),
+]
+
+# (importing package, imported package): finer rules inside the order above, where a layer may
+# know only part of a layer below it.
 FORBIDDEN = [
-    ("kvbridge.transfer", "kvbridge.engine"),  # the transport knows bytes and peers, not engines
-    ("kvbridge.transfer", "kvbridge.connectors"),
-    ("kvbridge.transfer", "kvbridge.serve"),
-    ("kvbridge.connectors.base", "kvbridge.engine"),  # the connector contract stands alone
     ("kvbridge.engine", "kvbridge.connectors.nixl"),  # the engine knows the contract, not the connectors
     ("kvbridge.engine", "kvbridge.connectors.offload"),
-    ("kvbridge.engine", "kvbridge.serve"),
-    ("kvbridge.connectors", "kvbridge.serve"),
     ("kvbridge.serve", "kvbridge.connectors.nixl"),  # P/D params are connector-neutral (kv_transfer_params.py)
 ]
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of `module`'s layer; None when no entry names it (a new package: add it)."""
+    name = module
+    while name:
+        for index, (_, members) in enumerate(LAYERS):
+            if name in members:
+                return index
+        parent = name.rpartition(".")[0]
+        if parent == "kvbridge":
+            is_top_level_module = name == module and (PACKAGE_ROOT / f"{name.rpartition('.')[2]}.py").is_file()
+            return 0 if is_top_level_module else None
+        name = parent
+    return None
+
+
+def test_every_module_has_a_layer() -> None:
+    runtime, _ = import_graph()
+    unplaced = sorted(m for m in runtime if layer_of(m) is None)
+    assert not unplaced, "modules in no layer of LAYERS (add their package):\n" + "\n".join(unplaced)
+
+
+def test_no_module_imports_from_a_layer_above_it() -> None:
+    runtime, type_only = import_graph()
+    broken = []
+    for graph, kind in ((runtime, ""), (type_only, " (under TYPE_CHECKING)")):
+        for module, targets in sorted(graph.items()):
+            for target in sorted(targets):
+                here, there = layer_of(module), layer_of(target)
+                if here is not None and there is not None and there > here:
+                    broken.append(f"{module} ({LAYERS[here][0]}) -> {target} ({LAYERS[there][0]}){kind}")
+    assert not broken, f"{len(broken)} import(s) from a layer above:\n" + "\n".join(broken)
 
 
 def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def test_layers_import_one_way() -> None:
+def test_forbidden_imports_within_the_order() -> None:
     runtime, _ = import_graph()
     broken = [
         f"{module} -> {target}"
@@ -185,6 +230,14 @@ def test_layers_import_one_way() -> None:
         if _within(module, importer) and _within(target, imported)
     ]
     assert not broken, "imports against the layering (TYPE_CHECKING imports ignored):\n" + "\n".join(broken)
+
+
+def test_layer_of() -> None:
+    names = [name for name, _ in LAYERS]
+    assert names[layer_of("kvbridge.config")] == "basics"
+    assert names[layer_of("kvbridge.connectors.nixl.scheduler")] == "connectors"
+    assert names[layer_of("kvbridge.cli")] == names[layer_of("kvbridge")] == "commands"
+    assert layer_of("kvbridge.no_such_package.module") is None
 
 
 def test_type_checking_imports_are_kept_apart() -> None:

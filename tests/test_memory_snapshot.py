@@ -1,4 +1,4 @@
-"""kvbridge.memory: snapshots of device and host memory, waiting for late VRAM release."""
+"""memory_snapshot.py: snapshots of device and host memory, waiting for late VRAM release."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import time
 
 import pytest
 import torch
-
-from kvbridge.memory import MemorySnapshot, count_live_tensors, rss_bytes, take_snapshot, wait_for_device_memory
+from memory_snapshot import MemorySnapshot, count_live_tensors, rss_bytes, take_snapshot, wait_for_device_memory
 
 
 def test_cpu_snapshot_has_no_cuda_fields():

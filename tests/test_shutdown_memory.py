@@ -13,9 +13,9 @@ import weakref
 
 import pytest
 import torch
+from memory_snapshot import take_snapshot
 
 from kvbridge import LLM, SamplingParams
-from kvbridge.memory import take_snapshot
 
 NUM_CYCLES = 10
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -17,7 +17,8 @@ processes. Every method is called on the engine thread unless its docstring says
 This module is the whole contract: the connector class, every type its methods take or return
 (`SchedulerOutput`, `KVConnectorOutput`, the answers), and the `SchedulerHalf` / `WorkerHalf`
 protocols a connector written as two plain objects implements (see `split.py`). The engine
-imports these types from here; nothing here depends on the engine beyond the `Request` it hands in.
+imports these types from here; nothing here depends on the engine: a connector reads a request
+through `ConnectorRequest`, which the engine's `Request` and the vLLM integration's view both satisfy.
 
 Per-step order, driven by `EngineCore.step()`:
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -45,13 +47,57 @@ from kvbridge.transfer.progress import Wakeup
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.engine.request import Request
+    from kvbridge.block_hash import BlockHash
     from kvbridge.layout import KVCacheLayout
 
 
 class KVConnectorRole(enum.Enum):
     SCHEDULER = enum.auto()
     WORKER = enum.auto()
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. Declared here, not in the engine, because connectors read it:
+    a producer hands a finished request's KV on only when it finished normally."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, an async KV load in flight
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. a KV load failed under the `fail` policy
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+
+class ConnectorRequest(Protocol):
+    """What a connector reads from a request, and all it may read: the engine's `Request` and the
+    vLLM integration's `RequestView` both provide it, so a connector works under either engine."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+
+    @property
+    def status(self) -> RequestStatus: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...  # prompt and output tokens so far
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> list[BlockHash]: ...  # chained hashes of every full block so far
 
 
 @dataclass(frozen=True)
@@ -61,7 +107,7 @@ class ConnectorContext:
     model_id: str  # identifies the weights; part of the handshake compatibility hash
     block_size: int
     device: str  # device of the KV cache ("cpu", "cuda:0", ...)
-    hash_namespace: str = ""  # namespace of the chained block hashes (see engine/block_hash.py)
+    hash_namespace: str = ""  # namespace of the chained block hashes (see kvbridge/block_hash.py)
     layout: KVCacheLayout | None = None  # the KV cache geometry, when the engine knows it at build time
     # Random per context, so both halves built from one context share it: peers tell a restarted
     # engine on the same address from the one that answered before (the NixlConnector's leases).
@@ -82,7 +128,9 @@ class KVConnectorMetadata:
 class ScheduledRequest:
     """One request's share of a step: tokens [start, start + num_new_tokens) are computed."""
 
-    request: Request  # the scheduler's object; the model runner and connectors read it, never mutate it
+    # The scheduler's object: the engine's Request, of which the model runner reads more; connectors
+    # read what ConnectorRequest names. Neither mutates it.
+    request: ConnectorRequest
     start: int  # request.num_computed_tokens before this step
     num_new_tokens: int
     block_ids: list[int]  # every block the request holds, in token order, after this step's allocation
@@ -132,22 +180,23 @@ class MatchResult(NamedTuple):
     load_async: bool
 
 
-class FinishResult(NamedTuple):
-    """Answer of `request_finished`."""
+class KVHandoff(NamedTuple):
+    """Answer of `request_finished`: what becomes of a finished request's KV, whether its blocks
+    outlive it and what the client is told to fetch it by."""
 
     delay_free_blocks: bool  # True: the scheduler frees the blocks only once get_finished reports the request
     kv_transfer_params: dict[str, Any] | None  # returned to the client with the request's output
 
 
-class FinishedTransfers(NamedTuple):
+class CompletedTransfers(NamedTuple):
     """Answer of `get_finished`: request ids whose sends / receives completed since the last call."""
 
     finished_sending: set[str]
     finished_recving: set[str]
 
 
-class FlushResult(NamedTuple):
-    """Answer of `flush`.
+class FlushReport(NamedTuple):
+    """Answer of `flush`: how far draining the in-flight transfers got by the deadline.
 
     `is_complete` is True when nothing is in flight any more. `pending_req_ids` names the requests
     whose transfers are still in flight at the deadline; `num_failed` counts transfers that ended in
@@ -157,6 +206,23 @@ class FlushResult(NamedTuple):
     is_complete: bool
     pending_req_ids: frozenset[str] = frozenset()
     num_failed: int = 0
+
+
+# The answers' earlier names (`FinishResult`, `FinishedTransfers`, `FlushResult` read alike but
+# mean different things); connectors written against them still import, with a DeprecationWarning.
+_DEPRECATED_NAMES = {
+    "FinishResult": "KVHandoff",
+    "FinishedTransfers": "CompletedTransfers",
+    "FlushResult": "FlushReport",
+}
+
+
+def __getattr__(name: str) -> Any:
+    new_name = _DEPRECATED_NAMES.get(name)
+    if new_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use {new_name}", DeprecationWarning, stacklevel=2)
+    return globals()[new_name]
 
 
 class KVConnectorBase(ABC):
@@ -170,7 +236,7 @@ class KVConnectorBase(ABC):
     # ------------------------------------------------------------------ scheduler side
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         """How many tokens beyond the local prefix hit the connector can provide.
 
         Called by the scheduler for a waiting request before it allocates blocks; `num_computed_tokens`
@@ -181,7 +247,9 @@ class KVConnectorBase(ABC):
         again for the same request in a later step (if it could not be admitted).
         """
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """Record the blocks that external tokens will land in.
 
         Called by the scheduler once blocks were allocated for a request admitted with a non-zero
@@ -202,13 +270,13 @@ class KVConnectorBase(ABC):
         Called by the scheduler once per step after the model ran, before finished requests are freed.
         """
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         """A request finished or was aborted; decide whether its blocks must outlive it.
 
         Called by the scheduler once per request. With `delay_free_blocks=True` the scheduler keeps the
         blocks until the worker reports the request in `finished_sending` (a transfer or store in flight).
         """
-        return FinishResult(False, None)
+        return KVHandoff(False, None)
 
     def has_pending_transfers(self) -> bool:
         """True while any request this side knows of still waits on a transfer."""
@@ -260,19 +328,19 @@ class KVConnectorBase(ABC):
         complete before blocks are reused waits here, or reports them as pending through
         `request_finished` / `get_finished` instead of waiting."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         """Request ids whose sends / receives completed since the last call. Must not block.
 
         Called by the model runner once per step; `finished_req_ids` are the requests the scheduler
         finished since the last step.
         """
-        return FinishedTransfers(set(), set())
+        return CompletedTransfers(set(), set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; the scheduler recomputes or fails their requests."""
         return set()
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         """Drive every in-flight transfer to completion or failure, waiting at most `timeout_s`.
 
         Called by the engine before `reset_prefix_cache` touches blocks and before `shutdown`. Must
@@ -280,7 +348,7 @@ class KVConnectorBase(ABC):
         (finished sends/receives, load errors) are reported by the following `get_finished` and
         `get_block_ids_with_load_errors` calls as usual.
         """
-        return FlushResult(True)
+        return FlushReport(True)
 
     def shutdown(self) -> None:
         """Release everything: deregister memory from transports before it is freed, release
@@ -319,15 +387,17 @@ class SchedulerHalf(Protocol):
     `check_integrity()` (see `KVConnectorBase.check_integrity`).
     """
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult: ...
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult: ...
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None: ...
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
 
     def update_connector_output(self, output: KVConnectorOutput) -> None: ...
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult: ...
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff: ...
 
     def has_pending_transfers(self) -> bool: ...
 
@@ -349,11 +419,11 @@ class WorkerHalf(Protocol):
 
     def wait_for_save(self, metadata: KVConnectorMetadata | None) -> None: ...
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers: ...
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers: ...
 
     def get_block_ids_with_load_errors(self) -> set[int]: ...
 
-    def flush(self, timeout_s: float) -> FlushResult: ...
+    def flush(self, timeout_s: float) -> FlushReport: ...
 
     def shutdown(self) -> None: ...
 

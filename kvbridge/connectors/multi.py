@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.base import (
+    CompletedTransfers,
     ConnectorContext,
-    FinishedTransfers,
-    FinishResult,
-    FlushResult,
+    ConnectorRequest,
+    FlushReport,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
+    KVHandoff,
     MatchResult,
     SchedulerOutput,
 )
@@ -44,7 +45,6 @@ from kvbridge.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
 _INHERITED = ("role", "engine_id", "load_failure_policy", "flush_timeout_s", "side_channel_host")
@@ -93,7 +93,7 @@ class MultiConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         self._load_owner.pop(request.request_id, None)
         for i, child in enumerate(self.children):
             num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -104,7 +104,9 @@ class MultiConnector(KVConnectorBase):
                 return MatchResult(num_tokens, load_async)
         return MatchResult(0, False)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         owner = self._load_owner.pop(request.request_id, None)
         for i, child in enumerate(self.children):
             child.update_state_after_alloc(request, block_ids, num_external_tokens if i == owner else 0)
@@ -119,7 +121,7 @@ class MultiConnector(KVConnectorBase):
         for key, child in zip(self._stats_keys(), self.children):
             child.update_connector_output(dataclasses.replace(output, stats=output.stats.get(key, {})))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         self._load_owner.pop(request.request_id, None)
         delayed_by: list[int] = []
         params: dict[str, Any] | None = None
@@ -130,7 +132,7 @@ class MultiConnector(KVConnectorBase):
             if child_params:
                 params = child_params | (params or {})  # earlier children win on a clash
         self._finish_plans[request.request_id] = tuple(delayed_by)
-        return FinishResult(bool(delayed_by), params)
+        return KVHandoff(bool(delayed_by), params)
 
     def has_pending_transfers(self) -> bool:
         return bool(self._finish_plans) or any(c.has_pending_transfers() for c in self.children)
@@ -173,7 +175,7 @@ class MultiConnector(KVConnectorBase):
         for child in self.children:
             child.wait_for_save()
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         sending: set[str] = set()
         recving: set[str] = set()
         for i, child in enumerate(self.children):
@@ -188,15 +190,15 @@ class MultiConnector(KVConnectorBase):
         for req_id in [r for r, waiting in self._waiting_on.items() if not waiting]:
             del self._waiting_on[req_id]
             sending.add(req_id)
-        return FinishedTransfers(sending, recving)
+        return CompletedTransfers(sending, recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set().union(*(child.get_block_ids_with_load_errors() for child in self.children))
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         deadline = time.monotonic() + timeout_s
         results = [child.flush(max(1e-3, deadline - time.monotonic())) for child in self.children]
-        return FlushResult(
+        return FlushReport(
             all(r.is_complete for r in results),
             frozenset().union(*(r.pending_req_ids for r in results)),
             sum(r.num_failed for r in results),

@@ -21,14 +21,15 @@ from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.connectors.base import (
+    CompletedTransfers,
     ConnectorContext,
-    FinishedTransfers,
-    FinishResult,
-    FlushResult,
+    ConnectorRequest,
+    FlushReport,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
+    KVHandoff,
     MatchResult,
     SchedulerHalf,
     SchedulerOutput,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.config import KVTransferConfig
-    from kvbridge.engine.request import Request
     from kvbridge.layout import KVCacheLayout
 
 
@@ -82,10 +82,12 @@ class SplitConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -94,7 +96,7 @@ class SplitConnector(KVConnectorBase):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         return self.scheduler.request_finished(request, block_ids)
 
     def has_pending_transfers(self) -> bool:
@@ -115,7 +117,7 @@ class SplitConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._step_metadata())
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -125,8 +127,8 @@ class SplitConnector(KVConnectorBase):
         step_stats = getattr(self.worker, "get_step_stats", None)  # optional for worker halves
         return step_stats() if step_stats is not None else {}
 
-    def flush(self, timeout_s: float) -> FlushResult:
-        return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushResult(True)
+    def flush(self, timeout_s: float) -> FlushReport:
+        return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushReport(True)
 
     def shutdown(self) -> None:
         if self._worker_half is not None:

@@ -1,4 +1,4 @@
-"""Paged attention over the block-major KV cache, and the dense reference it is tested against.
+"""Paged attention over the block-major KV cache.
 
 One step's attention is at most two padded SDPA calls per layer, however many requests it holds:
 the decodes (one new token each) in one batch, the prefills and chunked prefills in another
@@ -235,27 +235,3 @@ class PagedAttention:
         else:
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=batch.mask, scale=self.scale)
         return _unfold_gqa(out, num_queries).reshape(num_reqs * num_queries, *q.shape[1:])
-
-
-class DenseCausalAttention:
-    """Reference attention without a cache: each sequence attends causally over its own tokens.
-
-    `seq_lens` splits the flattened batch into sequences that start at position 0. Written with
-    plain matmul + softmax (float32 accumulate) so it shares no code with `PagedAttention`.
-    """
-
-    def __init__(self, seq_lens: list[int]) -> None:
-        self.seq_lens = list(seq_lens)
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        group = q.shape[1] // k.shape[1]
-        outs = []
-        for qs, ks, vs in zip(q.split(self.seq_lens), k.split(self.seq_lens), v.split(self.seq_lens)):
-            ks = ks.repeat_interleave(group, dim=1)  # [n, Hq, D]
-            vs = vs.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", qs.float(), ks.float()) / qs.shape[-1] ** 0.5
-            n = qs.shape[0]
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-            outs.append(torch.einsum("hqk,khd->qhd", probs, vs.float()).to(q.dtype))
-        return torch.cat(outs)

@@ -19,8 +19,8 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvbridge.block_hash import BlockHash
 from kvbridge.block_runs import find_run
-from kvbridge.engine.block_hash import BlockHash
 
 
 class BlockPool:

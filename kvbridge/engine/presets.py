@@ -14,6 +14,7 @@ from typing import Any
 from kvbridge.errors import ConfigError, ModelNotFoundError
 
 # The byte-level tokenizer's vocabulary: 256 bytes, then the specials, then reserved ids.
+BYTE_VOCAB_SIZE = 384
 BYTE_VOCAB_BOS = 256
 BYTE_VOCAB_EOS = 257
 BYTE_VOCAB_PAD = 258
@@ -90,10 +91,17 @@ class ModelArgs:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim
 
 
+def _byte_vocab_preset(**geometry: Any) -> ModelArgs:
+    """A preset under the byte-level tokenizer: its specials, and its vocabulary unless `geometry`
+    gives one (a real model's, to cost what that model costs)."""
+    return ModelArgs(
+        **{"vocab_size": BYTE_VOCAB_SIZE, **geometry}, bos_token_id=BYTE_VOCAB_BOS, eos_token_id=BYTE_VOCAB_EOS
+    )
+
+
 PRESETS: dict[str, ModelArgs] = {
     # The default: fast enough for CPU tests, big enough to exercise GQA and several layers.
-    "tiny": ModelArgs(
-        vocab_size=384,
+    "tiny": _byte_vocab_preset(
         hidden_size=128,
         num_layers=4,
         num_heads=4,
@@ -102,12 +110,9 @@ PRESETS: dict[str, ModelArgs] = {
         intermediate_size=256,
         max_position=4096,
         rope_theta=10000.0,
-        bos_token_id=BYTE_VOCAB_BOS,
-        eos_token_id=BYTE_VOCAB_EOS,
     ),
     # For benchmarks: ~95M parameters; 8 KV heads of head_dim 64, i.e. 16 KiB of bf16 KV per token.
-    "small": ModelArgs(
-        vocab_size=384,
+    "small": _byte_vocab_preset(
         hidden_size=1024,
         num_layers=8,
         num_heads=16,
@@ -116,13 +121,10 @@ PRESETS: dict[str, ModelArgs] = {
         intermediate_size=2816,
         max_position=8192,
         rope_theta=500000.0,
-        bos_token_id=BYTE_VOCAB_BOS,
-        eos_token_id=BYTE_VOCAB_EOS,
     ),
     # Llama-3-8B's KV geometry (32 layers x 8 KV heads x head_dim 128: 128 KiB per token in bf16)
     # on a narrower trunk (~0.8B parameters): P/D and offload benchmarks move realistic bytes.
-    "kv8b": ModelArgs(
-        vocab_size=384,
+    "kv8b": _byte_vocab_preset(
         hidden_size=2048,
         num_layers=32,
         num_heads=16,
@@ -131,12 +133,10 @@ PRESETS: dict[str, ModelArgs] = {
         intermediate_size=2048,
         max_position=8192,
         rope_theta=500000.0,
-        bos_token_id=BYTE_VOCAB_BOS,
-        eos_token_id=BYTE_VOCAB_EOS,
     ),
     # Llama-3-8B's full geometry (~8.0B parameters, ~16 GB in bf16; its 128,256-token vocabulary
     # under the byte tokenizer): TTFT figures where recompute costs what it costs users.
-    "llama3-8b": ModelArgs(
+    "llama3-8b": _byte_vocab_preset(
         vocab_size=128256,
         hidden_size=4096,
         num_layers=32,
@@ -146,8 +146,6 @@ PRESETS: dict[str, ModelArgs] = {
         intermediate_size=14336,
         max_position=8192,
         rope_theta=500000.0,
-        bos_token_id=BYTE_VOCAB_BOS,
-        eos_token_id=BYTE_VOCAB_EOS,
     ),
 }
 

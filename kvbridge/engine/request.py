@@ -1,29 +1,17 @@
-"""One request's state as the scheduler sees it."""
+"""One request's state as the scheduler sees it.
+
+Its status values are the connector contract's `RequestStatus`: connectors read them too.
+"""
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import Any
 
-from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
+from kvbridge.block_hash import BlockHash, hash_full_blocks
+from kvbridge.connectors.base import RequestStatus
 from kvbridge.engine.outputs import TokenLogprobs
 from kvbridge.engine.sampling_params import SamplingParams
-
-
-class RequestStatus(enum.Enum):
-    WAITING = enum.auto()
-    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, an async KV load in flight
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
-    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
-    FINISHED_ABORTED = enum.auto()
-    FINISHED_ERROR = enum.auto()  # e.g. a KV load failed under the `fail` policy
-
-    @property
-    def is_finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
 
 
 class Request:

@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from kvbridge.engine.presets import BYTE_VOCAB_BOS, BYTE_VOCAB_EOS, BYTE_VOCAB_PAD
+from kvbridge.engine.presets import BYTE_VOCAB_BOS, BYTE_VOCAB_EOS, BYTE_VOCAB_PAD, BYTE_VOCAB_SIZE
 from kvbridge.errors import ModelLoadError
 
 
@@ -27,7 +27,7 @@ class ByteTokenizer:
 
     def __init__(
         self,
-        vocab_size: int = 384,
+        vocab_size: int = BYTE_VOCAB_SIZE,
         bos_token_id: int | None = BYTE_VOCAB_BOS,
         eos_token_ids: Sequence[int] = (BYTE_VOCAB_EOS,),
         add_bos: bool = True,

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from kvbridge.cli_errors import error_line
 from kvbridge.config import DTYPES
 from kvbridge.errors import KVBridgeError, NodeStartError
 
@@ -227,8 +228,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.cli import error_line
-
     if args.num_prompts < 1:
         print("kvbridge demo: --num-prompts must be at least 1", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from kvbridge import env
+from kvbridge.cli_errors import error_line
 from kvbridge.errors import ConfigError, InvalidRequestError
 from kvbridge.serve.chat_protocol import parse_chat_request
 from kvbridge.serve.node_pool import CHECK_INTERVAL_S, MAX_BACKOFF_S, MIN_BACKOFF_S, NodePool, NodeState, NodeStats
@@ -298,7 +299,6 @@ async def serve(app: web.Application, sock, url: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.cli import error_line
     from kvbridge.serve.listen import bind
 
     try:

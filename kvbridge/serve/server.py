@@ -22,6 +22,7 @@ import logging
 import sys
 
 from kvbridge import env
+from kvbridge.cli_errors import error_line
 from kvbridge.config import DEFAULT_KV_TOKENS, DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.interfaces import advertised_host
@@ -152,7 +153,6 @@ def _engine_factory(config: EngineConfig, num_threads: int | None):
 async def serve(app, engine, sock, describe: str) -> int:
     """Serve `app` on `sock` until SIGINT/SIGTERM or an engine start-up failure; returns the exit code:
     0, 2 for a start-up failure that a flag caused (a ConfigError), else 1."""
-    from kvbridge.cli import error_line
     from kvbridge.serve.listen import serving, stop_signal
 
     stopped = stop_signal()
@@ -171,7 +171,6 @@ async def serve(app, engine, sock, describe: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.cli import error_line
     from kvbridge.engine.presets import check_model_source
     from kvbridge.serve.admin import open_admin_warning, read_admin_token
     from kvbridge.serve.api import create_app

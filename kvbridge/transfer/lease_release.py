@@ -36,7 +36,8 @@ def release_remote_kv(
     if not params.remote_block_ids:
         return True  # nothing was held
     address = params.side_channel_address
-    msg = m.TransferDone(engine_id=engine_id, incarnation=params.remote_incarnation, failed_leases=[params.lease_ref()])
+    lease = m.LeaseRef.of(params)
+    msg = m.TransferDone(engine_id=engine_id, incarnation=params.remote_incarnation, failed_leases=[lease])
     audience = audience_of(params.remote_engine_id, params.remote_incarnation)
     deadline = time.monotonic() + timeout_s
     client = SideChannelClient(address, secret, timeout_s=timeout_s, retries=0)

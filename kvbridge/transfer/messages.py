@@ -23,11 +23,14 @@ Schema evolution (checked by tests/transfer/test_messages.py):
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 
 from kvbridge.errors import IncompatiblePeerError, MalformedMessageError
+
+if TYPE_CHECKING:
+    from kvbridge.kv_transfer_params import RemotePrefillParams
 
 # 2: leases are named by (request id, token, block ids, block hash) under the owner's incarnation;
 # the handshake carries the incarnation. Version 1 named leases by request id alone, which any
@@ -125,6 +128,16 @@ class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
     token: str
     block_ids: list[int]
     block_hash: str
+
+    @classmethod
+    def of(cls, params: RemotePrefillParams) -> LeaseRef:
+        """The lease that a decode node's kv_transfer_params name, as renewals and releases name it."""
+        return cls(
+            req_id=params.remote_request_id,
+            token=params.remote_lease_token,
+            block_ids=list(params.remote_block_ids),
+            block_hash=params.remote_block_hash,
+        )
 
 
 class LeaseRenew(_Message, tag="lease2"):
@@ -259,10 +272,7 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     """Decode one message; raises MalformedMessageError on anything else."""
-    try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise MalformedMessageError(f"not a kvbridge message ({len(data)} bytes): {e}") from None
+    return _decode(_decoder, data, "message")
 
 
 def encode_frame(frame: Frame) -> bytes:
@@ -270,10 +280,16 @@ def encode_frame(frame: Frame) -> bytes:
 
 
 def decode_frame(data: bytes) -> Frame:
+    """Decode one side-channel frame; raises MalformedMessageError on anything else."""
+    return _decode(_frame_decoder, data, "side-channel frame")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str) -> Message | Frame:
+    # Bytes from the network: whatever msgspec refuses is the peer's fault, reported as one error type.
     try:
-        return _frame_decoder.decode(data)
+        return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise MalformedMessageError(f"not a kvbridge side-channel frame ({len(data)} bytes): {e}") from None
+        raise MalformedMessageError(f"not a kvbridge {what} ({len(data)} bytes): {e}") from None
 
 
 def negotiate_version(peer_version: int, peer_min_version: int) -> int:

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbridge.connectors.base import (
-    FinishedTransfers,
-    FinishResult,
-    FlushResult,
+    CompletedTransfers,
+    FlushReport,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVHandoff,
     MatchResult,
 )
 from kvbridge.errors import ConfigError
@@ -116,14 +116,14 @@ class DelayConnector(KVConnectorBase):
 
     def request_finished(self, request, block_ids):
         if not self.save:
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         n = min(request.num_computed_tokens // self.bs, len(request.block_hashes), len(block_ids))
         blocks = [(block_ids[i], request.block_hashes[i]) for i in range(n) if request.block_hashes[i] not in self.store]
         if not blocks:
-            return FinishResult(False, {"saved_blocks": 0})
+            return KVHandoff(False, {"saved_blocks": 0})
         self._meta.saves.append(Job(request.request_id, blocks))
         self._in_flight.add(request.request_id)
-        return FinishResult(True, {"saved_blocks": len(blocks)})
+        return KVHandoff(True, {"saved_blocks": len(blocks)})
 
     def has_pending_transfers(self):
         return bool(self._in_flight)
@@ -190,7 +190,7 @@ class DelayConnector(KVConnectorBase):
         with self._lock:
             sending, self._done_send = self._done_send, set()
             recving, self._done_recv = self._done_recv, set()
-        return FinishedTransfers(sending, recving)
+        return CompletedTransfers(sending, recving)
 
     def get_block_ids_with_load_errors(self):
         with self._lock:
@@ -204,7 +204,7 @@ class DelayConnector(KVConnectorBase):
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             pending = frozenset(self._pending)
-        return FlushResult(not pending, pending)
+        return FlushReport(not pending, pending)
 
     def shutdown(self):
         self.num_shutdowns += 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbridge.connectors.base import FinishResult, KVConnectorBase, KVConnectorMetadata, MatchResult
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata, KVHandoff, MatchResult
 
 DEVICE_FAULT = "CUDA error: an illegal memory access was encountered (injected by FaultConnector)"
 
@@ -47,10 +47,10 @@ class FaultConnector(KVConnectorBase):
         faults = {s.request.request_id: _fault(s.request) for s in scheduler_output.scheduled}
         return FaultMeta({rid: where for rid, where in faults.items() if where in ("load", "device")})
 
-    def request_finished(self, request, block_ids) -> FinishResult:
+    def request_finished(self, request, block_ids) -> KVHandoff:
         if _fault(request) == "finished":
             raise RuntimeError(f"fault injected in request_finished of {request.request_id}")
-        return FinishResult(False, None)
+        return KVHandoff(False, None)
 
     # ------------------------------------------------------------------ worker side
 

@@ -13,10 +13,10 @@ import pytest
 from delay_connector import SHUTDOWNS, STORES, DelayConnector
 
 from kvbridge import LLM, SamplingParams
+from kvbridge.block_hash import hash_full_blocks
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors import factory
 from kvbridge.connectors.base import ConnectorContext, KVConnectorRole
-from kvbridge.engine.block_hash import hash_full_blocks
 from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import (
     ConfigError,

@@ -13,13 +13,13 @@ from offload_helpers import GREEDY, make_prompts, reference_outputs, token_ids  
 from kvbridge import LLM  # noqa: E402
 from kvbridge.config import KVTransferConfig  # noqa: E402
 from kvbridge.connectors.base import (  # noqa: E402
+    CompletedTransfers,
     ConnectorContext,
-    FinishedTransfers,
-    FinishResult,
-    FlushResult,
+    FlushReport,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVHandoff,
     MatchResult,
 )
 from kvbridge.connectors.multi import MultiConnector  # noqa: E402
@@ -44,8 +44,8 @@ class SlowSendConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
-    def request_finished(self, request, block_ids) -> FinishResult:
-        return FinishResult(True, {"slow": request.request_id, "who": self.config.extra.get("name", "slow")})
+    def request_finished(self, request, block_ids) -> KVHandoff:
+        return KVHandoff(True, {"slow": request.request_id, "who": self.config.extra.get("name", "slow")})
 
     def start_load_kv(self) -> None:
         pass
@@ -53,21 +53,21 @@ class SlowSendConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         pass
 
-    def get_finished(self, finished_req_ids) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids) -> CompletedTransfers:
         now = time.monotonic()
         for req_id in finished_req_ids:
             self._due[req_id] = now + self.delay_s
         done = {r for r, due in self._due.items() if due <= now}
         for req_id in done:
             del self._due[req_id]
-        return FinishedTransfers(done, set())
+        return CompletedTransfers(done, set())
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         deadline = time.monotonic() + timeout_s
         while self._due and max(self._due.values()) > time.monotonic() < deadline:
             time.sleep(0.005)
         late = frozenset(r for r, due in self._due.items() if due > time.monotonic())
-        return FlushResult(not late, late)
+        return FlushReport(not late, late)
 
 
 def _offload(host_num_blocks: int = 64) -> dict:
@@ -133,16 +133,16 @@ class _Stub(KVConnectorBase):
     build_connector_meta = SlowSendConnector.build_connector_meta
     start_load_kv = wait_for_save = SlowSendConnector.start_load_kv
 
-    def request_finished(self, request, block_ids) -> FinishResult:
-        return FinishResult(self.config.extra.get("delays", True), self.config.extra.get("params"))
+    def request_finished(self, request, block_ids) -> KVHandoff:
+        return KVHandoff(self.config.extra.get("delays", True), self.config.extra.get("params"))
 
-    def get_finished(self, finished_req_ids) -> FinishedTransfers:
-        return FinishedTransfers(self.script.pop(0) if self.script else set(), set())
+    def get_finished(self, finished_req_ids) -> CompletedTransfers:
+        return CompletedTransfers(self.script.pop(0) if self.script else set(), set())
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         self.flush_timeouts.append(timeout_s)
         time.sleep(min(self.flush_s, timeout_s))
-        return FlushResult(self.flush_s <= timeout_s, frozenset() if self.flush_s <= timeout_s else {"r"})
+        return FlushReport(self.flush_s <= timeout_s, frozenset() if self.flush_s <= timeout_s else {"r"})
 
 
 def _stub_multi(role: KVConnectorRole, *extras: dict) -> MultiConnector:

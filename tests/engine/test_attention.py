@@ -10,8 +10,9 @@ import random
 
 import pytest
 import torch
+from dense_reference import DenseCausalAttention
 
-from kvbridge.engine.attention import DenseCausalAttention, PagedAttention, SeqSpan, build_metadata
+from kvbridge.engine.attention import PagedAttention, SeqSpan, build_metadata
 from kvbridge.engine.step_inputs import StepInputs, to_device
 
 NUM_LAYERS = 2

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
+from kvbridge.block_hash import BlockHash, hash_full_blocks
 from kvbridge.engine.block_pool import BlockPool
 
 

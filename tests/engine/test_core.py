@@ -9,11 +9,11 @@ import textwrap
 import weakref
 
 import pytest
+from dense_reference import dense_greedy
 
 from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine import core as core_module
 from kvbridge.engine.core import EngineCore
-from kvbridge.engine.reference import dense_greedy
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import EngineShutdownError, InvalidRequestError
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from dense_reference import dense_greedy
 
 from kvbridge.config import CacheConfig, EngineConfig, KVTransferConfig
 from kvbridge.engine import sampler
 from kvbridge.engine.core import EngineCore
 from kvbridge.engine.faults import EngineFaultError, is_engine_fault
-from kvbridge.engine.reference import dense_greedy
 from kvbridge.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -17,12 +17,12 @@ import math
 import pytest
 import torch
 import transformers
+from dense_reference import dense_logits
 from test_weights import write_word_tokenizer
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.engine.model import RotaryEmbedding
 from kvbridge.engine.presets import with_overrides
-from kvbridge.engine.reference import dense_logits
 from kvbridge.errors import ConfigError
 
 VOCAB = 300

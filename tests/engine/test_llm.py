@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from dense_reference import dense_greedy
 
 from kvbridge import LLM, SamplingParams
-from kvbridge.engine.reference import dense_greedy
 from kvbridge.errors import ConfigError, EngineShutdownError, InvalidRequestError
 
 MAX_TOKENS = 10

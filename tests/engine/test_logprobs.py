@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_reference import dense_logits
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.engine import sampler
-from kvbridge.engine.reference import dense_logits
 from kvbridge.errors import SamplingParamsError
 
 PROMPT = [7, 99, 3, 42, 250, 18, 64, 5, 120, 31, 77, 200, 9, 14, 150, 33, 8]  # 17 tokens: past one block

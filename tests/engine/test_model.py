@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from dense_reference import dense_greedy, dense_logits
 
 from kvbridge.engine.model import RMSNorm, RotaryEmbedding, rope_inv_freq
 from kvbridge.engine.presets import PRESETS, get_preset, with_overrides
-from kvbridge.engine.reference import dense_greedy, dense_logits
 from kvbridge.engine.weights import random_model
 from kvbridge.errors import ConfigError, ModelLoadError
 

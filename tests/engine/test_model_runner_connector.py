@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_reference import dense_greedy
 
 from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
 from kvbridge.connectors.base import (
+    CompletedTransfers,
     ConnectorContext,
-    FinishedTransfers,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -17,7 +18,6 @@ from kvbridge.connectors.base import (
     SchedulerOutput,
 )
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.reference import dense_greedy
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 
@@ -35,7 +35,7 @@ class RecordingConnector(KVConnectorBase):
         self.source = source
         self.copy_blocks = copy_blocks or {}  # destination block id -> source block id
         self.kv_cache: torch.Tensor | None = None
-        self.finished = FinishedTransfers({"sent"}, {"received"})
+        self.finished = CompletedTransfers({"sent"}, {"received"})
         self.saved_layers: list[torch.Tensor] = []
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

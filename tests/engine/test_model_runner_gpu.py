@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
+from dense_reference import dense_logits
 
 from kvbridge.config import CacheConfig, ModelConfig
 from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.reference import dense_logits
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 

@@ -6,6 +6,7 @@ import gc
 import weakref
 
 import pytest
+from memory_snapshot import take_snapshot
 
 from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
 from kvbridge.connectors.base import (
@@ -20,7 +21,6 @@ from kvbridge.connectors.base import (
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.memory import take_snapshot
 
 
 class NullConnector(KVConnectorBase):

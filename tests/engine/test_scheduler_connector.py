@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_fakes import FakeRunner, expected_output, make_request, make_scheduler
 
-from kvbridge.connectors.base import FinishResult, KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, MatchResult
+from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVHandoff, MatchResult
 from kvbridge.engine.request import RequestStatus
 
 BS = 4
@@ -33,7 +33,7 @@ class ScriptedConnector(KVConnectorBase):
 
     def request_finished(self, request, block_ids):
         self.calls.append(("finished", request.request_id, list(block_ids)))
-        return FinishResult(self.delay_free, {"id": request.request_id})
+        return KVHandoff(self.delay_free, {"id": request.request_id})
 
     def start_load_kv(self):
         pass

@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+from dense_reference import dense_greedy, dense_logits
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -19,7 +20,6 @@ from kvbridge.engine import checkpoint_id as checkpoint_id_module
 from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.presets import ModelArgs, get_preset, with_overrides
-from kvbridge.engine.reference import dense_greedy, dense_logits
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.weights import random_model, read_hf_config, read_rope_config

@@ -15,9 +15,15 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.connectors.base import FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
+from kvbridge.connectors.base import (
+    ConnectorRequest,
+    KVConnectorOutput,
+    KVHandoff,
+    MatchResult,
+    RequestStatus,
+    SchedulerOutput,
+)
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
-from kvbridge.engine.request import RequestStatus
 from kvbridge.errors import InvalidRequestError
 from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
 from kvbridge.transfer.messages import LeaseRef
@@ -25,7 +31,6 @@ from kvbridge.transfer.messages import LeaseRef
 if TYPE_CHECKING:
     from kvbridge.config import KVTransferConfig
     from kvbridge.connectors.nixl.peer_policy import PeerPolicy
-    from kvbridge.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class NixlScheduler:
 
     # ------------------------------------------------------------------ decode
 
-    def _remote_params(self, request: Request) -> RemotePrefillParams | None:
+    def _remote_params(self, request: ConnectorRequest) -> RemotePrefillParams | None:
         if not self.config.is_consumer or request.request_id in self._handled:
             return None
         try:
@@ -72,7 +77,7 @@ class NixlScheduler:
             return None
         return params
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         params = self._remote_params(request)
         if params is None or not params.remote_block_ids:
             return MatchResult(0, False)
@@ -80,7 +85,7 @@ class NixlScheduler:
         self._local_hits[request.request_id] = num_computed_tokens
         return MatchResult(max(0, num_remote - num_computed_tokens), True)
 
-    def _num_usable_blocks(self, request: Request, params: RemotePrefillParams) -> int:
+    def _num_usable_blocks(self, request: ConnectorRequest, params: RemotePrefillParams) -> int:
         """The remote blocks that hold this prompt's tokens: all of them, or none when they do not match.
 
         The last block's chained hash names every token before it, so one comparison proves that the
@@ -103,7 +108,9 @@ class NixlScheduler:
         self.num_mismatched_params += 1
         return 0
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         params = self._remote_params(request)
         if params is None or not params.remote_block_ids:
             return
@@ -113,12 +120,12 @@ class NixlScheduler:
         self._new_recvs[request.request_id] = RecvJob(
             request_id=request.request_id,
             remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
-            lease=params.lease_ref(),
+            lease=LeaseRef.of(params),
             local_block_ids=tuple(block_ids[first : first + count]),
             remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
         )
 
-    def _release_unread(self, request: Request) -> None:
+    def _release_unread(self, request: ConnectorRequest) -> None:
         """A decode request that ends before it was admitted (aborted, refused by the engine) never
         reads its remote blocks: tell the prefill engine to release them now, not at lease expiry."""
         params = self._remote_params(request)
@@ -127,7 +134,7 @@ class NixlScheduler:
         self._new_recvs[request.request_id] = RecvJob(
             request_id=request.request_id,
             remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
-            lease=params.lease_ref(),
+            lease=LeaseRef.of(params),
             local_block_ids=(),
             remote_block_ids=(),
         )
@@ -150,24 +157,24 @@ class NixlScheduler:
 
     # ------------------------------------------------------------------ prefill
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         if request.request_id not in self._handled:
             self._release_unread(request)
         self._handled.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return FinishResult(False, None)  # aborted or failed: there is nothing worth reading
+            return KVHandoff(False, None)  # aborted or failed: there is nothing worth reading
         num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
         if not num_full:  # not one full block: nothing is held, the decode side computes the prompt
-            return FinishResult(False, self._params(request, []).to_dict())
+            return KVHandoff(False, self._params(request, []).to_dict())
         params = self._params(request, block_ids[:num_full])
-        self._new_leases[request.request_id] = params.lease_ref()
+        self._new_leases[request.request_id] = LeaseRef.of(params)
         self._leased.add(request.request_id)
-        return FinishResult(True, params.to_dict())
+        return KVHandoff(True, params.to_dict())
 
-    def _params(self, request: Request, held: list[int]) -> RemotePrefillParams:
+    def _params(self, request: ConnectorRequest, held: list[int]) -> RemotePrefillParams:
         """What the decode side needs to read `held` and to prove it read this request's blocks."""
         return RemotePrefillParams(
             remote_engine_id=self.config.engine_id,

@@ -29,7 +29,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.connectors.base import ConnectorContext, FinishedTransfers, FlushResult
+from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, FlushReport
 from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.connectors.nixl.options import NixlOptions
@@ -151,10 +151,10 @@ class NixlWorker:
     def wait_for_save(self, metadata: NixlConnectorMetadata | None) -> None:
         pass  # prefill never writes: the decode side reads the blocks while they are leased
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         self._progress()
         recving, self._finished_recving = self._finished_recving, set()
-        return FinishedTransfers(self._leases.collect(self._clock()), recving)
+        return CompletedTransfers(self._leases.collect(self._clock()), recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
@@ -223,12 +223,12 @@ class NixlWorker:
     def _pending_req_ids(self) -> set[str]:
         return set(self._recvs) | self._leases.pending(self._clock())
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         failures_before = self.stats.num_failures
         drive_until(lambda: not self._pending_req_ids(), self._clock() + timeout_s, progress=self._progress,
                     clock=self._clock, sleep=self.context.wakeup.wait)  # fmt: skip
         pending = frozenset(self._pending_req_ids())
-        return FlushResult(not pending, pending, self.stats.num_failures - failures_before)
+        return FlushReport(not pending, pending, self.stats.num_failures - failures_before)
 
     def shutdown(self) -> None:
         if self._is_shut_down:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 
-from kvbridge.engine.block_hash import BlockHash
+from kvbridge.block_hash import BlockHash
 
 FILE_SUFFIX = ".kvblock"
 TEMP_MARK = ".tmp"  # a write in progress: "<block file name>.tmp<pid>", renamed into place when complete

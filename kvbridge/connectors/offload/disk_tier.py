@@ -32,8 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from kvbridge.block_hash import BlockHash
 from kvbridge.connectors.offload.disk_index import block_file_name, is_temp_file_name, temp_file_name
-from kvbridge.engine.block_hash import BlockHash
 from kvbridge.errors import KVBridgeError
 
 MAGIC = b"KVBBLOCK"

@@ -19,8 +19,8 @@ import enum
 import heapq
 from dataclasses import dataclass
 
+from kvbridge.block_hash import BlockHash
 from kvbridge.connectors.offload.policy import EvictionPolicy, make_policy
-from kvbridge.engine.block_hash import BlockHash
 
 
 class SlotState(enum.Enum):

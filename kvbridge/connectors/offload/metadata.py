@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbridge.block_hash import BlockHash
 from kvbridge.connectors.base import KVConnectorMetadata
-from kvbridge.engine.block_hash import BlockHash
 
 
 @dataclass

@@ -18,17 +18,14 @@ How the two halves stay consistent, using only the channels of the connector API
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvbridge.connectors.base import FinishResult, KVConnectorOutput, MatchResult, SchedulerOutput
+from kvbridge.block_hash import BlockHash
+from kvbridge.connectors.base import ConnectorRequest, KVConnectorOutput, KVHandoff, MatchResult, SchedulerOutput
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.disk_index import DiskTierIndex, scan_block_files
 from kvbridge.connectors.offload.host_index import HostTierIndex, SlotState
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
-from kvbridge.engine.block_hash import BlockHash
-
-if TYPE_CHECKING:
-    from kvbridge.engine.request import Request
 
 
 @dataclass
@@ -67,7 +64,7 @@ class OffloadScheduler:
             return self.host.is_ready(block_hash)
         return self.disk is not None and block_hash in self.disk
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         first = num_computed_tokens // self.block_size
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)  # keep one token
         num_hit = 0
@@ -82,7 +79,9 @@ class OffloadScheduler:
         self._matches[request.request_id] = (first, num_hit)
         return MatchResult(num_hit * self.block_size, True)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self._count_lookup(request.request_id)
         match = self._matches.pop(request.request_id, None)
         if match is None or num_external_tokens <= 0:
@@ -168,7 +167,7 @@ class OffloadScheduler:
             meta.disk_deletes = self.disk.take_deletes()
         return meta
 
-    def _plan_store(self, request: Request, num_computed: int, block_ids: list[int]) -> StoreJob | None:
+    def _plan_store(self, request: ConnectorRequest, num_computed: int, block_ids: list[int]) -> StoreJob | None:
         state = self._reqs.setdefault(request.request_id, _RequestState())
         num_full = min(num_computed // self.block_size, len(request.block_hashes), len(block_ids))
         job = StoreJob(request.request_id, [], [], [], [])
@@ -217,21 +216,21 @@ class OffloadScheduler:
         self._release_load(job, self._failed_blocks)
         self._failed_blocks -= set(job.gpu_block_ids) | set(job.failed_gpu_block_ids)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> FinishResult:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
         req_id = request.request_id
         self._matches.pop(req_id, None)
         self._lookups.pop(req_id, None)  # never admitted
         state = self._reqs.get(req_id)
         if state is None:
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         if state.load is not None and not state.is_load_emitted:  # never reached the worker
             self._cancel_load(state.load)
             state.load = None
         if not state.has_jobs:
             del self._reqs[req_id]
-            return FinishResult(False, None)
+            return KVHandoff(False, None)
         state.is_finished = True
-        return FinishResult(True, None)
+        return KVHandoff(True, None)
 
     def has_pending_transfers(self) -> bool:
         return any(s.has_jobs and (s.storing or s.load is not None or s.is_finished) for s in self._reqs.values())

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvbridge.connectors.base import FinishedTransfers, FlushResult
+from kvbridge.connectors.base import CompletedTransfers, FlushReport
 from kvbridge.connectors.latency import LatencyStats
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.copier import BlockCopier, CopyHandle, make_copier
@@ -199,7 +199,7 @@ class OffloadWorker:
                 self._load_latency.add(elapsed)
             self._end_load(job.req_id)
 
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedTransfers:
+    def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         self._finished |= finished_req_ids & self._seen
         self._poll()
         recving = self._recving_done - self._finished
@@ -207,7 +207,7 @@ class OffloadWorker:
         sending = {r for r in self._finished if r not in self._pending and r not in self._loads_left}
         self._finished -= sending
         self._seen -= sending
-        return FinishedTransfers(sending, recving)
+        return CompletedTransfers(sending, recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -223,18 +223,18 @@ class OffloadWorker:
                 )
         self._poll()
 
-    def flush(self, timeout_s: float) -> FlushResult:
+    def flush(self, timeout_s: float) -> FlushReport:
         deadline = time.monotonic() + timeout_s
         for op in list(self._in_flight):  # blocks on each copy in turn, no polling
             op.handle.wait(deadline - time.monotonic())
         num_failed = self._poll()
         if not self._in_flight and self.disk is not None:  # write-through done too: a restart finds it
             if not self.disk.drain(max(0.0, deadline - time.monotonic())):
-                return FlushResult(False, frozenset(), num_failed)
+                return FlushReport(False, frozenset(), num_failed)
             self._slot_barriers.clear()
         if self._in_flight:
-            return FlushResult(False, frozenset(op.job.req_id for op in self._in_flight), num_failed)
-        return FlushResult(True, frozenset(), num_failed)
+            return FlushReport(False, frozenset(op.job.req_id for op in self._in_flight), num_failed)
+        return FlushReport(True, frozenset(), num_failed)
 
     def shutdown(self) -> None:
         if self.copier is None:

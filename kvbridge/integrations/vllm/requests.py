@@ -1,7 +1,7 @@
 """vLLM's scheduler objects seen through kvbridge's connector API, without copying KV or tokens.
 
 kvbridge's scheduler halves read a request's id, token counts, `kv_transfer_params`, status and
-the chained block hashes (`kvbridge.engine.block_hash`: the identity of KV in every kvbridge
+the chained block hashes (`kvbridge.block_hash`: the identity of KV in every kvbridge
 engine, so a vLLM node and a kvbridge node agree on which blocks hold which prompt). vLLM's
 `Request` has all of it but the hashes, which `RequestView` computes from the token ids, a block
 at a time as the request grows. `step_output` turns vLLM's `SchedulerOutput` into kvbridge's.
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
-from kvbridge.engine.block_hash import BlockHash, hash_full_blocks
-from kvbridge.engine.request import RequestStatus
+from kvbridge.block_hash import BlockHash, hash_full_blocks
+from kvbridge.connectors.base import RequestStatus, ScheduledRequest, SchedulerOutput
 
 # vLLM's finished statuses -> kvbridge's (vLLM's RequestStatus is an IntEnum; compared by name so
 # that this module does not import vLLM). Anything not listed and not finished is RUNNING enough

@@ -15,7 +15,7 @@ import logging
 import weakref
 from typing import Any
 
-from kvbridge.connectors.base import ConnectorContext, FinishedTransfers, KVConnectorRole
+from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, KVConnectorRole
 from kvbridge.connectors.factory import create_connector
 from kvbridge.integrations.vllm.affinity import run_unpinned
 from kvbridge.integrations.vllm.config import AdapterConfig
@@ -47,7 +47,7 @@ class WorkerSide:
             layout=self.layout,
         )
         self.inner = create_connector(setup.transfer, KVConnectorRole.WORKER, self.context)
-        self._carry = FinishedTransfers(set(), set())  # collected by a drain, reported by the next step
+        self._carry = CompletedTransfers(set(), set())  # collected by a drain, reported by the next step
         self._snapshots = StatsSnapshots("worker")
         self._has_ended = False  # a request or a transfer ended this step: snapshot the stats
         self.timer = StepTimer()  # start_load_kv + wait_for_save + get_finished + load errors, per step
@@ -102,7 +102,7 @@ class WorkerSide:
             done = self.inner.get_finished(set(finished_req_ids))
         sending = done.finished_sending | self._carry.finished_sending
         recving = done.finished_recving | self._carry.finished_recving
-        self._carry = FinishedTransfers(set(), set())
+        self._carry = CompletedTransfers(set(), set())
         self._has_ended = bool(finished_req_ids or sending or recving)
         return sending or None, recving or None
 
@@ -137,7 +137,7 @@ class WorkerSide:
             self.clear()
         self._flush(timeout_s)
         done = self.inner.get_finished(set(finished_req_ids))
-        self._carry = FinishedTransfers(
+        self._carry = CompletedTransfers(
             self._carry.finished_sending | done.finished_sending, self._carry.finished_recving | done.finished_recving
         )
         return set(self._carry.finished_sending)

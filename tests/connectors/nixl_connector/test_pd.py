@@ -10,9 +10,9 @@ import time
 import weakref
 
 import pytest
+from prefill_node import BLOCK_SIZE, PrefillNode, engine_kwargs, prefill_node
 
 from kvbridge import LLM, SamplingParams
-from prefill_node import BLOCK_SIZE, PrefillNode, engine_kwargs, prefill_node
 
 pytestmark = pytest.mark.nixl
 
@@ -191,7 +191,8 @@ def test_blocks_of_another_size_are_never_read(reference: LLM, caplog):
 
 
 def test_engine_cycles_release_every_tensor_and_deregister_first(node: PrefillNode, reference: LLM):
-    from kvbridge.memory import take_snapshot
+    from memory_snapshot import take_snapshot
+
     from kvbridge.transfer.agent import NixlAgent
 
     prompts = make_prompts(seed=6)[3:5]

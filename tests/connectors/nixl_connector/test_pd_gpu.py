@@ -7,10 +7,10 @@ import gc
 
 import pytest
 import torch
+from memory_snapshot import take_snapshot, wait_for_device_memory
 from prefill_node import engine_kwargs, prefill_node
 
 from kvbridge import LLM, SamplingParams
-from kvbridge.memory import take_snapshot, wait_for_device_memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nixl]
 

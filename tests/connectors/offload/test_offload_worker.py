@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kvbridge.block_hash import BlockHash
 from kvbridge.connectors.offload.config import OffloadConfig
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
 from kvbridge.connectors.offload.worker import OffloadWorker
-from kvbridge.engine.block_hash import BlockHash
 from kvbridge.layout import KVCacheLayout
 
 PAGE = 2 * 4 * 2 * 8 * 2  # page_nbytes in bfloat16

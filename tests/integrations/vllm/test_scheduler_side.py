@@ -20,8 +20,8 @@ from sched_harness import BLOCK_SIZE, NixlWorkerModel, OffloadWorkerModel, Sched
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from kvbridge.block_hash import hash_full_blocks  # noqa: E402
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT  # noqa: E402
-from kvbridge.engine.block_hash import hash_full_blocks  # noqa: E402
 from kvbridge.engine.checkpoint_id import checkpoint_id  # noqa: E402
 from kvbridge.transfer.messages import LeaseRef  # noqa: E402
 

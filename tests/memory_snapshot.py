@@ -1,4 +1,5 @@
 """Memory snapshots: what the process holds on the device and on the host, for shutdown tests.
+Test support, so it lives with the tests: nothing in kvbridge takes snapshots.
 
     before = take_snapshot("cuda")
     ... create an engine, generate, shut it down ...
