@@ -50,7 +50,7 @@ def nodes(net):
     """prefill (10.213.0.1, bound 0.0.0.0), decode (bound 0.0.0.0, --side-channel-host 10.213.0.2)
     and the proxy (on the decode host's loopback). URLs are as seen from the decode host."""
     net.add_default_route(net.prefill)
-    decode_extra = {"allowed_peers": ["10.213.0.0/24"], "transfer_timeout_s": TRANSFER_TIMEOUT_S, "handshake_timeout_s": 2.0}
+    decode_extra = {"allowed_peers": ["10.213.0.0/24"], "transfer_timeout_s": TRANSFER_TIMEOUT_S, "handshake_timeout_s": 15.0}
     with tempfile.TemporaryDirectory(prefix="kvbridge-netns-") as log_dir:
         prefill = ManagedProcess("prefill", f"http://{net.prefill.address}:{PREFILL_PORT}", net.exec_argv(net.prefill, cli_argv(
             "serve", "--role", "prefill", "--host", "0.0.0.0", "--port", str(PREFILL_PORT), *NODE_ARGS,

@@ -37,7 +37,8 @@ DECODE_ARGS = [*NODE_ARGS, "--kv-connector-extra", '{"handshake_timeout_s": 1.0,
 PROXY_ARGS = ["--health-interval", "0.5", "--max-probe-backoff", "1.0"]
 MAX_TOKENS = 6
 LONG_MAX_TOKENS = 320  # a decode node busy for a second or more: the 0.1 s polls see it before it answers
-PROMPTS = [f"In-flight request {i} while a prefill node dies: " + "kv " * (8 + 5 * i) for i in range(16)]
+# Enough prefill work that the 0.1 s polls of the proxy's metrics see the victim busy before it is done.
+PROMPTS = [f"In-flight request {i} while a prefill node dies: " + "kv " * (8 + 5 * (i % 16)) for i in range(48)]
 RESTARTED_PROMPTS = [f"{i}: after the restart, spread over both prefill nodes. " + "z" * (20 * i) for i in range(4)]
 LONG_PROMPTS = [f"Decode node {i} will be killed before it answers. " * 2 for i in range(2)]
 RECOMPUTED_PROMPTS = [f"No prefill node is left for request {i}. " * 3 for i in range(3)]
