@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 BLOCKS_PER_SPLIT = 16  # cache blocks one program reads (256 keys of 16-token blocks)
-KEYS_PER_ITER = 64  # keys one iteration loads and multiplies at once (whole blocks of them)
+KEYS_PER_ITER = 64  # keys one iteration loads and multiplies at once (fewer when 16 blocks hold fewer)
 MIN_ROWS = 16  # tl.dot needs 16 rows: a KV head's query heads are padded up to it
 # The running max before any key is -1e30 (a literal in the kernels: Triton reads no plain globals):
 # finite, so a split whose keys are all past the context stays free of NaN (exp(-inf - -inf)).
