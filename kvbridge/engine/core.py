@@ -328,6 +328,7 @@ class EngineCore:
             self.runner.shutdown()
             self.worker_connector = self.scheduler_connector = None
             self.scheduler.detach_connector()
+            self.wakeup.close()  # an AsyncEngine subscribed to it
             self._pending_outputs.clear()
             if self._froze_gc:
                 gc.unfreeze()

@@ -98,3 +98,7 @@ class Wakeup:
     def subscribe(self, subscriber: Callable[[], object]) -> None:
         """Call `subscriber()` on every ring, on the ringing thread; it must be quick and not block."""
         self._subscribers.append(subscriber)
+
+    def close(self) -> None:
+        """Forget the subscribers (the owner shuts down): no reference cycle outlives it."""
+        self._subscribers = []

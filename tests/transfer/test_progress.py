@@ -98,3 +98,11 @@ def test_subscribers_hear_every_ring():
     wakeup.ring()
     wakeup.ring()
     assert heard == [1, 1]
+
+
+def test_a_closed_wakeup_calls_no_subscriber():
+    wakeup, heard = Wakeup(), []
+    wakeup.subscribe(lambda: heard.append(1))
+    wakeup.close()
+    wakeup.ring()
+    assert heard == [] and wakeup.wait(0.0)  # the ring itself still wakes a waiter
