@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,13 +34,48 @@ from kvbridge.errors import NodeStartError
 HOST = "127.0.0.1"
 
 
+# Ports handed out for servers come from below the kernel's ephemeral range: a port there is never
+# given to an outgoing connection, so none can take it between `free_ports` and the server's bind.
+# (Ports from `bind(0)` are ephemeral ones; on a busy machine a client's connect() reused them.)
+_SERVER_PORTS_FLOOR = 10_000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_random = random.SystemRandom()  # independent of any seed a test or user set with `random.seed`
+
+
+def _server_port_range() -> range | None:
+    """Ports that no outgoing connection is given (below the ephemeral range), or None if unknown."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_SERVER_PORTS_FLOOR, first_ephemeral) if first_ephemeral - _SERVER_PORTS_FLOOR >= 1024 else None
+
+
 def free_ports(count: int, host: str = HOST) -> list[int]:
-    """`count` distinct ports that were free a moment ago (held open together, so never equal)."""
+    """`count` distinct ports that nobody listened on a moment ago, held open together while chosen.
+
+    Where the kernel says which ports are ephemeral, they are drawn at random from below that range
+    (see `_SERVER_PORTS_FLOOR`), else the kernel picks them."""
+    candidates = _server_port_range()
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+        ports: list[int] = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket())
+            ports.append(_bind_free(sock, host, candidates))
+        return ports
+
+
+def _bind_free(sock: socket.socket, host: str, candidates: range | None) -> int:
+    for _ in range(64 if candidates else 0):
+        port = _random.choice(candidates)
+        try:
+            sock.bind((host, port))
+            return port
+        except OSError:  # in use (or lingering): try another
+            continue
+    sock.bind((host, 0))
+    return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -8,8 +8,9 @@ Each node is HEALTHY (in rotation) or EJECTED (skipped by routing). Two things m
 `start()` checks every node once before the proxy serves, so routing starts from what the nodes
 say. Then one asyncio task per node checks it: every `check_interval_s` while it is healthy; when
 ejected, after `min_backoff_s`, doubling up to `max_backoff_s` while it stays down, except while it
-answers that it is starting (a node loading its engine will serve soon: it is checked every
-`min_backoff_s`). The tasks sleep between checks; an ejection wakes the node's task so that its
+answers that it is starting or has never answered 200 since the proxy started (a node loading its
+engine, or launched beside the proxy, will serve soon: it is checked every `min_backoff_s`, so it
+joins the rotation within that of its first healthy answer). The tasks sleep between checks; an ejection wakes the node's task so that its
 first check is not a whole healthy interval away. A check that started before an ejection cannot
 undo it: its answer may predate the failure.
 
@@ -73,6 +74,7 @@ class _Node:
     num_failures: int = 0
     num_ejections: int = 0
     num_readmissions: int = 0
+    has_been_healthy: bool = False  # answered 200 to a check since the proxy started
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -167,10 +169,12 @@ class NodePool:
                 self._eject(node, f"health check: {check.error}")
                 return
             node.last_error = f"health check: {check.error}"
-            # A node that says it is starting will serve soon: no backoff while it does.
-            node.backoff_s = self._min_backoff_s if check.is_starting else min(2 * node.backoff_s, self._max_backoff_s)
+            # A node that says it is starting, or was never up yet, will serve soon: no backoff meanwhile.
+            is_starting = check.is_starting or not node.has_been_healthy
+            node.backoff_s = self._min_backoff_s if is_starting else min(2 * node.backoff_s, self._max_backoff_s)
             node.next_check_at = now + node.backoff_s
             return
+        node.has_been_healthy = True
         if node.state is NodeState.EJECTED and started_at >= node.ejected_at:
             node.state = NodeState.HEALTHY
             node.num_readmissions += 1

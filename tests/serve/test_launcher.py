@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import tempfile
 import time
@@ -15,6 +16,22 @@ from kvbridge.serve.launcher import ManagedProcess, free_ports, wait_healthy
 def test_free_ports_are_distinct():
     ports = free_ports(8)
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
+
+
+def test_free_ports_are_never_ones_an_outgoing_connection_could_take():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first_ephemeral = int(f.read().split()[0])
+    if first_ephemeral < 12_000:
+        pytest.skip(f"the ephemeral range starts at {first_ephemeral}: no room below it")
+    assert all(p < first_ephemeral for p in free_ports(16))
+
+
+def test_free_ports_do_not_follow_the_seed_of_random():
+    # Two test processes that both seed `random` must not be handed the same ports.
+    random.seed(1234)
+    first = free_ports(4)
+    random.seed(1234)
+    assert free_ports(4) != first
 
 
 def _proc(code: str, log_dir: str, name: str = "child") -> ManagedProcess:

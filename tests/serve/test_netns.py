@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from kvbridge.serve.launcher import ManagedProcess, cli_argv, http_json, wait_healthy
+from kvbridge.serve.launcher import ManagedProcess, cli_argv, http_json, wait_healthy, wait_proxy_routes_to_all
 from netns import NetnsPair, NetnsUnavailable
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -67,6 +67,9 @@ def nodes(net):
         try:
             with net.entered(net.decode):
                 wait_healthy(processes, timeout_s=240)
+                # Healthy nodes are not yet a proxy that routes to them: its own checks must see the
+                # prefill node up, or the first request is (rightly) computed by the decode node alone.
+                wait_proxy_routes_to_all(proxy, timeout_s=60)
             yield {"prefill": prefill.url, "decode": decode.url, "proxy": proxy.url}
         finally:
             for proc in processes:
@@ -108,7 +111,7 @@ def test_pd_over_a_real_interface_moves_the_kv_across_it(net, nodes):
     rx_before = net.rx_bytes(net.decode)
     reply = post(net, f"{nodes['proxy']}/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
     stats = reply["kvbridge"]
-    assert stats["num_external_tokens"] > 0 and stats["kv_transfer_bytes"] > 0, stats
+    assert stats["num_external_tokens"] > 0 and stats["kv_transfer_bytes"] > 0, json.dumps(stats)
     assert net.rx_bytes(net.decode) - rx_before >= stats["kv_transfer_bytes"]  # the KV crossed the veth
     assert reply["choices"][0]["token_ids"] == reference_tokens(net, nodes)
 

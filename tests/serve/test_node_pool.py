@@ -106,6 +106,31 @@ def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop(is_starting):
     assert stats.state is NodeState.EJECTED and stats.num_ejections == 1 and "503" in stats.last_error
 
 
+def test_a_node_never_seen_healthy_is_checked_as_if_starting():
+    """A node launched beside the proxy may not listen yet at the proxy's first check. Until it has
+    answered 200 once, it is checked every min_backoff_s (no doubling), so it joins the rotation
+    within that of coming up instead of a max_backoff_s later (while requests skip it)."""
+
+    async def main():
+        node = HealthServer()
+        node.status = 503  # down, not saying "starting": a node that once served would back off
+        await node.server.start_server()
+        pool = NodePool("prefill", [node.url], check_interval_s=10.0, max_backoff_s=5.0)
+        async with aiohttp.ClientSession() as session:
+            await pool.start(session)
+            await asyncio.sleep(2.5)
+            num_down_checks = node.num_checks
+            node.status = 200
+            await _until(pool.has_healthy, "admission of the node once it answers")
+            await pool.close()
+        await node.server.close()
+        return num_down_checks
+
+    # Every 0.25 s: about 11 checks in 2.5 s. Doubling would give 4 (at 0, 0.25, 0.75 and 1.75 s),
+    # and the node would then wait until 3.75 s to be admitted.
+    assert _run(main()) >= 7
+
+
 def test_bad_pools_are_config_errors():
     with pytest.raises(ConfigError, match="at least one decode node"):
         NodePool("decode", [])
