@@ -1,4 +1,4 @@
-"""Reference engine decode step time at a given batch size, against a dense non-paged baseline.
+"""Reference engine decode step time at a given batch size, against the memory-bandwidth limit.
 
     python benchmarks/decode_step.py --json                                           # tiny, CPU
     python benchmarks/decode_step.py --json --preset kv8b --device cuda --dtype bfloat16 --batch 1 --batch 32
@@ -8,9 +8,10 @@ The figure: the wall time of one `EngineCore.step()` whose every request decodes
 of `--context-len` tokens. Measured twice: CUDA graphs on (the default) and `enforce_eager=True`.
 Each repetition is one step; the clock starts after a device synchronize and stops after one.
 
-The baseline, in the same run on the same weights: one decode step of the same batch through the
-same model with a contiguous (non-paged) KV cache, no scheduler and greedy argmax handed to Python
-(engine_throughput.py's dense baseline). `speedup_vs_dense` = dense step time / engine step time.
+The limit, measured in the same run (benchmarks/limits.py): a decode step must read the weights
+once and every request's whole KV; those bytes over the device's memory bandwidth (a device-to-device
+copy of a buffer past every cache, read + written bytes per second) give the fastest step this
+device can take. `fraction_of_limit` = limit / step time (1.0 is the hardware's best).
 Each figure: `--warmup` steps (the first captures the graph), then the median and min over `--reps` steps.
 
 `--profile` adds, per batch, where a CUDA-graph step's time goes: the GPU time of its kernels and
@@ -29,7 +30,7 @@ import time
 import torch
 
 from common import machine_info, versions
-from engine_throughput import ContiguousKVAttention, sync
+from limits import decode_step_nbytes, memory_bandwidth, sync
 
 from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvbridge.engine import attention
@@ -84,30 +85,6 @@ def device_profile(engine: EngineCore, device, num_steps: int, top: int = 8) -> 
     }
 
 
-@torch.inference_mode()
-def dense_step_times(model, prompts: list[list[int]], num_steps: int, layout, device) -> list[float]:
-    """The same batch through the model with a contiguous KV cache: the time of each decode step."""
-    batch, prompt_len = len(prompts), len(prompts[0])
-    attn = ContiguousKVAttention(batch, prompt_len + num_steps, layout.num_layers, layout.num_kv_heads,
-                                 layout.head_dim, getattr(torch, layout.dtype), device)
-    ids = torch.tensor(prompts, dtype=torch.long, device=device).view(-1)
-    attn.num_new = prompt_len
-    hidden = model(ids, torch.arange(prompt_len, device=device).repeat(batch), attn)
-    tokens = model.compute_logits(hidden.view(batch, prompt_len, -1)[:, -1]).argmax(-1)
-    attn.pos, attn.num_new = prompt_len, 1
-    times = []
-    for step in range(num_steps):
-        sync(device)
-        start = time.perf_counter()
-        positions = torch.full((batch,), prompt_len + step, device=device)
-        tokens = model.compute_logits(model(tokens, positions, attn)).argmax(-1)
-        tokens.tolist()  # the engine hands token ids to Python every step too
-        sync(device)
-        times.append(time.perf_counter() - start)
-        attn.pos += 1
-    return times
-
-
 def summarize(times: list[float], warmup: int) -> dict:
     timed_steps = times[warmup:]
     return {"median_ms": statistics.median(timed_steps) * 1e3, "min_ms": min(timed_steps) * 1e3,
@@ -159,20 +136,25 @@ def main() -> None:
                     results[b]["profile"] = profile
             if mode == "graphs":
                 num_graphs = engine.runner.num_cuda_graphs
-                for b in batches:
-                    times = dense_step_times(engine.runner.model, prompts[b], num_steps, engine.layout, args.device)
-                    results[b]["dense"] = summarize(times, args.warmup)
+                kv_bytes_per_token = engine.layout.block_nbytes // engine.layout.block_size
+                step_nbytes = {b: decode_step_nbytes(engine.runner.model, kv_bytes_per_token, b, args.context_len)
+                               for b in batches}  # fmt: skip
             layout, model_id = engine.layout, engine.model_id
         finally:
             engine.shutdown()
 
-    for figures in results.values():
+    bandwidth = memory_bandwidth(args.device)
+    for b, figures in results.items():
+        limit_ms = step_nbytes[b] / bandwidth["bytes_per_s"] * 1e3
+        figures["limit"] = {"bytes_read": step_nbytes[b], "limit_ms": limit_ms}
         for mode in [m for m, _ in modes]:
-            figures[f"{mode}_speedup_vs_dense"] = figures["dense"]["median_ms"] / figures[mode]["median_ms"]
+            figures[f"{mode}_fraction_of_limit"] = limit_ms / figures[mode]["median_ms"]
     report = {
         "benchmark": "decode_step",
         "step_ms": {b: r["graphs"]["median_ms"] for b, r in results.items()},
-        "baseline": "same weights, contiguous non-paged KV, no scheduler, greedy argmax",
+        "fraction_of_limit": {b: r["graphs_fraction_of_limit"] for b, r in results.items()},
+        "baseline": "memory-bandwidth limit: weights + the batch's KV over a device copy's rate, same run",
+        "memory_bandwidth": bandwidth,
         "batches": results,
         "num_cuda_graphs": num_graphs,
         "params": {"preset": args.preset, "model_id": model_id, "device": args.device, "dtype": args.dtype,
@@ -187,8 +169,8 @@ def main() -> None:
     else:
         for b, r in results.items():
             print(f"batch {b}: step {r['graphs']['median_ms']:.2f} ms with graphs, "
-                  f"{r['eager']['median_ms']:.2f} ms eager, "
-                  f"{r['dense']['median_ms']:.2f} ms dense ({r['graphs_speedup_vs_dense']:.2f}x dense)")
+                  f"{r['eager']['median_ms']:.2f} ms eager; limit {r['limit']['limit_ms']:.2f} ms "
+                  f"({r['graphs_fraction_of_limit']:.2f} of it)")
 
 
 if __name__ == "__main__":

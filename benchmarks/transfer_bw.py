@@ -136,6 +136,13 @@ def main(argv=None) -> int:
     os.dup2(2, 1)
     import torch
 
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        # Its figure is a read between two GPUs against their peer copy: one GPU cannot give it.
+        skipped = {"benchmark": "transfer_bw", "skipped": f"needs two CUDA devices, found {torch.cuda.device_count()}",
+                   "params": {k: v for k, v in vars(args).items() if k not in ("json", "serve")}}  # fmt: skip
+        out.write(json.dumps(skipped) + "\n")
+        return 0
+
     from kvbridge.transfer.agent import XferState
     from kvbridge.transfer.endpoint import KVEndpoint
     from kvbridge.transfer.options import TransferOptions
