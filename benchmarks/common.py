@@ -42,3 +42,27 @@ def versions() -> dict:
         except PackageNotFoundError:
             pass
     return out
+
+
+def missing_devices(*devices: str, num_gpus_needed: int = 0) -> str | None:
+    """Why this machine cannot run a benchmark on `devices` (CUDA absent, too few GPUs), or None."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = [torch.device(d) for d in devices if str(d).startswith("cuda")]
+    needed = max([num_gpus_needed, *((d.index or 0) + 1 for d in cuda)])
+    if needed > count:
+        return f"needs {needed} CUDA device{'s' * (needed > 1)}, found {count}"
+    return None
+
+
+def exit_if_missing(benchmark: str, *devices: str, num_gpus_needed: int = 0, out=None) -> None:
+    """Print a JSON object saying what hardware is missing and exit 0, when it is missing: a
+    benchmark that cannot run here says so instead of crashing."""
+    import json
+    import sys
+
+    reason = missing_devices(*devices, num_gpus_needed=num_gpus_needed)
+    if reason is not None:
+        (out or sys.stdout).write(json.dumps({"benchmark": benchmark, "skipped": reason}) + "\n")
+        raise SystemExit(0)

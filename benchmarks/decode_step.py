@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from common import machine_info, versions
+from common import exit_if_missing, machine_info, versions
 from limits import decode_step_nbytes, memory_bandwidth, sync
 
 from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -108,6 +108,7 @@ def main() -> None:
                         "Triton kernel (mode graphs_gather)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    exit_if_missing("decode_step", args.device)
     batches = args.batch or [1, 32]
 
     rng = random.Random(args.seed)

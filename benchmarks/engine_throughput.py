@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from common import machine_info, versions
+from common import exit_if_missing, machine_info, versions
 from limits import decode_step_nbytes, matmul_rate, memory_bandwidth, prefill_flops, sync
 
 from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    exit_if_missing("engine_throughput", args.device)
 
     rng = random.Random(args.seed)
     num_tokens = args.batch * (args.prompt_len + args.decode_len + 1)

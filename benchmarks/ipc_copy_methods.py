@@ -52,7 +52,7 @@ import time
 
 import msgspec
 import numpy as np
-from common import machine_info, versions
+from common import exit_if_missing, machine_info, versions
 from transfer_bw import scattered_ids
 
 from kvbridge.block_runs import run_starts
@@ -287,10 +287,7 @@ def main(argv=None) -> int:
     owner_env, owner_gpu = isolate(args.isolated)
     import torch
 
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < (1 if args.isolated else 2):
-        print(f"ipc_copy_methods.py needs 2 CUDA GPUs on one host; this process sees {found}.", file=sys.stderr)
-        return 2
+    exit_if_missing("ipc_copy_methods", num_gpus_needed=1 if args.isolated else 2)
     gather, triton_version = make_triton_gather()
     cmd = [sys.executable, os.path.abspath(__file__), "--owner", str(owner_gpu),
            "--blocks", str(args.blocks), "--block-mib", str(args.block_mib)]

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import machine_info, versions
+from common import exit_if_missing, machine_info, versions
 
 from kvbridge.block_runs import paired_runs
 from kvbridge.connectors.offload.copier import make_copier
@@ -81,6 +81,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    exit_if_missing("offload_bw", args.device)
 
     is_cuda = args.device.startswith("cuda")
     num_cores = len(os.sched_getaffinity(0))

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, versions  # noqa: E402
+from common import exit_if_missing, machine_info, versions  # noqa: E402
 from limits import host_load_rate, matmul_rate, prefill_flops  # noqa: E402
 
 from kvbridge import LLM, SamplingParams  # noqa: E402
@@ -47,6 +47,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    exit_if_missing("offload_ttft", args.device)
 
     is_cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if is_cuda else "float32")

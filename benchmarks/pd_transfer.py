@@ -27,7 +27,7 @@ import random
 import statistics
 import time
 
-from common import machine_info, versions
+from common import exit_if_missing, machine_info, versions
 
 from kvbridge.transfer.progress import Backoff
 
@@ -211,6 +211,7 @@ def main() -> None:
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    exit_if_missing("pd_transfer", args.prefill_device, args.decode_device)
     out = os.fdopen(os.dup(1), "w", buffering=1)  # NIXL logs to stdout: keep stdout for the result
     os.dup2(2, 1)
     result = run(args)

@@ -26,7 +26,7 @@ import sys
 import time
 
 import numpy as np
-from common import machine_info, versions
+from common import exit_if_missing, machine_info, versions
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -136,12 +136,8 @@ def main(argv=None) -> int:
     os.dup2(2, 1)
     import torch
 
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        # Its figure is a read between two GPUs against their peer copy: one GPU cannot give it.
-        skipped = {"benchmark": "transfer_bw", "skipped": f"needs two CUDA devices, found {torch.cuda.device_count()}",
-                   "params": {k: v for k, v in vars(args).items() if k not in ("json", "serve")}}  # fmt: skip
-        out.write(json.dumps(skipped) + "\n")
-        return 0
+    if args.device == "cuda":  # its figure is a read between two GPUs against their peer copy
+        exit_if_missing("transfer_bw", num_gpus_needed=2, out=out)
 
     from kvbridge.transfer.agent import XferState
     from kvbridge.transfer.endpoint import KVEndpoint
