@@ -2,6 +2,7 @@
 
     python benchmarks/results.py record NAME -- python benchmarks/decode_step.py --json --batch 1
     python benchmarks/results.py keep NAME out.json --command "..."   # a JSON made on another machine
+    python benchmarks/results.py keep-all results.jsonl --commit C      # what benchmarks/run_gpu.sh wrote
     python benchmarks/results.py render          # rewrites the tables of docs/benchmarks.md
 
 `record` runs the command from the repository root, reads the one JSON object it prints, adds when,
@@ -150,11 +151,19 @@ def main(argv: list[str] | None = None) -> None:
     kept.add_argument("file")
     kept.add_argument("--command", required=True, help="the command that made it, as run there")
     kept.add_argument("--commit", help="the commit it ran (default: this checkout's HEAD)")
+    kept_all = sub.add_parser("keep-all", help="keep every {name, command, result} line of a JSONL file")
+    kept_all.add_argument("file")
+    kept_all.add_argument("--commit", help="the commit it ran (default: this checkout's HEAD)")
     ren = sub.add_parser("render", help="rewrite docs/benchmarks.md's tables from benchmarks/results/")
     ren.add_argument("--check", action="store_true", help="only say whether the doc is up to date (exit 1 if not)")
     args = parser.parse_args(argv)
     if args.what == "record":
         print(record(args.name, command).relative_to(ROOT))
+        return
+    if args.what == "keep-all":
+        for line in Path(args.file).read_text().splitlines():
+            row = json.loads(line)
+            print(keep(row["name"], row["result"], row["command"], args.commit).relative_to(ROOT))
         return
     if args.what == "keep":
         result = last_json_object(Path(args.file).read_text())
