@@ -1,0 +1,239 @@
+"""The reference engine beside vLLM, on the same weights: prefill time and decode step, in one run.
+
+    .venv-vllm/bin/python benchmarks/vllm_engine.py --json                  # CPU: a small random Llama
+    python3 benchmarks/vllm_engine.py --json --device cuda --dtype bfloat16 --geometry llama3-8b \\
+        --prompt-len 4096 --batch 1 --batch 32                              # GPU with vLLM installed
+
+One random Llama checkpoint (written with transformers, loaded by both engines) and the same prompt
+token ids for both. Each engine runs in a child process of its own, one after the other (vLLM's
+process-wide state and memory never meet the other's), through its offline `LLM` API with the same
+settings: greedy, `ignore_eos`, prefix caching off, CUDA graphs where the engine has them.
+
+- prefill: the wall time of `generate(prompt, max_tokens=1)` for a fresh `--prompt-len`-token prompt;
+- decode step at batch B: B fresh prompts generated with `max_tokens=1 + --decode-steps` and, in the
+  same repetition, B other fresh prompts with `max_tokens=1`; the difference over the steps.
+Each figure: `--warmup` untimed repetitions, then the median and min of `--reps`.
+
+In the same run the limits (benchmarks/limits.py): the prefill's FLOPs over a measured matmul rate
+(MFU) and a decode step's bytes (weights + the batch's KV) over the measured memory bandwidth, so
+both engines are read against the hardware, and `ratio_to_vllm` (vLLM's time / the reference
+engine's: above 1, the reference engine is faster) against each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
+
+GEOMETRIES = {
+    # ~100M parameters: seconds per repetition on 2 CPU cores
+    "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=1536,
+                  vocab_size=4096),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                      intermediate_size=14336, vocab_size=128256),
+}  # fmt: skip
+FIRST_TOKEN_ID = 3  # 0-2 are the checkpoint's BOS/EOS/PAD
+
+
+def prompts(seed: int, count: int, length: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+# ---------------------------------------------------------------------- one engine, in a child process
+
+
+class Engine:
+    """`generate(batch of token-id prompts, max_tokens)` through one engine's offline LLM."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        max_len = args.prompt_len + args.decode_steps + 16
+        max_batch = max(args.batch)
+        if name == "kvbridge":
+            from kvbridge import LLM, SamplingParams
+
+            blocks = -(-max_len // 16) * max_batch * 2 + 8
+            self.llm = LLM(model=args.checkpoint, dtype=args.dtype, device=args.device, block_size=16,
+                           num_blocks=blocks, enable_prefix_caching=False, max_num_seqs=max_batch,
+                           max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max_len)  # fmt: skip
+        else:
+            from vllm import LLM, SamplingParams
+
+            extra = {"gpu_memory_utilization": 0.85} if args.device.startswith("cuda") else {}
+            self.llm = LLM(model=args.checkpoint, dtype=args.dtype, enable_prefix_caching=False, max_model_len=max_len,
+                           max_num_seqs=max_batch, max_num_batched_tokens=max(2048, args.prompt_len), seed=0,
+                           **extra)  # fmt: skip
+        self.name, self.params = name, SamplingParams
+
+    def generate(self, batch: list[list[int]], max_tokens: int) -> float:
+        params = self.params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs), "an answer stopped early"
+        return elapsed
+
+
+def summarize(samples: list[float]) -> dict:
+    return {"median_ms": statistics.median(samples) * 1e3, "min_ms": min(samples) * 1e3, "reps": len(samples)}
+
+
+def run_child(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM's engine in this process
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    engine = Engine(args.child, args)
+    seed = iter(range(1, 10**6))
+    prefill = []
+    for rep in range(args.warmup + args.reps):
+        elapsed = engine.generate(prompts(next(seed), 1, args.prompt_len, args.vocab_size), 1)
+        if rep >= args.warmup:
+            prefill.append(elapsed)
+    steps = {}
+    for batch in args.batch:
+        samples = []
+        for rep in range(args.warmup + args.reps):
+            long_s = engine.generate(prompts(next(seed), batch, args.prompt_len, args.vocab_size), 1 + args.decode_steps)
+            short_s = engine.generate(prompts(next(seed), batch, args.prompt_len, args.vocab_size), 1)
+            if rep >= args.warmup:
+                samples.append((long_s - short_s) / args.decode_steps)
+        steps[batch] = summarize(samples)
+    return {"prefill": summarize(prefill), "decode_step": steps}
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def engine_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("vllm", "vllm-cpu"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def model_figures(checkpoint: str, args: argparse.Namespace) -> tuple[int, dict[int, int]]:
+    """(prefill FLOPs, decode-step bytes per batch) of the checkpoint, counted by the reference
+    engine's model on the meta device (no weights allocated)."""
+    import torch
+
+    from kvbridge.engine.model import LlamaForCausalLM
+    from kvbridge.engine.weights import read_hf_config
+    from limits import decode_step_nbytes, prefill_flops
+
+    model_args, _ = read_hf_config(checkpoint)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_args).to(getattr(torch, args.dtype))
+    kv_per_token = 2 * model_args.num_layers * model_args.num_kv_heads * model_args.head_dim * model.lm_head.weight.element_size()
+    flops = prefill_flops(model, args.prompt_len)
+    context = args.prompt_len + args.decode_steps // 2
+    return flops, {b: decode_step_nbytes(model, kv_per_token, b, context) for b in args.batch}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
+    parser.add_argument("--checkpoint", default=None, help="a Llama checkpoint directory (default: write one)")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, action="append", help="decode batch size (repeatable; default 1 and 8)")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--engines", default="kvbridge,vllm")
+    parser.add_argument("--child", choices=("kvbridge", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--vocab-size", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.batch = args.batch or [1, 8]
+    if args.child:
+        print(json.dumps(run_child(args)), flush=True)
+        return 0
+
+    from common import exit_if_missing, machine_info, versions
+
+    exit_if_missing("vllm_engine", args.device)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print(json.dumps({"benchmark": "vllm_engine", "skipped": "needs vLLM (scripts/vllm-env builds an environment)"}))
+        return 0
+    import torch
+
+    from limits import matmul_rate, memory_bandwidth
+    from vllm_checkpoint import make_tiny_checkpoint
+
+    geometry = GEOMETRIES[args.geometry]
+    with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-engine-") as tmp:
+        checkpoint = args.checkpoint or make_tiny_checkpoint(
+            os.path.join(tmp, "model"), seed=0, max_position_embeddings=args.prompt_len + args.decode_steps + 64,
+            **geometry,
+        )  # fmt: skip
+        vocab_size = geometry["vocab_size"] if args.checkpoint is None else json.load(open(os.path.join(checkpoint, "config.json")))["vocab_size"]
+        flops, step_nbytes = model_figures(checkpoint, args)
+        results = {}
+        for engine in args.engines.split(","):
+            argv = [sys.executable, __file__, "--child", engine, "--checkpoint", checkpoint, "--vocab-size",
+                    str(vocab_size), "--device", args.device, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
+                    "--decode-steps", str(args.decode_steps), "--reps", str(args.reps), "--warmup", str(args.warmup),
+                    *(f"--batch={b}" for b in args.batch)]  # fmt: skip
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"the {engine} run failed with exit code {proc.returncode} (its log is above)")
+            results[engine] = json.loads(proc.stdout.strip().splitlines()[-1])
+    compute = matmul_rate(args.device, getattr(torch, args.dtype))
+    bandwidth = memory_bandwidth(args.device)
+
+    report: dict = {"benchmark": "vllm_engine"}
+    for engine, figures in results.items():
+        prefill_s = figures["prefill"]["median_ms"] / 1e3
+        report[f"{engine}_prefill_ms"] = figures["prefill"]["median_ms"]
+        report[f"{engine}_prefill_mfu"] = flops / prefill_s / compute["flop_per_s"]
+        for batch, step in figures["decode_step"].items():
+            report[f"{engine}_step_ms_batch{batch}"] = step["median_ms"]
+            report[f"{engine}_step_fraction_of_limit_batch{batch}"] = (
+                step_nbytes[int(batch)] / bandwidth["bytes_per_s"] / (step["median_ms"] / 1e3)
+            )
+    if {"kvbridge", "vllm"} <= results.keys():
+        report["prefill_ratio_to_vllm"] = results["vllm"]["prefill"]["median_ms"] / results["kvbridge"]["prefill"]["median_ms"]
+        for batch in results["kvbridge"]["decode_step"]:
+            report[f"step_ratio_to_vllm_batch{batch}"] = (
+                results["vllm"]["decode_step"][batch]["median_ms"] / results["kvbridge"]["decode_step"][batch]["median_ms"]
+            )
+    report.update({
+        "baseline": "vLLM's offline LLM on the same checkpoint and prompts; the FLOP and memory-bandwidth limits measured in this run",
+        "detail": results, "prefill_flops": flops, "decode_step_bytes_read": step_nbytes,
+        "matmul_rate": compute, "memory_bandwidth": bandwidth,
+        "params": {k: v for k, v in vars(args).items() if k not in ("json", "child", "vocab_size")} | {"geometry_shape": geometry},
+        "machine": machine_info(args.device), "versions": versions() | engine_versions(),
+    })  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            if isinstance(value, float):
+                print(f"{key}: {value:.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
