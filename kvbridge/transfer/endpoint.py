@@ -44,6 +44,7 @@ from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.auth import audience_of
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
+from kvbridge.transfer.digest import algorithm_for, block_digests, region_bytes
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
@@ -110,6 +111,8 @@ class KVEndpoint:
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         self._message_handler = message_handler
         self._kv = kv_cache
+        self._region_bytes = region_bytes(kv_cache, layout)  # [region_nbytes] uint8, for digests
+        self.digest_alg = algorithm_for(kv_cache)
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
             self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
@@ -298,6 +301,18 @@ class KVEndpoint:
         elif handle is not None:
             self._nixl.release(handle)
 
+    # ------------------------------------------------------------------ digests
+
+    def digest_blocks(self, block_ids, alg: str | None = None) -> m.KVDigest:
+        """Digest of each block's bytes (all layers), on the KV tensor's device; `alg` None: this
+        endpoint's own algorithm. Raises DigestError or IndexError (transfer/digest.py)."""
+        return block_digests(self._region_bytes, self.layout, block_ids, alg or self.digest_alg)
+
+    def flip_bit(self, block_id: int) -> None:
+        """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""
+        offset = self.layout.block_offset(block_id)
+        self._region_bytes[offset : offset + 1] ^= 1
+
     # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict:
@@ -326,4 +341,4 @@ class KVEndpoint:
         self.peers.close()  # closes CUDA IPC mappings too
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
         self._nixl.close()
-        self._kv = None
+        self._kv = self._region_bytes = None

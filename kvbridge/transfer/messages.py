@@ -178,17 +178,31 @@ class TransferDone(_Message, tag="done2"):
     failed_leases: list[LeaseRef] = []
 
 
+class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """Digests of leased blocks' bytes, one per block in the lease's order (transfer/digest.py).
+
+    `alg` names the algorithm ("xxh3-64", "wsum64"); `values` are unsigned 64-bit integers.
+    """
+
+    alg: str
+    values: list[int]
+
+
 class TransferDoneReply(_Message, tag="done2_ok"):
     """Owner -> reader, answering `TransferDone`, per request id.
 
     `released`: the lease matched and was held until now, so a read made under it saw the
     leased blocks unchanged. `pending`: the lease is not granted yet; send it again shortly.
     `unknown`: no lease matches; a read made under it cannot be vouched for (a load error).
+    `digests`: for released leases, the digest of each leased block taken when the lease was
+    granted; the reader compares it with the digest of what it read. Added with a default: an
+    owner that sends none is refused by readers that verify (the default).
     """
 
     released: list[str] = []
     pending: list[str] = []
     unknown: list[str] = []
+    digests: dict[str, KVDigest] = {}
 
 
 class Ack(_Message, tag="ack"):

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvbridge.transfer.messages import LeaseRef
+from kvbridge.transfer.messages import KVDigest, LeaseRef
 
 _MAX_ENDED = 65536  # ended request ids remembered, oldest forgotten first
 
@@ -43,6 +43,7 @@ class LeaseState(enum.Enum):
 class _Lease:
     ref: LeaseRef
     deadline: float
+    digest: KVDigest | None = None  # of the leased blocks' bytes when granted; returned on release
     state: LeaseState = LeaseState.ACTIVE
 
 
@@ -52,6 +53,7 @@ class LeaseAnswer(NamedTuple):
     matched: list[str]  # held (renew) or released (release)
     pending: list[str]
     unknown: list[str]
+    digests: dict[str, KVDigest]  # release: the digest granted with each matched lease that has one
 
 
 class LeaseTable:
@@ -65,15 +67,18 @@ class LeaseTable:
         self.num_released = 0
         self.num_refused = 0  # renewals and releases that matched no lease
 
-    def grant(self, ref: LeaseRef, now: float) -> None:
-        """Hold `ref.block_ids` for `ref.req_id` until released or `lease_s` without a renewal."""
+    def grant(self, ref: LeaseRef, now: float, digest: KVDigest | None = None) -> None:
+        """Hold `ref.block_ids` for `ref.req_id` until released or `lease_s` without a renewal.
+
+        `digest`: of the blocks' bytes now; a release that matches returns it to the reader.
+        """
         with self._lock:
             self._ended.pop(ref.req_id, None)
-            self._leases[ref.req_id] = _Lease(ref, now + self.lease_s)
+            self._leases[ref.req_id] = _Lease(ref, now + self.lease_s, digest)
 
     def renew(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
         """Extend the leases that match exactly."""
-        answer = LeaseAnswer([], [], [])
+        answer = LeaseAnswer([], [], [], {})
         with self._lock:
             for ref in refs:
                 lease = self._match(incarnation, ref, answer)
@@ -86,7 +91,7 @@ class LeaseTable:
 
     def release(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
         """The reader is done with these leases. `matched`: each was held until now (reads valid)."""
-        answer = LeaseAnswer([], [], [])
+        answer = LeaseAnswer([], [], [], {})
         with self._lock:
             for ref in refs:
                 lease = self._match(incarnation, ref, answer)
@@ -101,6 +106,8 @@ class LeaseTable:
                     lease.state = LeaseState.RELEASED
                     self.num_released += 1
                 answer.matched.append(ref.req_id)
+                if lease.digest is not None:
+                    answer.digests[ref.req_id] = lease.digest
         return answer
 
     def _match(self, incarnation: str, ref: LeaseRef, answer: LeaseAnswer) -> _Lease | None:

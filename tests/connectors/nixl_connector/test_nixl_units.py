@@ -236,19 +236,19 @@ def test_lease_table_release_expiry_and_early_release():
     leases = LeaseTable(lease_s=10, incarnation="inc")
     leases.grant(lease("a"), now=0)
     leases.grant(lease("b", block_ids=(2,)), now=0)
-    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=8) == (["b"], [], [])
-    assert leases.release("inc", [lease("a")], now=9) == (["a"], [], [])
+    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=8) == (["b"], [], [], {})
+    assert leases.release("inc", [lease("a")], now=9) == (["a"], [], [], {})
     assert leases.collect(now=12) == {"a"}  # b was renewed until 18
     assert leases.pending(now=12) == {"b"}
     assert leases.pending(now=18) == set()  # overdue: nothing to wait for, even before collect
     assert leases.collect(now=18) == {"b"}
-    assert leases.release("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"])  # a late reader's read is void
-    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"])
-    assert leases.release("inc", [lease("a")], now=19) == ([], [], ["a"])  # released once, never again
+    assert leases.release("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"], {})  # a late reader's read is void
+    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"], {})
+    assert leases.release("inc", [lease("a")], now=19) == ([], [], ["a"], {})  # released once, never again
     # A release before the grant: "pending" (the blocks are still allocated); after the grant it matches.
-    assert leases.release("inc", [lease("c")], now=20) == ([], ["c"], [])
+    assert leases.release("inc", [lease("c")], now=20) == ([], ["c"], [], {})
     leases.grant(lease("c"), now=20)
-    assert leases.release("inc", [lease("c")], now=20) == (["c"], [], [])
+    assert leases.release("inc", [lease("c")], now=20) == (["c"], [], [], {})
     assert leases.collect(now=20) == {"c"}
     assert leases.num_expired == 1 and len(leases) == 0
 
@@ -264,12 +264,12 @@ def test_lease_table_acts_only_on_an_exact_match():
         lease("victim", token="s" * 64, block_ids=(4, 5), block_hash="h6"),  # another prompt's hash
     ]
     for forged in forgeries:
-        assert leases.renew("inc", [forged], now=1) == ([], [], ["victim"])
-        assert leases.release("inc", [forged], now=1) == ([], [], ["victim"])
-    assert leases.release("inc-of-a-restarted-engine", [real], now=1) == ([], [], ["victim"])
+        assert leases.renew("inc", [forged], now=1) == ([], [], ["victim"], {})
+        assert leases.release("inc", [forged], now=1) == ([], [], ["victim"], {})
+    assert leases.release("inc-of-a-restarted-engine", [real], now=1) == ([], [], ["victim"], {})
     assert leases.num_refused == 2 * len(forgeries) + 1
     assert leases.pending(now=1) == {"victim"} and leases.collect(now=1) == set()  # still held
-    assert leases.release("inc", [real], now=2) == (["victim"], [], [])
+    assert leases.release("inc", [real], now=2) == (["victim"], [], [], {})
 
 
 def test_throughput_counts_wall_time_with_transfers_in_flight():
