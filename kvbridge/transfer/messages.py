@@ -289,6 +289,11 @@ def decode(data: bytes) -> Message:
     return _decode(_decoder, data, "message")
 
 
+def encode_lease(ref: LeaseRef) -> bytes:
+    """The canonical bytes of one lease (for fingerprints; never sent on its own)."""
+    return _encoder.encode(ref)
+
+
 def encode_frame(frame: Frame) -> bytes:
     return _encoder.encode(frame)
 

@@ -26,8 +26,9 @@ from chaos_harness import (
     prompt,
     references,
     request,
+    wait_granted,
 )
-from chaos_sockets import side_channel_address, side_channel_message
+from chaos_sockets import side_channel_address
 
 from kvbridge import LLM
 from kvbridge.transfer.agent import XferState
@@ -38,7 +39,6 @@ from kvbridge.transfer.options import TransferOp
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 WRITTEN, FLIPPED = prompt("integrity-written", 180), prompt("integrity-flipped", 180)
-GRANT_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +62,6 @@ def _metric(url: str, name: str) -> float:
 
 
 MISMATCHES = "kvbridge_engine_connector_worker_num_digest_mismatches"
-
-
-def _wait_granted(params: dict) -> None:
-    """Renew the lease (as its requester may) until the prefill says "held": it has been granted, and
-    the blocks digested, so what is written from now on is written after the digest."""
-    lease = {k: params[f"remote_{k}"] for k in ("block_ids", "block_hash")}
-    lease |= {"req_id": params["remote_request_id"], "token": params["remote_lease_token"]}
-    renew = {"type": "lease2", "engine_id": "client", "incarnation": params["remote_incarnation"], "leases": [lease]}
-    deadline = time.monotonic() + GRANT_TIMEOUT_S
-    while True:
-        reply = side_channel_message(side_channel_address(params), renew)
-        assert reply is not None and reply["type"] == "lease2_ok", reply
-        if reply.get("held") == [lease["req_id"]]:
-            return
-        assert reply.get("pending") == [lease["req_id"]], reply
-        assert time.monotonic() < deadline, "the prefill never granted the lease"
-        time.sleep(0.05)
 
 
 def _overwrite_through_nixl(params: dict) -> None:
@@ -112,7 +95,7 @@ def test_blocks_written_after_the_lease_was_granted_are_never_served(cluster):
     p, d = cluster.url("prefill"), cluster.url("decode")
     before = _metric(d, MISMATCHES)
     params = prefill(p, WRITTEN)
-    _wait_granted(params)
+    wait_granted(params)
     _overwrite_through_nixl(params)
     status, body = complete(d, WRITTEN, params)
     assert_correct(status, body, cluster.refs[WRITTEN], allow_error=False)
