@@ -41,7 +41,7 @@ from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
-from kvbridge.transfer.auth import audience_of
+from kvbridge.transfer.auth import audience_of, check_exposure
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.digest import algorithm_for, block_digests, region_bytes
@@ -109,6 +109,8 @@ class KVEndpoint:
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
+        if serve:  # before anything is registered
+            check_exposure(host, self._secret, opts.insecure_side_channel)
         self._message_handler = message_handler
         self._kv = kv_cache
         self._region_bytes = region_bytes(kv_cache, layout)  # [region_nbytes] uint8, for digests
