@@ -64,21 +64,38 @@ def region_bytes(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
     return elements.view(torch.uint8)
 
 
-def block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> KVDigest:
-    """The digest of each block of `block_ids` (in their order), computed on `region`'s device.
+class DigestJob:
+    """Digests being computed on a device: `result()` waits for them (GPU) or just returns them."""
 
-    `region` is `region_bytes(kv_cache, layout)`. Raises DigestError for an algorithm this build
-    does not know, IndexError for a block id outside the layout.
+    def __init__(self, alg: str, values: list[int] | None = None, sums: torch.Tensor | None = None) -> None:
+        self.alg, self._values, self._sums = alg, values, sums  # sums: [n] int64 on the device
+
+    def result(self) -> KVDigest:
+        if self._values is None:
+            self._values = [v & _MASK64 for v in self._sums.tolist()]  # waits for the device
+            self._sums = None
+        return KVDigest(alg=self.alg, values=self._values)
+
+
+def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> DigestJob:
+    """Start digesting each block of `block_ids` (in their order) on `region`'s device.
+
+    `region` is `region_bytes(kv_cache, layout)`. On a GPU the work is queued on the current stream
+    and `result()` waits for it. Raises DigestError for an algorithm this build does not know,
+    IndexError for a block id outside the layout.
     """
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     pages = layout.page_offsets(ids)  # [n, num_layers] byte offsets; raises IndexError
     if alg == XXH3:
-        values = _xxh3(region, layout, pages)
-    elif alg == WSUM:
-        values = _wsum(region, layout, ids)
-    else:
-        raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
-    return KVDigest(alg=alg, values=values)
+        return DigestJob(alg, values=_xxh3(region, layout, pages))
+    if alg == WSUM:
+        return DigestJob(alg, sums=_wsum(region, layout, ids))
+    raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
+
+
+def block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> KVDigest:
+    """The digest of each block of `block_ids` (in their order), computed on `region`'s device."""
+    return start_block_digests(region, layout, block_ids, alg).result()
 
 
 def mismatches(expected: KVDigest, got: KVDigest) -> list[int]:
@@ -151,7 +168,7 @@ def _multipliers(num_words: int, device: torch.device) -> torch.Tensor:
     return c
 
 
-def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> list[int]:
+def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch.Tensor:
     import torch
 
     strides = (layout.block_stride_bytes, layout.layer_stride_bytes, layout.page_nbytes)
@@ -169,6 +186,4 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> list[
             # [k, num_layers, page_words] int32: blocks ids[first:first+k] (adjacent), pages in layer order
             view = words.as_strided((k, layout.num_layers, page_words), (block_w, layer_w, 1), int(ids[first]) * block_w)
             sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
-    if not sums:
-        return []
-    return [v & _MASK64 for v in torch.cat(sums).tolist()]
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=region.device)  # [n] int64

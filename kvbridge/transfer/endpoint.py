@@ -44,7 +44,7 @@ from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.auth import audience_of, check_exposure
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
-from kvbridge.transfer.digest import algorithm_for, block_digests, region_bytes
+from kvbridge.transfer.digest import DigestJob, algorithm_for, block_digests, region_bytes, start_block_digests
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
@@ -128,7 +128,7 @@ class KVEndpoint:
         use_ipc = opts.cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
-            cuda_ipc=cuda_ipc_export(region) if use_ipc else None,
+            cuda_ipc=cuda_ipc_export(region) if use_ipc else None, digest_alg=self.digest_alg,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
@@ -309,6 +309,10 @@ class KVEndpoint:
         """Digest of each block's bytes (all layers), on the KV tensor's device; `alg` None: this
         endpoint's own algorithm. Raises DigestError or IndexError (transfer/digest.py)."""
         return block_digests(self._region_bytes, self.layout, block_ids, alg or self.digest_alg)
+
+    def start_digest(self, block_ids, alg: str) -> DigestJob:
+        """`digest_blocks` without waiting for the device: `result()` waits (a GPU's work is queued)."""
+        return start_block_digests(self._region_bytes, self.layout, block_ids, alg)
 
     def flip_bit(self, block_id: int) -> None:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""

@@ -113,6 +113,9 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     page_format: str = "2NHD"
     layer_stride: int = 0
     block_stride: int = 0
+    # The algorithm the owner digests leased blocks with (transfer/digest.py), so a reader can digest
+    # what it read as soon as it lands. "": an older owner; the reader then digests on confirmation.
+    digest_alg: str = ""
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,7 +42,7 @@ from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT
 from kvbridge.connectors.nixl.stats import TransferStats
 from kvbridge.errors import KVBridgeError
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.digest import DigestError, mismatches
+from kvbridge.transfer.digest import ALGORITHMS, DigestError, DigestJob, mismatches
 from kvbridge.transfer.progress import drive_until
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class NixlWorker:
         self._deadlines: dict[str, float] = {}  # local request id -> when its read must be confirmed
         self._admitted: dict[str, float] = {}  # local request id -> when its read began (lease renewals count from it)
         self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
+        # read, awaiting its verdict -> its blocks' digest, started when they landed, and the time that took
+        self._local_digests: dict[str, tuple[DigestJob, float]] = {}
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
             renew_interval_s=options.renew_interval_s, clock=self._clock, wake=context.wakeup.ring,
@@ -181,6 +183,7 @@ class NixlWorker:
     def _progress(self) -> None:
         if self._endpoint is None:
             return
+        landed: list[RecvJob] = []
         for rec in self._endpoint.poll():
             job = self._recvs[rec.req_id]
             if rec.is_ok:
@@ -189,12 +192,16 @@ class NixlWorker:
                     self._endpoint.flip_bit(job.local_block_ids[0])
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
                 self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
+                landed.append(job)
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
                 if job.remote.address in self._endpoint.peers:  # it answered: let it free the blocks now
                     self._peers.abandon(job.remote, job.lease)
                 self._finish_recv(rec.req_id)
-        for outcome in self._peers.progress(self._reading()):
+        outcomes = self._peers.progress(self._reading())  # sends the confirmations queued above
+        for job in landed:  # digested while those confirmations are on the network
+            self._start_local_digest(job)
+        for outcome in outcomes:
             job = self._recvs[outcome.req_id]
             if outcome.verdict is Verdict.REFUSED:
                 self.stats.num_expired_reads += 1
@@ -227,13 +234,16 @@ class NixlWorker:
         if len(digest.values) != len(job.lease.block_ids) or len(expected) != num_read:
             self.stats.num_unverified_reads += 1
             return f"{who} sent {len(digest.values)} block digests for a lease of {len(job.lease.block_ids)} blocks"
+        started, spent_s = self._local_digests.pop(job.request_id, (None, 0.0))
         start = self._clock()
         try:
-            got = self._endpoint.digest_blocks(job.local_block_ids, digest.alg)
+            if started is None or started.alg != digest.alg:
+                started = self._endpoint.start_digest(job.local_block_ids, digest.alg)
+            got = started.result()
         except DigestError as e:
             self.stats.num_unverified_reads += 1
             return f"cannot verify the blocks read from {who}: {e}"
-        self.stats.record_digest(self._clock() - start, num_read * self._endpoint.layout.block_nbytes)
+        self.stats.record_digest(spent_s + self._clock() - start, num_read * self._endpoint.layout.block_nbytes)
         bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got)
         if not bad:
             return None
@@ -244,6 +254,21 @@ class NixlWorker:
             f"(first: remote block {job.remote_block_ids[i]} -> local block {job.local_block_ids[i]}, {digest.alg}); "
             "they were corrupted in flight or written after the lease was granted"
         )
+
+    def _start_local_digest(self, job: RecvJob) -> None:
+        """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake)."""
+        peers = self._endpoint.peers
+        if not self.options.verify_kv_digest or job.remote.address not in peers:
+            return
+        alg = peers.get(job.remote.address).digest_alg
+        if alg not in ALGORITHMS:
+            return  # an older prefill: digested when its answer names the algorithm
+        start = self._clock()
+        try:
+            started = self._endpoint.start_digest(job.local_block_ids, alg)
+        except DigestError:
+            return  # tried again, and refused, when the answer comes
+        self._local_digests[job.request_id] = (started, self._clock() - start)
 
     def _reading(self) -> dict[RemoteEngine, list[Reading]]:
         """Leases of reads still in flight, handshakes included, by prefill engine: renewed while
@@ -279,6 +304,7 @@ class NixlWorker:
         self._deadlines.pop(req_id, None)
         self._admitted.pop(req_id, None)
         self._landed.pop(req_id, None)
+        self._local_digests.pop(req_id, None)
         if job.local_block_ids:  # a release-only job never parked its request
             self._finished_recving.add(req_id)
 
