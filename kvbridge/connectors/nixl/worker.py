@@ -339,6 +339,10 @@ class NixlWorker:
         stats["num_leases"] = len(self._leases)
         stats["num_expired_leases"] = self._leases.num_expired
         stats["num_recvs_in_flight"] = len(self._recvs)
+        if self._endpoint is not None:  # reads that expired in flight, blocks held until NIXL ends them
+            stats["num_quarantined_reads"] = self._endpoint.num_quarantined
+            stats["num_quarantined_reads_total"] = self._endpoint.num_quarantined_reads
+            stats["num_quarantine_timeouts"] = self._endpoint.num_quarantine_timeouts
         stats["num_refused_lease_requests"] = self._leases.num_refused
         stats["num_peers"] = len(self._peers)
         if self.side_channel_port:
