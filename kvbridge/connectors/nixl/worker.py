@@ -19,8 +19,9 @@ waits without a deadline: the endpoint's tracker expires handshakes and reads, a
 requests have their own timeouts.
 
 Prefill (owner), per request: the scheduler's plan grants a lease on the held blocks and the
-worker digests their bytes; the side-channel thread renews or releases it (returning the digest); `get_finished` reports released and expired leases in
-`finished_sending` so the scheduler frees the blocks.
+worker digests their bytes; the side-channel thread renews or releases it (a release returns the
+digest); `get_finished` reports released and expired leases in `finished_sending` so the
+scheduler frees the blocks.
 
 NIXL is touched only from the engine thread (`KVEndpoint` rule). Side-channel requests to a peer
 (TransferDone, LeaseRenew) block, so they run on PeerControls' small shared thread pool.
@@ -40,9 +41,10 @@ from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_control import PeerControls, Reading, Verdict
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT
 from kvbridge.connectors.nixl.stats import TransferStats
+from kvbridge.connectors.nixl.verify import ReadVerifier
 from kvbridge.errors import KVBridgeError
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.digest import ALGORITHMS, DigestError, DigestJob, mismatches
+from kvbridge.transfer.digest import DigestError
 from kvbridge.transfer.progress import drive_until
 
 if TYPE_CHECKING:
@@ -69,8 +71,6 @@ class NixlWorker:
         self._deadlines: dict[str, float] = {}  # local request id -> when its read must be confirmed
         self._admitted: dict[str, float] = {}  # local request id -> when its read began (lease renewals count from it)
         self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
-        # read, awaiting its verdict -> its blocks' digest, started when they landed, and the time that took
-        self._local_digests: dict[str, tuple[DigestJob, float]] = {}
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
             renew_interval_s=options.renew_interval_s, clock=self._clock, wake=context.wakeup.ring,
@@ -78,6 +78,7 @@ class NixlWorker:
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._flip_landed_bit = env.fault_flip_read_bit()
+        self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -99,6 +100,7 @@ class NixlWorker:
             message_handler=self._on_message if self.config.is_producer else None,
             options=self.options,  # NixlOptions extends the endpoint's TransferOptions
         )
+        self._verifier = ReadVerifier(self._endpoint, self.stats, self._clock) if self.options.verify_kv_digest else None
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s: side channel on %s, serving KV to peers", self.config.engine_id, self._endpoint.address)
 
@@ -199,14 +201,15 @@ class NixlWorker:
                     self._peers.abandon(job.remote, job.lease)
                 self._finish_recv(rec.req_id)
         outcomes = self._peers.progress(self._reading())  # sends the confirmations queued above
-        for job in landed:  # digested while those confirmations are on the network
-            self._start_local_digest(job)
+        if self._verifier is not None:
+            for job in landed:  # digested while those confirmations are on the network
+                self._verifier.start(job)
         for outcome in outcomes:
             job = self._recvs[outcome.req_id]
             if outcome.verdict is Verdict.REFUSED:
                 self.stats.num_expired_reads += 1
                 self._fail(job, outcome.reason)
-            elif (error := self._verify(job, outcome.digest)) is not None:
+            elif self._verifier is not None and (error := self._verifier.verify(job, outcome.digest)) is not None:
                 self._fail(job, error)
             elif (landed := self._landed.get(outcome.req_id)) is not None:
                 self.stats.record_confirmed(*landed, self._clock())
@@ -216,59 +219,6 @@ class NixlWorker:
         in_use = {r.address for r in busy} | self._peers.addresses()
         for address in {r.address for r in dropped} - in_use:
             self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
-
-    def _verify(self, job: RecvJob, digest: m.KVDigest | None) -> str | None:
-        """None when the blocks read hold the bytes the prefill digested when it granted the lease;
-        otherwise why not (the read is a load error). Digests on this node's device."""
-        if not self.options.verify_kv_digest or not job.local_block_ids:
-            return None
-        who = f"engine {job.remote.engine_id} at {job.remote.address}"
-        num_read = len(job.local_block_ids)
-        if digest is None:
-            self.stats.num_unverified_reads += 1
-            return (
-                f"{who} confirmed the read but sent no digest of its blocks (an older build, or verify_kv_digest "
-                "off there); this node uses only verified KV (NixlConnector option verify_kv_digest)"
-            )
-        expected = digest.values[job.lease_offset : job.lease_offset + num_read]
-        if len(digest.values) != len(job.lease.block_ids) or len(expected) != num_read:
-            self.stats.num_unverified_reads += 1
-            return f"{who} sent {len(digest.values)} block digests for a lease of {len(job.lease.block_ids)} blocks"
-        started, spent_s = self._local_digests.pop(job.request_id, (None, 0.0))
-        start = self._clock()
-        try:
-            if started is None or started.alg != digest.alg:
-                started = self._endpoint.start_digest(job.local_block_ids, digest.alg)
-            got = started.result()
-        except DigestError as e:
-            self.stats.num_unverified_reads += 1
-            return f"cannot verify the blocks read from {who}: {e}"
-        self.stats.record_digest(spent_s + self._clock() - start, num_read * self._endpoint.layout.block_nbytes)
-        bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got)
-        if not bad:
-            return None
-        self.stats.num_digest_mismatches += 1
-        i = bad[0]
-        return (
-            f"KV DIGEST MISMATCH: {len(bad)} of {num_read} blocks read from {who} do not hold the bytes it leased "
-            f"(first: remote block {job.remote_block_ids[i]} -> local block {job.local_block_ids[i]}, {digest.alg}); "
-            "they were corrupted in flight or written after the lease was granted"
-        )
-
-    def _start_local_digest(self, job: RecvJob) -> None:
-        """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake)."""
-        peers = self._endpoint.peers
-        if not self.options.verify_kv_digest or job.remote.address not in peers:
-            return
-        alg = peers.get(job.remote.address).digest_alg
-        if alg not in ALGORITHMS:
-            return  # an older prefill: digested when its answer names the algorithm
-        start = self._clock()
-        try:
-            started = self._endpoint.start_digest(job.local_block_ids, alg)
-        except DigestError:
-            return  # tried again, and refused, when the answer comes
-        self._local_digests[job.request_id] = (started, self._clock() - start)
 
     def _reading(self) -> dict[RemoteEngine, list[Reading]]:
         """Leases of reads still in flight, handshakes included, by prefill engine: renewed while
@@ -304,7 +254,8 @@ class NixlWorker:
         self._deadlines.pop(req_id, None)
         self._admitted.pop(req_id, None)
         self._landed.pop(req_id, None)
-        self._local_digests.pop(req_id, None)
+        if self._verifier is not None:
+            self._verifier.forget(req_id)
         if job.local_block_ids:  # a release-only job never parked its request
             self._finished_recving.add(req_id)
 
@@ -327,7 +278,7 @@ class NixlWorker:
         self._peers.close()
         if self._endpoint is not None:
             self._endpoint.close()  # deregisters the KV tensor from NIXL and drops it
-        self._endpoint = None
+        self._endpoint = self._verifier = None
         self._recvs.clear()
 
     def get_step_stats(self) -> dict[str, Any]:
