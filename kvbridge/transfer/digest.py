@@ -184,6 +184,7 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch
         for first in range(start, start + length, per_chunk):
             k = min(per_chunk, start + length - first)
             # [k, num_layers, page_words] int32: blocks ids[first:first+k] (adjacent), pages in layer order
-            view = words.as_strided((k, layout.num_layers, page_words), (block_w, layer_w, 1), int(ids[first]) * block_w)
+            at = words.storage_offset() + int(ids[first]) * block_w  # as_strided's offset is absolute
+            view = words.as_strided((k, layout.num_layers, page_words), (block_w, layer_w, 1), at)
             sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=region.device)  # [n] int64

@@ -73,6 +73,18 @@ def test_one_flipped_bit_anywhere_changes_the_digest(alg):
     assert mismatches(before, block_digests(region, layout, range(4), alg)) == []
 
 
+@pytest.mark.parametrize("alg", [XXH3, WSUM])
+def test_a_kv_tensor_inside_a_larger_buffer_is_digested_where_it_lies(alg):
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=5)
+    kv = _kv(layout, seed=4)
+    buf = torch.zeros(64 + layout.region_nbytes // 2, dtype=torch.bfloat16)  # 128 bytes of something else first
+    inside = torch.as_strided(buf, layout.shape, layout.strides, 64)
+    inside.copy_(kv)
+    assert block_digests(region_bytes(inside, layout), layout, [4, 1], alg) == block_digests(
+        region_bytes(kv, layout), layout, [4, 1], alg
+    )
+
+
 def test_swapped_blocks_and_unknown_algorithms():
     layout = KVCacheLayout(**GEOMETRY, num_blocks=3)
     region = region_bytes(_kv(layout, seed=2), layout)
