@@ -8,6 +8,11 @@ A prefill engine runs in a child process (on --prefill-device), the decode engin
   2. prefilled remotely, then pulled by the decode engine over NIXL: the P/D TTFT is the prefill's
      time plus the decode's time from admission to first token (read + the last token's forward).
 
+Digest cost: with verify_kv_digest (the default; --no-verify-kv-digest turns it off on both engines)
+the decode engine digests every block it read before using it (transfer/digest.py); `digest_ms` is
+that time per read, beside `transfer_ms`, and `digest_vs_transfer` their ratio. The prefill digests
+the same bytes with the same function when it grants the lease (inside `prefill_s`).
+
 Transfer throughput is the NixlConnector's own per-read figure (bytes / time from posting the read
 to its completion; the handshake is done during warm-up and is not inside). Its baseline is a raw
 copy of the same bytes: cuda:0 -> cuda:1 peer copy on GPUs, a memcpy on CPU.
@@ -41,7 +46,7 @@ def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
         max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
         kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
                                 extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": args.cuda_ipc,
-                                       "ipc_min_runs": args.ipc_min_runs,
+                                       "ipc_min_runs": args.ipc_min_runs, "verify_kv_digest": args.verify_kv_digest,
                                        "backend_params": dict(kv.split("=", 1) for kv in args.backend_param)}),
     )
 
@@ -137,6 +142,7 @@ def run(args) -> dict:
             params = dict(params, do_remote_prefill=True)
             admitted, first_token, num_external = _ttft(dec, prompt, params)
             read = transfers.last_read  # this request's read: posted -> landed -> lease confirmed
+            digest_s, transfers.last_digest_s = transfers.last_digest_s, None  # this read's digest, if verified
             nbytes = transfers.recent()[-1][2]
             dec.reset_prefix_cache()
             if rep < args.warmup:
@@ -146,6 +152,7 @@ def run(args) -> dict:
             rows.append({
                 "colocated_ttft_s": colocated_s, "cached_ttft_s": cached_s, "prefill_s": prefill_s,
                 "decode_ttft_s": first_token - admitted, "transfer_s": read.landed - read.posted, "nbytes": nbytes,
+                "digest_s": digest_s or 0.0,
                 # where the decode node's time to first token goes
                 "until_posted_s": read.posted - admitted, "confirm_s": read.confirmed - read.landed,
                 "after_confirmed_s": first_token - read.confirmed,
@@ -171,6 +178,10 @@ def run(args) -> dict:
         "kvbridge_transfer_gbps_best": nbytes / min(r["transfer_s"] for r in rows) / 1e9,
         "transfer_ms": {"median": med("transfer_s") * 1e3, "min": min(r["transfer_s"] for r in rows) * 1e3},
         "bytes_per_request": nbytes,
+        # the decode's digest of the bytes it read (0 with --no-verify-kv-digest), beside the transfer
+        "digest_ms": {"median": med("digest_s") * 1e3, "min": min(r["digest_s"] for r in rows) * 1e3},
+        "digest_vs_transfer": med("digest_s") / med("transfer_s"),
+        "digest_gbps": nbytes / med("digest_s") / 1e9 if med("digest_s") > 0 else 0.0,
         "pd_ttft_s": {"median": statistics.median(pd_ttft), "min": min(pd_ttft)},
         "prefill_s": {"median": med("prefill_s"), "min": min(r["prefill_s"] for r in rows)},
         "decode_ttft_s": {"median": med("decode_ttft_s"), "min": min(r["decode_ttft_s"] for r in rows)},
@@ -209,6 +220,8 @@ def main() -> None:
                         help="with --cuda-ipc: transfers of fewer runs of blocks go through NIXL")
     parser.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
+    parser.add_argument("--verify-kv-digest", action=argparse.BooleanOptionalAction, default=True,
+                        help="digest leased blocks and verify every read (default), or not")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     exit_if_missing("pd_transfer", args.prefill_device, args.decode_device)

@@ -24,7 +24,8 @@ bench() {  # name, then the command; keeps going when one fails. One JSON line p
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 1500 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="--strict-markers -ra" -s \
     tests/engine/test_model_runner_gpu.py tests/test_memory_snapshot.py tests/test_shutdown_memory.py \
-    tests/connectors/offload tests/connectors/nixl_connector tests/transfer/test_endpoint.py > "$out/gpu_tests.log" 2>&1
+    tests/connectors/offload tests/connectors/nixl_connector tests/transfer/test_endpoint.py \
+    tests/transfer/test_digest.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -3
 fi
 
@@ -33,6 +34,8 @@ bench transfer_bw_nixl-h200 python3 benchmarks/transfer_bw.py --device cuda --no
 if [ "$ngpu" -gt 1 ]; then bench ipc_copy_methods python3 benchmarks/ipc_copy_methods.py; fi
 bench pd_transfer-h200 python3 benchmarks/pd_transfer.py --model llama3-8b --dtype bfloat16 --prompt-len 4096 \
   --prefill-device cuda:0 --decode-device "$decode_dev"
+bench pd_transfer_no_digest-h200 python3 benchmarks/pd_transfer.py --model llama3-8b --dtype bfloat16 --prompt-len 4096 \
+  --prefill-device cuda:0 --decode-device "$decode_dev" --no-verify-kv-digest
 bench offload_bw-h200 python3 benchmarks/offload_bw.py --device cuda
 bench offload_ttft-h200 python3 benchmarks/offload_ttft.py --device cuda --model llama3-8b --prompt-len 4096
 bench decode_step-h200 python3 benchmarks/decode_step.py --device cuda --preset llama3-8b --dtype bfloat16 \

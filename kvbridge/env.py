@@ -95,6 +95,13 @@ def ucx_tls() -> str | None:
     return os.environ.get("UCX_TLS") or None
 
 
+def fault_flip_read_bit() -> bool:
+    """KVBRIDGE_FAULT_FLIP_READ_BIT: fault injection for tests. A decode node flips one bit of the
+    first block of every NIXL read once its bytes land, as a fault in flight would; digest
+    verification must then refuse the read. Never set it in production."""
+    return _get_bool("KVBRIDGE_FAULT_FLIP_READ_BIT", False)
+
+
 def validate() -> None:
     """Read every numeric variable once: a malformed value is a ConfigError at start, not a
     traceback from deep inside an engine's start-up."""

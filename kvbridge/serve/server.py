@@ -86,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when KV cannot be pulled: compute the prompt here, or fail the request",
     )  # fmt: skip
     kv.add_argument("--kv-connector-extra", default="{}", help="JSON object of connector-specific options")
+    kv.add_argument(
+        "--insecure-side-channel", action="store_true",
+        help="serve the side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise): "
+        "anyone who reaches it can then write into this node's KV cache",
+    )  # fmt: skip
 
 
 def cache_sizing(args: argparse.Namespace) -> tuple[int | None, float | None]:
@@ -109,6 +114,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         if not isinstance(extra, dict):
             raise ConfigError("--kv-connector-extra must be a JSON object, e.g. '{\"lease_s\": 30}'")
         optional = {"engine_id": args.engine_id} if args.engine_id else {}
+        if args.insecure_side_channel:
+            extra = {**extra, "insecure_side_channel": True}
         kv_transfer = KVTransferConfig(
             connector=args.kv_connector,
             role=ROLE_TO_KV_ROLE[args.role],

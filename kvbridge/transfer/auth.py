@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import logging
 import os
 import struct
 import time
 from collections import OrderedDict
 from typing import Callable
 
-from kvbridge.errors import AuthenticationError
+from kvbridge.errors import AuthenticationError, ConfigError
 from kvbridge.transfer.messages import Frame
+
+logger = logging.getLogger(__name__)
 
 _DOMAIN = b"kvbridge-side-channel-v2"
 NONCE_NBYTES = 16
@@ -113,3 +117,33 @@ class FrameSigner:
 def audience_of(engine_id: str, incarnation: str) -> bytes:
     """The audience of a request for one engine instance."""
     return f"{engine_id}/{incarnation}".encode()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP literal or "localhost") can only be reached from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_exposure(host: str, secret: bytes | None, insecure: bool) -> None:
+    """Refuse to serve a side channel off loopback without a secret, unless `insecure` says so.
+
+    Whoever reaches an unauthenticated side channel can handshake, and a handshake hands out the NIXL
+    metadata (and CUDA IPC handle) of the whole KV region, which lets its holder write into it.
+    """
+    if secret is not None or is_loopback(host):
+        return
+    if not insecure:
+        raise ConfigError(
+            f"refusing to serve the KV side channel on {host} without a secret: anyone who reaches it could "
+            "write into this node's KV cache. Set the same KVBRIDGE_SIDE_CHANNEL_SECRET on every node, or pass "
+            "--insecure-side-channel (NixlConnector option insecure_side_channel) on a network you trust entirely"
+        )
+    logger.warning(
+        "the KV side channel on %s has no secret (--insecure-side-channel): anyone who reaches it can read "
+        "this node's KV cache and write into it; set KVBRIDGE_SIDE_CHANNEL_SECRET on every node", host,
+    )  # fmt: skip

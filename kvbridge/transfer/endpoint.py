@@ -13,6 +13,15 @@ channel clients to peers, and a `TransferTracker`. The decode side pulls:
 The owner of the blocks (the prefill side) only serves: its `message_handler` receives the
 side-channel messages of its readers (`TransferDone`, `LeaseRenew`, ...) on the server thread.
 
+A NIXL read that expires while NIXL still reports it in progress may go on writing into its
+destination blocks: neither releasing its handle nor removing the peer's agent stops bytes already
+on their way (measured over UCX's TCP transport: they land after both). Such a read is quarantined:
+its handle is kept and polled, and its record is reported only once NIXL says the transfer is over,
+so the owner of the blocks never frees or reuses them while a late write could land. A quarantine
+lasts at most `transfer_timeout_s`; then the peer is disconnected, the blocks are released anyway,
+and an error is logged and counted (`num_quarantine_timeouts`): past that bound NIXL offers no way
+to rule a late write out, so a peer that stalls that long is a peer the operator must look at.
+
 `read_blocks` never blocks: when the peer is not known yet the record starts HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
 handshakes again (a restarted peer is picked up). Every live record has a deadline.
@@ -30,6 +39,7 @@ peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -41,9 +51,10 @@ from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
-from kvbridge.transfer.auth import audience_of
+from kvbridge.transfer.auth import audience_of, check_exposure
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
+from kvbridge.transfer.digest import DigestJob, algorithm_for, block_digests, region_bytes, start_block_digests
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
@@ -56,6 +67,7 @@ if TYPE_CHECKING:
     import torch
 
 _FROM_ENV = object()
+logger = logging.getLogger(__name__)
 
 
 class _Read(NamedTuple):
@@ -108,8 +120,12 @@ class KVEndpoint:
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
+        if serve:  # before anything is registered
+            check_exposure(host, self._secret, opts.insecure_side_channel)
         self._message_handler = message_handler
         self._kv = kv_cache
+        self._region_bytes = region_bytes(kv_cache, layout)  # [region_nbytes] uint8, for digests
+        self.digest_alg = algorithm_for(kv_cache)
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
             self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
@@ -123,7 +139,7 @@ class KVEndpoint:
         use_ipc = opts.cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
-            cuda_ipc=cuda_ipc_export(region) if use_ipc else None,
+            cuda_ipc=cuda_ipc_export(region) if use_ipc else None, digest_alg=self.digest_alg,
         )
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
@@ -133,6 +149,9 @@ class KVEndpoint:
             before_unmap=self._sync_ipc_copies,  # nothing may use a mapping once it is closed
         )
         self._ipc = IpcCopier(kv_cache, layout, opts.ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
+        self._quarantine: dict[str, tuple[TransferRecord, float]] = {}  # req id -> (expired read in flight, since)
+        self._unquarantined: list[TransferRecord] = []  # ended quarantines, reported by the next poll
+        self.num_quarantined_reads = self.num_quarantine_timeouts = 0
         self._closed = False
         self.server = (
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
@@ -238,9 +257,14 @@ class KVEndpoint:
         return post, post.num_descriptors
 
     def poll(self) -> list[TransferRecord]:
-        """Advance every transfer without blocking; return (and forget) the records that became final."""
+        """Advance every transfer without blocking; return (and forget) the records that became final.
+
+        A quarantined read (expired in flight) is returned only once its transfer is over.
+        """
         self._advance()
-        return self.tracker.pop_final()
+        final = [rec for rec in self.tracker.pop_final() if rec.req_id not in self._quarantine]
+        final, self._unquarantined = final + self._unquarantined, []
+        return final
 
     def _advance(self) -> None:
         self._finish_handshakes()
@@ -257,7 +281,11 @@ class KVEndpoint:
                     self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
-            self._release(rec)
+            if isinstance(rec.handle, NixlPost) and self.agent.poll(rec.handle.xfer) is XferState.IN_PROGRESS:
+                self._quarantine_read(rec)
+            else:
+                self._release(rec)
+        self._end_quarantines()
         self.peers.drop_handshakes({r.peer for r in self.tracker.live() if r.state is TransferState.HANDSHAKING})
 
     def _finish_handshakes(self) -> None:
@@ -280,6 +308,36 @@ class KVEndpoint:
                     f"{rec.payload.expect} the transfer was meant for: it restarted, or the params are stale or forged",
                 )
 
+    def _quarantine_read(self, rec: TransferRecord) -> None:
+        self._quarantine[rec.req_id] = (rec, self.tracker.clock())
+        self.num_quarantined_reads += 1
+        logger.warning(
+            "read %s from %s expired while NIXL still runs it: its %d destination blocks stay quarantined until "
+            "NIXL ends it (at most %.0fs)", rec.req_id, rec.peer, len(rec.payload.local_ids), self.transfer_timeout_s,
+        )  # fmt: skip
+
+    def _end_quarantines(self) -> None:
+        now = self.tracker.clock()
+        for req_id, (rec, since) in list(self._quarantine.items()):
+            if self.agent.poll(rec.handle.xfer) is XferState.IN_PROGRESS:
+                if now - since < self.transfer_timeout_s:
+                    continue
+                self.num_quarantine_timeouts += 1
+                logger.error(
+                    "read %s from %s: NIXL still runs it %.0fs after it expired; disconnecting from the peer and "
+                    "releasing its blocks (a late write into them can no longer be ruled out)", req_id, rec.peer,
+                    now - since,
+                )  # fmt: skip
+                self.forget_peer(rec.peer)
+            self._release(rec)
+            del self._quarantine[req_id]
+            self._unquarantined.append(rec)
+
+    @property
+    def num_quarantined(self) -> int:
+        """Reads quarantined now (expired while NIXL still ran them): their blocks are not released yet."""
+        return len(self._quarantine)
+
     def _poll(self, handle: NixlPost | IpcCopy) -> XferState:
         if isinstance(handle, IpcCopy):
             return XferState.DONE if handle.is_done() else XferState.IN_PROGRESS
@@ -298,6 +356,22 @@ class KVEndpoint:
         elif handle is not None:
             self._nixl.release(handle)
 
+    # ------------------------------------------------------------------ digests
+
+    def digest_blocks(self, block_ids, alg: str | None = None) -> m.KVDigest:
+        """Digest of each block's bytes (all layers), on the KV tensor's device; `alg` None: this
+        endpoint's own algorithm. Raises DigestError or IndexError (transfer/digest.py)."""
+        return block_digests(self._region_bytes, self.layout, block_ids, alg or self.digest_alg)
+
+    def start_digest(self, block_ids, alg: str) -> DigestJob:
+        """`digest_blocks` without waiting for the device: `result()` waits (a GPU's work is queued)."""
+        return start_block_digests(self._region_bytes, self.layout, block_ids, alg)
+
+    def flip_bit(self, block_id: int) -> None:
+        """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""
+        offset = self.layout.block_offset(block_id)
+        self._region_bytes[offset : offset + 1] ^= 1
+
     # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict:
@@ -309,6 +383,9 @@ class KVEndpoint:
             "num_live": t.num_live,
             "num_peers": len(self.peers),
             "num_ipc_copies": self._ipc.num_copies if self._ipc is not None else 0,
+            "num_quarantined": self.num_quarantined,
+            "num_quarantined_reads": self.num_quarantined_reads,
+            "num_quarantine_timeouts": self.num_quarantine_timeouts,
         }
 
     # ------------------------------------------------------------------ shutdown
@@ -320,10 +397,11 @@ class KVEndpoint:
         self._closed = True
         if self.server is not None:
             self.server.close()
-        for rec in self.tracker.live():
+        for rec in [*self.tracker.live(), *(rec for rec, _ in self._quarantine.values())]:
             self._release(rec)
+        self._quarantine.clear()
         self._sync_ipc_copies()
         self.peers.close()  # closes CUDA IPC mappings too
         self.agent.close()  # releases lists and peers, then deregisters before the tensor can go
         self._nixl.close()
-        self._kv = None
+        self._kv = self._region_bytes = None

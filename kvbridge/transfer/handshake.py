@@ -30,6 +30,7 @@ class LocalIdentity:
     region: m.KVRegion
     layout: KVCacheLayout
     cuda_ipc: m.IpcExport | None = None  # the KV tensor's CUDA IPC export, when offered
+    digest_alg: str = ""  # what this engine digests its leased blocks with
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class PeerInfo:
     region: m.KVRegion
     layout: KVCacheLayout  # the local geometry with the peer's block count and strides
     cuda_ipc: m.IpcExport | None = None  # the peer's CUDA IPC export, if it offered one
+    digest_alg: str = ""  # the peer's digest algorithm for its leased blocks ("": not said)
 
     def is_instance(self, expect: tuple[str, str] | None) -> bool:
         """Whether this is the engine instance `(engine_id, incarnation)` (None: any)."""
@@ -89,6 +91,7 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
         page_format=me.layout.page_format,
         layer_stride=me.layout.layer_stride,
         block_stride=me.layout.block_stride,
+        digest_alg=me.digest_alg,
     )
 
 
@@ -135,6 +138,7 @@ def peer_from_response(
         region=region,
         layout=layout,
         cuda_ipc=resp.cuda_ipc,
+        digest_alg=resp.digest_alg,
     )
 
 

@@ -113,6 +113,9 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     page_format: str = "2NHD"
     layer_stride: int = 0
     block_stride: int = 0
+    # The algorithm the owner digests leased blocks with (transfer/digest.py), so a reader can digest
+    # what it read as soon as it lands. "": an older owner; the reader then digests on confirmation.
+    digest_alg: str = ""
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -178,17 +181,31 @@ class TransferDone(_Message, tag="done2"):
     failed_leases: list[LeaseRef] = []
 
 
+class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """Digests of leased blocks' bytes, one per block in the lease's order (transfer/digest.py).
+
+    `alg` names the algorithm ("xxh3-64", "wsum64"); `values` are unsigned 64-bit integers.
+    """
+
+    alg: str
+    values: list[int]
+
+
 class TransferDoneReply(_Message, tag="done2_ok"):
     """Owner -> reader, answering `TransferDone`, per request id.
 
     `released`: the lease matched and was held until now, so a read made under it saw the
     leased blocks unchanged. `pending`: the lease is not granted yet; send it again shortly.
     `unknown`: no lease matches; a read made under it cannot be vouched for (a load error).
+    `digests`: for released leases, the digest of each leased block taken when the lease was
+    granted; the reader compares it with the digest of what it read. Added with a default: an
+    owner that sends none is refused by readers that verify (the default).
     """
 
     released: list[str] = []
     pending: list[str] = []
     unknown: list[str] = []
+    digests: dict[str, KVDigest] = {}
 
 
 class Ack(_Message, tag="ack"):
@@ -273,6 +290,11 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes) -> Message:
     """Decode one message; raises MalformedMessageError on anything else."""
     return _decode(_decoder, data, "message")
+
+
+def encode_lease(ref: LeaseRef) -> bytes:
+    """The canonical bytes of one lease (for fingerprints; never sent on its own)."""
+    return _encoder.encode(ref)
 
 
 def encode_frame(frame: Frame) -> bytes:

@@ -38,6 +38,8 @@ class TransferOptions:
     max_descriptor_nbytes: int | None = None  # "ranges": split longer ranges
     cuda_ipc: bool = True  # GPU peers on one host copy each other's KV through CUDA IPC mappings, not NIXL
     ipc_min_runs: int = 16  # ...for transfers of at least this many runs of blocks (fewer: NIXL is as fast)
+    # Serve a side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise; auth.py)
+    insecure_side_channel: bool = False
 
     def __post_init__(self) -> None:
         try:

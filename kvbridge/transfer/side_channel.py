@@ -177,10 +177,15 @@ class SideChannelServer:
                 raise MalformedMessageError(f"expected one frame per request, got {len(body)}")
             frame = m.decode_frame(body[0])
             corr_id = frame.corr_id
+            # The MAC first: with a secret, no byte of an unauthenticated payload reaches the decoder.
+            self._signer.verify(frame, (self._audience, b""))
             msg = m.decode(frame.payload)
             # Only a ping, which says who answers, may name nobody: every other request is bound to
             # this very engine instance, handshakes included (their answers hold NIXL metadata).
-            self._signer.verify(frame, (self._audience, b"") if isinstance(msg, m.Ping) else (self._audience,))
+            if self._signer.is_enabled and frame.audience != self._audience and not isinstance(msg, m.Ping):
+                raise AuthenticationError(
+                    "side-channel message addressed to another node, or to an earlier instance of this one, refused"
+                )
             reply = self._handler(msg) or m.Ack()
             self.num_requests += 1
         except AuthenticationError as e:
@@ -271,14 +276,13 @@ class SideChannelClient:
             frame = m.decode_frame(sock.recv())
             if frame.corr_id != corr_id:
                 continue  # a late reply to an earlier attempt
-            reply = m.decode(frame.payload)
-            if isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH:
-                raise_for_error(reply, self.address)  # the peer refused us; its reply may be unsigned
-            try:
+            try:  # before decoding: with a secret, an unsigned reply (an ErrorReply too) is never believed
                 self._signer.verify(frame, (sent.nonce,))  # a reply to this very request
             except AuthenticationError as e:
-                raise AuthenticationError(f"reply from {self.address} refused: {e}") from None
-            return reply
+                raise AuthenticationError(
+                    f"reply from {self.address} refused: {e} (a peer without our secret cannot sign its answers)"
+                ) from None
+            return m.decode(frame.payload)
         return None
 
     def _ensure_socket(self) -> zmq.Socket:

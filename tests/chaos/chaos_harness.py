@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Any
 
+from chaos_sockets import side_channel_address, side_channel_message
+
 from kvbridge import LLM, SamplingParams
 from kvbridge.serve.launcher import ManagedProcess, free_ports, http_json, start_node, wait_healthy
 
@@ -154,6 +156,23 @@ def prefill(url: str, text: str) -> dict[str, Any]:
     params = body["kv_transfer_params"]
     assert params and params["remote_block_ids"], body
     return {**params, "do_remote_prefill": True}
+
+
+def wait_granted(params: dict) -> None:
+    """Renew the lease (as its requester may) until the prefill says "held": it has been granted, and
+    the blocks digested, so what is written from now on is written after the digest."""
+    lease = {k: params[f"remote_{k}"] for k in ("block_ids", "block_hash")}
+    lease |= {"req_id": params["remote_request_id"], "token": params["remote_lease_token"]}
+    renew = {"type": "lease2", "engine_id": "client", "incarnation": params["remote_incarnation"], "leases": [lease]}
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while True:
+        reply = side_channel_message(side_channel_address(params), renew)
+        assert reply is not None and reply["type"] == "lease2_ok", reply
+        if reply.get("held") == [lease["req_id"]]:
+            return
+        assert reply.get("pending") == [lease["req_id"]], reply
+        assert time.monotonic() < deadline, "the prefill never granted the lease"
+        time.sleep(0.05)
 
 
 def assert_correct(status: int, body: Any, expected: list[int], allow_error: bool = True) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -52,10 +53,14 @@ class FrameRelay:
     """A man in the middle on the side channel: forwards frames to `target` and keeps a copy of each.
 
     Point a decode node at `tcp://127.0.0.1:{relay.port}` (the `remote_port` of its params) and
-    `captured` fills with the frames it sends, signed for the node behind the relay.
+    `captured` fills with the frames it sends, signed for the node behind the relay. `delay_replies`
+    holds back the answers to requests of the given message types by that many seconds (a slow peer).
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, delay_replies: dict[str, float] | None = None) -> None:
+        self._delay_replies = delay_replies or {}
+        self._last_type: dict[bytes, str] = {}  # downstream peer -> the type of its last request
+        self._held: list[tuple[float, bytes, bytes]] = []  # (send at, ident, reply)
         self._ctx = zmq.Context()
         self._front = self._ctx.socket(zmq.ROUTER)
         self._front.setsockopt(zmq.LINGER, 0)
@@ -71,10 +76,15 @@ class FrameRelay:
         poller = zmq.Poller()
         poller.register(self._front, zmq.POLLIN)
         while not self._stop.is_set():
-            for sock, _ in poller.poll(50):
+            now = time.monotonic()
+            for held in [h for h in self._held if h[0] <= now]:
+                self._held.remove(held)
+                self._front.send_multipart([held[1], held[2]])
+            for sock, _ in poller.poll(10 if self._held else 50):
                 if sock is self._front:
                     ident, frame = self._front.recv_multipart()
                     self.captured.append(frame)
+                    self._last_type[ident] = message_type(frame)
                     if ident not in self._backs:
                         back = self._backs[ident] = self._ctx.socket(zmq.DEALER)
                         back.setsockopt(zmq.LINGER, 0)
@@ -83,7 +93,11 @@ class FrameRelay:
                     self._backs[ident].send(frame)
                 else:
                     ident = next(i for i, b in self._backs.items() if b is sock)
-                    self._front.send_multipart([ident, sock.recv()])
+                    delay = self._delay_replies.get(self._last_type.get(ident, ""), 0.0)
+                    if delay:
+                        self._held.append((time.monotonic() + delay, ident, sock.recv()))
+                    else:
+                        self._front.send_multipart([ident, sock.recv()])
         for sock in [self._front, *self._backs.values()]:
             sock.close(0)
 

@@ -50,19 +50,20 @@ def nodes(net):
     """prefill (10.213.0.1, bound 0.0.0.0), decode (bound 0.0.0.0, --side-channel-host 10.213.0.2)
     and the proxy (on the decode host's loopback). URLs are as seen from the decode host."""
     net.add_default_route(net.prefill)
+    env = {**UCX_OVER_TCP, "KVBRIDGE_SIDE_CHANNEL_SECRET": "netns-suite-secret"}  # off loopback: required
     decode_extra = {"allowed_peers": ["10.213.0.0/24"], "transfer_timeout_s": TRANSFER_TIMEOUT_S, "handshake_timeout_s": 15.0}
     with tempfile.TemporaryDirectory(prefix="kvbridge-netns-") as log_dir:
         prefill = ManagedProcess("prefill", f"http://{net.prefill.address}:{PREFILL_PORT}", net.exec_argv(net.prefill, cli_argv(
             "serve", "--role", "prefill", "--host", "0.0.0.0", "--port", str(PREFILL_PORT), *NODE_ARGS,
             "--kv-connector-extra", json.dumps({"lease_s": LEASE_S}),
-        )), log_dir, env=UCX_OVER_TCP)  # fmt: skip
+        )), log_dir, env=env)  # fmt: skip
         decode = ManagedProcess("decode", f"http://127.0.0.1:{DECODE_PORT}", net.exec_argv(net.decode, cli_argv(
             "serve", "--role", "decode", "--host", "0.0.0.0", "--port", str(DECODE_PORT), *NODE_ARGS,
             "--side-channel-host", net.decode.address, "--kv-connector-extra", json.dumps(decode_extra),
-        )), log_dir, env=UCX_OVER_TCP)  # fmt: skip
+        )), log_dir, env=env)  # fmt: skip
         proxy = ManagedProcess("proxy", f"http://127.0.0.1:{PROXY_PORT}", net.exec_argv(net.decode, cli_argv(
             "proxy", "--port", str(PROXY_PORT), "--prefill", prefill.url, "--decode", decode.url,
-        )), log_dir)  # fmt: skip
+        )), log_dir, env=env)  # fmt: skip
         processes = [prefill, decode, proxy]
         try:
             with net.entered(net.decode):

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -333,6 +334,51 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
         if restarted is not None:
             restarted.quit()
         print(f"teardown {time.monotonic() - t0:.2f}s, total {time.monotonic() - t_start:.2f}s")
+
+
+def test_a_read_that_expires_in_flight_keeps_its_blocks_until_it_is_over(tmp_path, monkeypatch):
+    """The owner stops (SIGSTOP) mid-read, past the reader's deadline, then resumes (SIGCONT): the
+    read is not reported (its blocks not given back) while NIXL still runs it, and once it is, blocks
+    refilled with a canary as if another request owned them never change."""
+    env = {"UCX_TLS": "tcp"}  # as above: a read that is still in flight when the owner stops
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    owner = Peer(tmp_path, env=env, engine_id="stalled", seed=11, **BIG)
+    layout = make_layout(BIG)
+    kv = torch.zeros(layout.shape, dtype=torch.bfloat16)
+    ep = KVEndpoint("decode-quarantine", MODEL, kv, layout, secret=None, options=TransferOptions(transfer_timeout_s=2.0))
+    stopped = False
+    try:
+        ep.handshake(owner.address)
+        ids = list(range(BIG["num_blocks"]))
+        assert ep.read_blocks("stalled", owner.address, ids, ids).state is TransferState.POSTED
+        os.kill(owner.proc.pid, signal.SIGSTOP)
+        stopped = True
+        deadline = time.monotonic() + 30
+        while ep.get_stats()["num_quarantined"] == 0:  # expired (2 s) while NIXL still runs it
+            assert all(rec.req_id != "stalled" for rec in ep.poll()), "reported while NIXL may still write its blocks"
+            assert time.monotonic() < deadline, "the read neither finished nor expired"
+            time.sleep(0.01)
+        assert ep.tracker.get("stalled") is None or ep.tracker.get("stalled").state is TransferState.EXPIRED
+        os.kill(owner.proc.pid, signal.SIGCONT)
+        stopped = False
+        rec = _wait_final(ep, "stalled", timeout_s=30)  # NIXL finishes it now; then, and only then, it is reported
+        assert rec.state is TransferState.EXPIRED  # still a failed read: its bytes are never used
+        stats = ep.get_stats()
+        assert stats["num_quarantined"] == 0 and stats["num_quarantined_reads"] == 1 and stats["num_quarantine_timeouts"] == 0
+        canary = kv.view(torch.uint8)
+        canary.fill_(0xA5)  # the blocks now belong to someone else
+        assert "digest" in owner.ask("digest", ids=[0])  # the owner runs (and its UCX with it)
+        for _ in range(100):  # give a late write every chance to land
+            ep.poll()
+            time.sleep(0.01)
+        assert bool((canary == 0xA5).all()), "a write of the expired read changed blocks it no longer owned"
+    finally:
+        if stopped:
+            os.kill(owner.proc.pid, signal.SIGCONT)
+        ep.close()
+        owner.kill()
 
 
 @pytest.mark.gpu

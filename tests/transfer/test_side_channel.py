@@ -355,3 +355,31 @@ def test_a_reply_is_accepted_only_for_the_request_it_answers():
         client.close()
         router.close(0)
     assert errors, "a reply signed for another request was accepted"
+
+
+def test_with_a_secret_an_unsigned_error_reply_is_not_believed():
+    """A peer (or a forger racing it) that answers with an unsigned ErrorReply: the client refuses the
+    reply itself and never repeats what it says (it could say anything: 'auth', 'incompatible'...)."""
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_unsigned() -> None:
+        if fake.poll(5000):
+            ident, data = fake.recv_multipart()
+            corr_id = msgspec.msgpack.decode(data)[0]
+            forged = m.encode(m.ErrorReply(code=m.ErrorCode.AUTH, message="FORGED: your secret is wrong"))
+            fake.send_multipart([ident, m.encode_frame(m.Frame(corr_id, forged))])
+
+    thread = threading.Thread(target=answer_unsigned)
+    thread.start()
+    client = SideChannelClient(f"tcp://127.0.0.1:{port}", secret=b"s" * 32, timeout_s=5.0, retries=0)
+    try:
+        with pytest.raises(AuthenticationError) as info:
+            client.request(m.Ping(engine_id="me"))
+        assert "FORGED" not in str(info.value) and "unsigned" in str(info.value)
+    finally:
+        thread.join()
+        client.close()
+        fake.close(0)

@@ -13,8 +13,13 @@ end a lease early, and nobody can get a read confirmed that no lease covered.
   release is answered "unknown", which the reader treats as a load error;
 * a renewal or release that arrives before the lease is granted (the client got the prefill's
   response before the prefill engine ran its next step) is answered "pending": the blocks are
-  still allocated then, and the reader asks again. Ids that were granted once and have ended are
-  remembered (bounded) and answered "unknown" instead.
+  still allocated then, and the reader asks again. Leases that were granted once and have ended are
+  remembered (bounded, as a hash of the exact lease) and answered "unknown" instead.
+
+Only the holder of a lease's token learns anything about it: a renewal or release whose token,
+blocks or hash differ from the lease of that id (live or ended) is answered "pending", exactly as an
+id never granted is, so nobody can probe which request ids are live. Tokens are compared in
+constant time.
 
 The side-channel thread calls `renew` and `release`; the engine thread calls `grant`, `collect`
 and `pending`.
@@ -23,12 +28,14 @@ and `pending`.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvbridge.transfer.messages import LeaseRef
+from kvbridge.transfer.messages import KVDigest, LeaseRef, encode_lease
 
 _MAX_ENDED = 65536  # ended request ids remembered, oldest forgotten first
 
@@ -43,6 +50,7 @@ class LeaseState(enum.Enum):
 class _Lease:
     ref: LeaseRef
     deadline: float
+    digest: KVDigest | None = None  # of the leased blocks' bytes when granted; returned on release
     state: LeaseState = LeaseState.ACTIVE
 
 
@@ -52,6 +60,7 @@ class LeaseAnswer(NamedTuple):
     matched: list[str]  # held (renew) or released (release)
     pending: list[str]
     unknown: list[str]
+    digests: dict[str, KVDigest]  # release: the digest granted with each matched lease that has one
 
 
 class LeaseTable:
@@ -60,20 +69,24 @@ class LeaseTable:
         self.incarnation = incarnation
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()  # released or expired, answered "unknown"
+        # released or expired: request id -> hash of the exact lease, answered "unknown" on an exact match
+        self._ended: OrderedDict[str, bytes] = OrderedDict()
         self.num_expired = 0
         self.num_released = 0
         self.num_refused = 0  # renewals and releases that matched no lease
 
-    def grant(self, ref: LeaseRef, now: float) -> None:
-        """Hold `ref.block_ids` for `ref.req_id` until released or `lease_s` without a renewal."""
+    def grant(self, ref: LeaseRef, now: float, digest: KVDigest | None = None) -> None:
+        """Hold `ref.block_ids` for `ref.req_id` until released or `lease_s` without a renewal.
+
+        `digest`: of the blocks' bytes now; a release that matches returns it to the reader.
+        """
         with self._lock:
             self._ended.pop(ref.req_id, None)
-            self._leases[ref.req_id] = _Lease(ref, now + self.lease_s)
+            self._leases[ref.req_id] = _Lease(ref, now + self.lease_s, digest)
 
     def renew(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
         """Extend the leases that match exactly."""
-        answer = LeaseAnswer([], [], [])
+        answer = LeaseAnswer([], [], [], {})
         with self._lock:
             for ref in refs:
                 lease = self._match(incarnation, ref, answer)
@@ -86,7 +99,7 @@ class LeaseTable:
 
     def release(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
         """The reader is done with these leases. `matched`: each was held until now (reads valid)."""
-        answer = LeaseAnswer([], [], [])
+        answer = LeaseAnswer([], [], [], {})
         with self._lock:
             for ref in refs:
                 lease = self._match(incarnation, ref, answer)
@@ -101,6 +114,8 @@ class LeaseTable:
                     lease.state = LeaseState.RELEASED
                     self.num_released += 1
                 answer.matched.append(ref.req_id)
+                if lease.digest is not None:
+                    answer.digests[ref.req_id] = lease.digest
         return answer
 
     def _match(self, incarnation: str, ref: LeaseRef, answer: LeaseAnswer) -> _Lease | None:
@@ -110,15 +125,23 @@ class LeaseTable:
             return None
         lease = self._leases.get(ref.req_id)
         if lease is None:
-            if ref.req_id in self._ended:
-                self._refuse(ref, answer)
+            ended = self._ended.get(ref.req_id)
+            if ended is not None and hmac.compare_digest(ended, _fingerprint(ref)):
+                self._refuse(ref, answer)  # the requester of an ended lease learns that it ended
             else:
-                answer.pending.append(ref.req_id)
+                self._refuse_unseen(ref, answer)
             return None
-        if lease.ref != ref:  # token, block ids or block hash differ
-            self._refuse(ref, answer)
+        if not _same(lease.ref, ref):  # token, block ids or block hash differ
+            self._refuse_unseen(ref, answer)
             return None
         return lease
+
+    def _refuse_unseen(self, ref: LeaseRef, answer: LeaseAnswer) -> None:
+        """No lease matches, and the caller may not learn whether the id is live: the answer to an
+        id that was never granted ("pending"; a reader gives up on it after a grace period)."""
+        if ref.req_id in self._leases or ref.req_id in self._ended:
+            self.num_refused += 1
+        answer.pending.append(ref.req_id)
 
     def _refuse(self, ref: LeaseRef, answer: LeaseAnswer) -> None:
         self.num_refused += 1
@@ -137,7 +160,7 @@ class LeaseTable:
                     self._expire(lease)
                 if lease.state is not LeaseState.ACTIVE:
                     del self._leases[req_id]
-                    self._ended[req_id] = None
+                    self._ended[req_id] = _fingerprint(lease.ref)
                     while len(self._ended) > _MAX_ENDED:
                         self._ended.popitem(last=False)
                     done.add(req_id)
@@ -151,3 +174,16 @@ class LeaseTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
+
+
+def _fingerprint(ref: LeaseRef) -> bytes:
+    """What an ended lease is remembered by: 32 bytes, whatever its number of blocks."""
+    return hashlib.sha256(encode_lease(ref)).digest()
+
+
+def _same(a: LeaseRef, b: LeaseRef) -> bool:
+    """Whether two leases are the same, comparing the secret token in constant time."""
+    return (
+        hmac.compare_digest(a.token.encode(), b.token.encode())
+        & (a.req_id == b.req_id) & (a.block_ids == b.block_ids) & (a.block_hash == b.block_hash)
+    )

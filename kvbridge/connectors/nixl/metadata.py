@@ -35,6 +35,8 @@ class RecvJob:
     lease: LeaseRef  # names the prefill's lease in renewals and in the release that confirms the read
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
+    lease_offset: int = 0  # remote_block_ids start at lease.block_ids[lease_offset] (local prefix hits before)
+    lease_s: float = 0.0  # the prefill's lease term from the params (0: not given); renewals keep inside it
 
     @property
     def remote_request_id(self) -> str:

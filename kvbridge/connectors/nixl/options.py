@@ -20,6 +20,9 @@ class NixlOptions(TransferOptions):
     allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS
     max_peers: int = 64  # prefill engines a decode node talks to at once; more are refused
     peer_idle_s: float = 300.0  # a peer with no transfer for this long is forgotten (sockets, NIXL agent)
+    # Prefill: digest leased blocks when granting; decode: use a read only if its bytes match that
+    # digest (transfer/digest.py). Off on either side means reads are not verified.
+    verify_kv_digest: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

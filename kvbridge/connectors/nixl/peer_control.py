@@ -54,6 +54,16 @@ class Outcome(NamedTuple):
     req_id: str  # local request id
     verdict: Verdict
     reason: str
+    digest: m.KVDigest | None = None  # CONFIRMED: the owner's digest of the leased blocks, if it sent one
+
+
+class Reading(NamedTuple):
+    """A lease whose read is in flight (its handshake included): renewed while the read lasts."""
+
+    lease: m.LeaseRef
+    since: float  # when the read was admitted: the first renewal is due `interval_s` after it
+    interval_s: float  # a third of the prefill's lease term (params.lease_s); inf: not given
+    answered: bool = True  # the peer answered a handshake; False: renew on the best-effort pool
 
 
 @dataclass
@@ -138,7 +148,7 @@ class PeerControls:
         """The read failed: release the lease so the prefill frees its blocks now. No verdict follows."""
         self._peer(remote).to_abandon.append(lease)
 
-    def progress(self, reading: dict[RemoteEngine, list[m.LeaseRef]]) -> list[Outcome]:
+    def progress(self, reading: dict[RemoteEngine, list[Reading]]) -> list[Outcome]:
         """Collect answers, send what is due; `reading` are the leases of reads in flight (renewed)."""
         now = self._clock()
         outcomes: list[Outcome] = []
@@ -178,7 +188,7 @@ class PeerControls:
         for req_id, item in sent.items():
             remote_id = item.lease.req_id
             if remote_id in released:
-                outcomes.append(Outcome(req_id, Verdict.CONFIRMED, ""))
+                outcomes.append(Outcome(req_id, Verdict.CONFIRMED, "", reply.digests.get(remote_id)))
             elif remote_id in pending and self._may_wait(item, now):
                 peer.to_confirm.setdefault(req_id, item)  # not granted yet: ask again shortly
                 retried = True
@@ -234,15 +244,20 @@ class PeerControls:
             return
         self._courtesy.add(self._courtesy_pool.submit(self._send, remote, msg))
 
-    def _renew(self, peer: _Peer, leases: list[m.LeaseRef], now: float) -> None:
-        if not leases or peer.renewing is not None:
+    def _renew(self, peer: _Peer, reading: list[Reading], now: float) -> None:
+        """Renew every min(local lease_s, the prefill's lease_s) / 3, counting from the earliest
+        admission, so a lease granted with a term of `lease_s` is renewed three times within it."""
+        if not reading or peer.renewing is not None:
             return
         if not peer.last_renew:
-            peer.last_renew = now  # the lease was granted with a full term: renew from here on
-        if now - peer.last_renew < self._renew_interval_s:
+            peer.last_renew = min(r.since for r in reading)
+        if now - peer.last_renew < min(self._renew_interval_s, *(r.interval_s for r in reading)):
             return
-        msg = m.LeaseRenew(engine_id=self._engine_id, incarnation=peer.remote.incarnation, leases=leases)
-        peer.renewing = self._pool.submit(self._send, peer.remote, msg)
+        msg = m.LeaseRenew(engine_id=self._engine_id, incarnation=peer.remote.incarnation,
+                           leases=[r.lease for r in reading])  # fmt: skip
+        # A peer still handshaking may never answer: its renewals must not hold a confirmation's thread.
+        pool = self._pool if all(r.answered for r in reading) else self._courtesy_pool
+        peer.renewing = pool.submit(self._send, peer.remote, msg)
         peer.last_renew = peer.last_active = now
 
     def close(self) -> None:

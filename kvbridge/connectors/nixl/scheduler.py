@@ -123,6 +123,8 @@ class NixlScheduler:
             lease=LeaseRef.of(params),
             local_block_ids=tuple(block_ids[first : first + count]),
             remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
+            lease_offset=first,
+            lease_s=params.lease_s,
         )
 
     def _release_unread(self, request: ConnectorRequest) -> None:

@@ -43,12 +43,17 @@ class TransferStats:
         self.num_failures = 0
         self.num_load_errors = 0  # blocks reported as failed loads
         self.num_expired_reads = 0  # reads whose lease had expired: never served
+        self.num_digest_mismatches = 0  # reads whose bytes differ from the prefill's digest: never served
+        self.num_unverified_reads = 0  # reads the prefill sent no usable digest for: never served
+        self.num_digested_bytes = 0
+        self._digest_s: deque[float] = deque(maxlen=_WINDOW)  # per verified read
         self.bytes_transferred = 0
         self.num_descriptors = 0
         self._recent: deque[tuple[float, float, int]] = deque(maxlen=_WINDOW)  # (start, end, nbytes)
         self.last_error: str | None = None
         self._confirm_s: deque[float] = deque(maxlen=_WINDOW)  # landed -> confirmed, per read
         self.last_read: ReadTimes | None = None
+        self.last_digest_s: float | None = None
 
     def record_done(self, start: float, end: float, nbytes: int, num_descriptors: int) -> None:
         self.num_transfers += 1
@@ -59,6 +64,12 @@ class TransferStats:
     def record_confirmed(self, posted: float, landed: float, confirmed: float) -> None:
         self._confirm_s.append(confirmed - landed)
         self.last_read = ReadTimes(posted, landed, confirmed)
+
+    def record_digest(self, seconds: float, nbytes: int) -> None:
+        """One read's bytes digested on this node (what verification costs the decode)."""
+        self._digest_s.append(seconds)
+        self.num_digested_bytes += nbytes
+        self.last_digest_s = seconds
 
     def recent(self) -> list[tuple[float, float, int]]:
         """(start, end, nbytes) of the most recent transfers, oldest first."""
@@ -74,11 +85,17 @@ class TransferStats:
         busy_s = busy_seconds(recent[:, 0], recent[:, 1])
         p50, p90, p99 = percentiles_ms(lat, (50, 90, 99))
         confirm_p50, confirm_p99 = percentiles_ms(self._confirm_s, (50, 99))
+        digest_p50, digest_p99 = percentiles_ms(self._digest_s, (50, 99))
         return {
             "num_transfers": self.num_transfers,
             "num_failures": self.num_failures,
             "num_load_errors": self.num_load_errors,
             "num_expired_reads": self.num_expired_reads,
+            "num_digest_mismatches": self.num_digest_mismatches,
+            "num_unverified_reads": self.num_unverified_reads,
+            "num_digested_bytes": self.num_digested_bytes,
+            "digest_ms_p50": digest_p50,
+            "digest_ms_p99": digest_p99,
             "bytes_transferred": self.bytes_transferred,
             "num_descriptors": self.num_descriptors,
             "last_error": self.last_error or "",

@@ -8,16 +8,20 @@ Decode (reader), per request:
 
 The handshake checks that the peer is the engine instance (engine id and incarnation) that
 granted the lease; the release names the lease by its token, block ids and block hash, and only
-an exact match is "released" (peer_control.py). A read is used only after that answer.
+an exact match is "released" (peer_control.py). A read is used only after that answer, and only
+when the blocks read hold the bytes the prefill digested when it granted the lease: the answer
+carries that digest, and the decode digests its own copy (transfer/digest.py). A mismatch, or an
+answer without a digest, is a load error (NixlConnector option `verify_kv_digest`, on by default).
 
 A load error reports the job's blocks in `get_block_ids_with_load_errors` together with the request
 in `finished_recving`; the scheduler then recomputes them or fails the request (policy). Nothing
 waits without a deadline: the endpoint's tracker expires handshakes and reads, and side-channel
 requests have their own timeouts.
 
-Prefill (owner), per request: the scheduler's plan grants a lease on the held blocks; the
-side-channel thread renews or releases it; `get_finished` reports released and expired leases in
-`finished_sending` so the scheduler frees the blocks.
+Prefill (owner), per request: the scheduler's plan grants a lease on the held blocks and the
+worker digests their bytes; the side-channel thread renews or releases it (a release returns the
+digest); `get_finished` reports released and expired leases in `finished_sending` so the
+scheduler frees the blocks.
 
 NIXL is touched only from the engine thread (`KVEndpoint` rule). Side-channel requests to a peer
 (TransferDone, LeaseRenew) block, so they run on PeerControls' small shared thread pool.
@@ -29,15 +33,18 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvbridge import env
 from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, FlushReport
 from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.connectors.nixl.options import NixlOptions
-from kvbridge.connectors.nixl.peer_control import PeerControls, Verdict
+from kvbridge.connectors.nixl.peer_control import PeerControls, Reading, Verdict
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT
 from kvbridge.connectors.nixl.stats import TransferStats
+from kvbridge.connectors.nixl.verify import ReadVerifier
 from kvbridge.errors import KVBridgeError
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.digest import DigestError
 from kvbridge.transfer.progress import drive_until
 
 if TYPE_CHECKING:
@@ -62,6 +69,7 @@ class NixlWorker:
         self._policy = options.peer_policy
         self._recvs: dict[str, RecvJob] = {}  # live and releasing reads, by local request id
         self._deadlines: dict[str, float] = {}  # local request id -> when its read must be confirmed
+        self._admitted: dict[str, float] = {}  # local request id -> when its read began (lease renewals count from it)
         self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
@@ -69,6 +77,8 @@ class NixlWorker:
         )  # fmt: skip
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
+        self._flip_landed_bit = env.fault_flip_read_bit()
+        self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -90,6 +100,7 @@ class NixlWorker:
             message_handler=self._on_message if self.config.is_producer else None,
             options=self.options,  # NixlOptions extends the endpoint's TransferOptions
         )
+        self._verifier = ReadVerifier(self._endpoint, self.stats, self._clock) if self.options.verify_kv_digest else None
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s: side channel on %s, serving KV to peers", self.config.engine_id, self._endpoint.address)
 
@@ -103,11 +114,11 @@ class NixlWorker:
     def _on_message(self, msg: m.Message) -> m.Message:
         match msg:
             case m.LeaseRenew(incarnation=incarnation, leases=leases):
-                held, pending, unknown = self._leases.renew(incarnation, leases, self._clock())
+                held, pending, unknown, _ = self._leases.renew(incarnation, leases, self._clock())
                 return m.LeaseRenewReply(held=held, pending=pending, unknown=unknown)
             case m.TransferDone(incarnation=incarnation, leases=leases, failed_leases=failed):
-                released, pending, unknown = self._leases.release(incarnation, leases + failed, self._clock())
-                return m.TransferDoneReply(released=released, pending=pending, unknown=unknown)
+                released, pending, unknown, digests = self._leases.release(incarnation, leases + failed, self._clock())
+                return m.TransferDoneReply(released=released, pending=pending, unknown=unknown, digests=digests)
             case _:
                 return m.ErrorReply(code=m.ErrorCode.UNSUPPORTED, message=f"{type(msg).__name__} is not handled here")
 
@@ -118,13 +129,24 @@ class NixlWorker:
             return
         now = self._clock()
         for lease in metadata.leases.values():
-            self._leases.grant(lease, now)
+            self._leases.grant(lease, now, self._digest(lease))
         for job in metadata.recvs.values():
             self._start_recv(job, now)
+
+    def _digest(self, lease: m.LeaseRef) -> m.KVDigest | None:
+        """The digest of the leased blocks' bytes now, on their device (None: verification is off)."""
+        if not self.options.verify_kv_digest or self._endpoint is None:
+            return None
+        try:
+            return self._endpoint.digest_blocks(lease.block_ids)
+        except (DigestError, IndexError) as e:  # readers that verify will refuse this lease's blocks
+            logger.error("request %s: cannot digest its leased blocks: %s", lease.req_id, e)
+            return None
 
     def _start_recv(self, job: RecvJob, now: float) -> None:
         self._recvs[job.request_id] = job
         self._deadlines[job.request_id] = now + self.options.transfer_timeout_s
+        self._admitted[job.request_id] = now
         remote = job.remote
         if not self._policy.allows(remote.host):  # the scheduler half refuses these first
             return self._refuse(job, f"prefill host {remote.host!r} is not in the NixlConnector option allowed_peers")
@@ -163,22 +185,32 @@ class NixlWorker:
     def _progress(self) -> None:
         if self._endpoint is None:
             return
+        landed: list[RecvJob] = []
         for rec in self._endpoint.poll():
             job = self._recvs[rec.req_id]
             if rec.is_ok:
                 self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors)
+                if self._flip_landed_bit:  # fault injection (tests): a bit flipped in flight
+                    self._endpoint.flip_bit(job.local_block_ids[0])
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
                 self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
+                landed.append(job)
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
                 if job.remote.address in self._endpoint.peers:  # it answered: let it free the blocks now
                     self._peers.abandon(job.remote, job.lease)
                 self._finish_recv(rec.req_id)
-        for outcome in self._peers.progress(self._reading()):
+        outcomes = self._peers.progress(self._reading())  # sends the confirmations queued above
+        if self._verifier is not None:
+            for job in landed:  # digested while those confirmations are on the network
+                self._verifier.start(job)
+        for outcome in outcomes:
             job = self._recvs[outcome.req_id]
             if outcome.verdict is Verdict.REFUSED:
                 self.stats.num_expired_reads += 1
                 self._fail(job, outcome.reason)
+            elif self._verifier is not None and (error := self._verifier.verify(job, outcome.digest)) is not None:
+                self._fail(job, error)
             elif (landed := self._landed.get(outcome.req_id)) is not None:
                 self.stats.record_confirmed(*landed, self._clock())
             self._finish_recv(outcome.req_id)
@@ -188,17 +220,23 @@ class NixlWorker:
         for address in {r.address for r in dropped} - in_use:
             self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
 
-    def _reading(self) -> dict[RemoteEngine, list[m.LeaseRef]]:
-        """Leases of reads still in flight, by prefill engine: renewed while the read lasts.
+    def _reading(self) -> dict[RemoteEngine, list[Reading]]:
+        """Leases of reads still in flight, handshakes included, by prefill engine: renewed while
+        the read lasts, every min(this node's lease_s, the prefill's) / 3 from admission.
 
-        Only engines that answered a handshake: side-channel requests to an address that never
-        answered would only queue on the shared pool behind their timeouts.
+        Renewals to an engine that has not answered a handshake yet go on the best-effort pool:
+        side-channel requests to an address that never answers must not hold a confirmation's thread.
         """
-        reading: dict[RemoteEngine, list[m.LeaseRef]] = {}
+        reading: dict[RemoteEngine, list[Reading]] = {}
         peers = self._endpoint.peers
         for req_id, job in self._recvs.items():
-            if job.local_block_ids and job.remote.address in peers and self._endpoint.tracker.get(req_id) is not None:
-                reading.setdefault(job.remote, []).append(job.lease)
+            if not job.local_block_ids or self._endpoint.tracker.get(req_id) is None:
+                continue
+            answered = job.remote.address in peers
+            if not answered and not peers.is_handshaking(job.remote.address):
+                continue
+            interval_s = job.lease_s / 3 if job.lease_s > 0 else float("inf")
+            reading.setdefault(job.remote, []).append(Reading(job.lease, self._admitted[req_id], interval_s, answered))
         return reading
 
     def _send(self, remote: RemoteEngine, msg: m.Message) -> m.Message:
@@ -214,7 +252,10 @@ class NixlWorker:
     def _finish_recv(self, req_id: str) -> None:
         job = self._recvs.pop(req_id)
         self._deadlines.pop(req_id, None)
+        self._admitted.pop(req_id, None)
         self._landed.pop(req_id, None)
+        if self._verifier is not None:
+            self._verifier.forget(req_id)
         if job.local_block_ids:  # a release-only job never parked its request
             self._finished_recving.add(req_id)
 
@@ -237,7 +278,7 @@ class NixlWorker:
         self._peers.close()
         if self._endpoint is not None:
             self._endpoint.close()  # deregisters the KV tensor from NIXL and drops it
-        self._endpoint = None
+        self._endpoint = self._verifier = None
         self._recvs.clear()
 
     def get_step_stats(self) -> dict[str, Any]:
@@ -249,6 +290,10 @@ class NixlWorker:
         stats["num_leases"] = len(self._leases)
         stats["num_expired_leases"] = self._leases.num_expired
         stats["num_recvs_in_flight"] = len(self._recvs)
+        if self._endpoint is not None:  # reads that expired in flight, blocks held until NIXL ends them
+            stats["num_quarantined_reads"] = self._endpoint.num_quarantined
+            stats["num_quarantined_reads_total"] = self._endpoint.num_quarantined_reads
+            stats["num_quarantine_timeouts"] = self._endpoint.num_quarantine_timeouts
         stats["num_refused_lease_requests"] = self._leases.num_refused
         stats["num_peers"] = len(self._peers)
         if self.side_channel_port:

@@ -16,7 +16,7 @@ from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import ConfigError, InvalidRequestError
 from kvbridge.kv_transfer_params import MAX_REMOTE_BLOCKS, parse_remote_prefill
-from kvbridge.transfer.messages import LeaseRef
+from kvbridge.transfer.messages import KVDigest, LeaseRef
 from kvbridge.transfer.options import DescriptorMode, TransferOptions
 
 BS = 16
@@ -236,19 +236,19 @@ def test_lease_table_release_expiry_and_early_release():
     leases = LeaseTable(lease_s=10, incarnation="inc")
     leases.grant(lease("a"), now=0)
     leases.grant(lease("b", block_ids=(2,)), now=0)
-    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=8) == (["b"], [], [])
-    assert leases.release("inc", [lease("a")], now=9) == (["a"], [], [])
+    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=8) == (["b"], [], [], {})
+    assert leases.release("inc", [lease("a")], now=9) == (["a"], [], [], {})
     assert leases.collect(now=12) == {"a"}  # b was renewed until 18
     assert leases.pending(now=12) == {"b"}
     assert leases.pending(now=18) == set()  # overdue: nothing to wait for, even before collect
     assert leases.collect(now=18) == {"b"}
-    assert leases.release("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"])  # a late reader's read is void
-    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"])
-    assert leases.release("inc", [lease("a")], now=19) == ([], [], ["a"])  # released once, never again
+    assert leases.release("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"], {})  # a late reader's read is void
+    assert leases.renew("inc", [lease("b", block_ids=(2,))], now=19) == ([], [], ["b"], {})
+    assert leases.release("inc", [lease("a")], now=19) == ([], [], ["a"], {})  # released once, never again
     # A release before the grant: "pending" (the blocks are still allocated); after the grant it matches.
-    assert leases.release("inc", [lease("c")], now=20) == ([], ["c"], [])
+    assert leases.release("inc", [lease("c")], now=20) == ([], ["c"], [], {})
     leases.grant(lease("c"), now=20)
-    assert leases.release("inc", [lease("c")], now=20) == (["c"], [], [])
+    assert leases.release("inc", [lease("c")], now=20) == (["c"], [], [], {})
     assert leases.collect(now=20) == {"c"}
     assert leases.num_expired == 1 and len(leases) == 0
 
@@ -263,13 +263,31 @@ def test_lease_table_acts_only_on_an_exact_match():
         lease("victim", token="s" * 64, block_ids=(4, 6), block_hash="h5"),  # other blocks
         lease("victim", token="s" * 64, block_ids=(4, 5), block_hash="h6"),  # another prompt's hash
     ]
+    # A forgery is answered as an id never granted is ("pending"): no oracle of which ids are live.
+    never_granted = lease("nobody", token="s" * 64)
+    assert leases.renew("inc", [never_granted], now=1) == ([], ["nobody"], [], {})
     for forged in forgeries:
-        assert leases.renew("inc", [forged], now=1) == ([], [], ["victim"])
-        assert leases.release("inc", [forged], now=1) == ([], [], ["victim"])
-    assert leases.release("inc-of-a-restarted-engine", [real], now=1) == ([], [], ["victim"])
-    assert leases.num_refused == 2 * len(forgeries) + 1
+        assert leases.renew("inc", [forged], now=1) == ([], ["victim"], [], {})
+        assert leases.release("inc", [forged], now=1) == ([], ["victim"], [], {})
+    assert leases.release("inc-of-a-restarted-engine", [real], now=1) == ([], [], ["victim"], {})
+    assert leases.num_refused == 2 * len(forgeries) + 1  # the prefill still counts the probes
     assert leases.pending(now=1) == {"victim"} and leases.collect(now=1) == set()  # still held
-    assert leases.release("inc", [real], now=2) == (["victim"], [], [])
+    assert leases.release("inc", [real], now=2) == (["victim"], [], [], {})
+    assert leases.collect(now=2) == {"victim"}
+    # Ended: its requester learns it ended ("unknown"); a forgery still learns nothing.
+    assert leases.release("inc", [real], now=3) == ([], [], ["victim"], {})
+    for forged in forgeries:
+        assert leases.release("inc", [forged], now=3) == ([], ["victim"], [], {})
+
+
+def test_lease_table_returns_the_digest_granted_with_a_lease_on_release():
+    leases = LeaseTable(lease_s=10, incarnation="inc")
+    digest = KVDigest(alg="xxh3-64", values=[1, 2**64 - 1])
+    leases.grant(lease("a", block_ids=(4, 5)), now=0, digest=digest)
+    leases.grant(lease("b", block_ids=(6,)), now=0)  # granted with verification off: no digest
+    assert leases.renew("inc", [lease("a", block_ids=(4, 5))], now=1).digests == {}  # only a release carries it
+    answer = leases.release("inc", [lease("a", block_ids=(4, 5)), lease("b", block_ids=(6,))], now=2)
+    assert answer.matched == ["a", "b"] and answer.digests == {"a": digest}
 
 
 def test_throughput_counts_wall_time_with_transfers_in_flight():

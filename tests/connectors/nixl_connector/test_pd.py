@@ -68,6 +68,9 @@ def test_pd_matches_colocated_and_frees_everything(node: PrefillNode, reference:
         assert worker["bytes_transferred"] == sum(len(p["remote_block_ids"]) for p in params) * dec.engine.layout.block_nbytes
         assert worker["num_failures"] == 0 and worker["throughput_gbps"] > 0
         assert worker["confirm_ms_p50"] > 0  # every read waited for its lease's confirmation
+        # every block read was digested here and matched the prefill's digest before it was used
+        assert worker["num_digested_bytes"] == worker["bytes_transferred"]
+        assert worker["num_digest_mismatches"] == worker["num_unverified_reads"] == 0
         read = dec.engine.worker_connector.worker.stats.last_read
         assert read.posted <= read.landed <= read.confirmed
         dec.engine.check_integrity()
@@ -107,6 +110,42 @@ def test_params_of_another_prompt_are_refused_and_released(node: PrefillNode, re
         assert dec.get_stats()["connector"]["scheduler"]["num_mismatched_params"] == 1
     # the decode node told the prefill node it will not read: the blocks go back before the lease ends
     assert_all_free_or_cached(node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10))
+
+
+def test_a_bit_flipped_in_flight_is_never_served(node: PrefillNode, reference: LLM, monkeypatch, caplog):
+    prompts = make_prompts(seed=9)[2:5]
+    want = colocated(reference, prompts)
+    params = node.prefill(prompts)
+    monkeypatch.setenv("KVBRIDGE_FAULT_FLIP_READ_BIT", "1")  # one bit of each read's first block, once it landed
+    with decode_engine("decode-flip") as dec:
+        with caplog.at_level(logging.ERROR, logger="kvbridge"):
+            outs = dec.generate(prompts, GREEDY, kv_transfer_params=params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert all(o.num_external_tokens == 0 for o in outs)  # recomputed: not one token of the read KV used
+        worker = dec.get_stats()["connector"]["worker"]
+        assert worker["num_digest_mismatches"] == len(prompts) and worker["num_transfers"] == len(prompts)
+        assert "KV DIGEST MISMATCH" in caplog.text and "remote block" in caplog.text
+        dec.engine.check_integrity()
+        assert_all_free_or_cached(dec.get_stats())
+    assert_all_free_or_cached(node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10))
+
+
+def test_reads_the_prefill_did_not_digest_are_used_only_where_verification_is_off(reference: LLM):
+    prompts = make_prompts(seed=10)[3:5]
+    want = colocated(reference, prompts)
+    unverified = {"extra": {"verify_kv_digest": False}}
+    with prefill_node(**engine_kwargs("prefill-no-digest", "kv_producer", kv=unverified)) as n:
+        with decode_engine("decode-strict") as dec:
+            outs = dec.generate(prompts, GREEDY, kv_transfer_params=n.prefill(prompts))
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert all(o.num_external_tokens == 0 for o in outs)
+            assert dec.get_stats()["connector"]["worker"]["num_unverified_reads"] == len(prompts)
+        with decode_engine("decode-trusting", extra={"verify_kv_digest": False}) as dec:
+            outs = dec.generate(prompts, GREEDY, kv_transfer_params=n.prefill(prompts))
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert all(o.num_external_tokens > 0 for o in outs)
+            assert dec.get_stats()["connector"]["worker"]["num_digested_bytes"] == 0
+        n.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
 
 
 def test_unread_blocks_are_freed_when_the_lease_expires_and_late_reads_are_refused(reference: LLM):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvbridge.connectors.nixl.metadata import RemoteEngine
-from kvbridge.connectors.nixl.peer_control import MAX_COURTESY, PeerControls, Verdict
+from kvbridge.connectors.nixl.peer_control import MAX_COURTESY, PeerControls, Reading, Verdict
 from kvbridge.errors import PeerUnreachableError
 from kvbridge.transfer import messages as m
 
@@ -157,7 +157,7 @@ def test_leases_being_read_are_renewed_every_interval():
     now = [0.0]
     prefill = FakePrefill(held=[lease("r")])
     controls = make(prefill, now, renew_interval_s=0.5)
-    run(controls, now, reading={PREFILL: [lease("r")]}, steps=120)  # 1.2 s of a read in flight
+    run(controls, now, reading={PREFILL: [Reading(lease("r"), 0.0, float("inf"))]}, steps=120)  # 1.2 s of a read in flight
     renewals = [msg for msg in prefill.sent if isinstance(msg, m.LeaseRenew)]
     assert 1 <= len(renewals) <= 3 and renewals[0].incarnation == "inc-1" and renewals[0].leases == [lease("r")]
     controls.close()

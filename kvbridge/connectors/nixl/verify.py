@@ -1,0 +1,91 @@
+"""Decode side: a read is used only when its bytes are the bytes the prefill leased.
+
+The prefill digests each leased block when it grants the lease and returns the digests with
+`released` (transfer/digest.py). `ReadVerifier` digests the blocks this node read, on this node's
+device, and compares:
+
+    landed --start(job)--> digest queued with the algorithm the prefill named in its handshake
+    released + digests --verify(job, digest)--> None: use the blocks | why not: a load error
+
+`start` runs as soon as a read lands, while its confirmation is on the network; `verify` waits for
+that digest (or computes it, when the prefill's answer names another algorithm or its handshake
+named none). No digest in the answer, digests that do not cover the lease, or any mismatch is a
+load error: counted (`num_unverified_reads`, `num_digest_mismatches`) and named by the caller's log.
+
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from kvbridge.connectors.nixl.metadata import RecvJob
+from kvbridge.connectors.nixl.stats import TransferStats
+from kvbridge.transfer import messages as m
+from kvbridge.transfer.digest import ALGORITHMS, DigestError, DigestJob, mismatches
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+
+class ReadVerifier:
+    def __init__(self, endpoint: KVEndpoint, stats: TransferStats, clock: Callable[[], float]) -> None:
+        self._endpoint, self._stats, self._clock = endpoint, stats, clock
+        self._started: dict[str, tuple[DigestJob, float]] = {}  # req id -> (digest of its landed blocks, time spent)
+
+    def start(self, job: RecvJob) -> None:
+        """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake)."""
+        peers = self._endpoint.peers
+        if not job.local_block_ids or job.remote.address not in peers:
+            return
+        alg = peers.get(job.remote.address).digest_alg
+        if alg not in ALGORITHMS:
+            return  # an older prefill: digested once its answer names the algorithm
+        start = self._clock()
+        try:
+            started = self._endpoint.start_digest(job.local_block_ids, alg)
+        except DigestError:
+            return  # tried again, and refused with a reason, when the answer comes
+        self._started[job.request_id] = (started, self._clock() - start)
+
+    def verify(self, job: RecvJob, digest: m.KVDigest | None) -> str | None:
+        """None when the blocks read hold the bytes the prefill digested when it granted the lease;
+        otherwise why not (the read is a load error)."""
+        started, spent_s = self._started.pop(job.request_id, (None, 0.0))
+        if not job.local_block_ids:
+            return None
+        who = f"engine {job.remote.engine_id} at {job.remote.address}"
+        num_read = len(job.local_block_ids)
+        if digest is None:
+            self._stats.num_unverified_reads += 1
+            return (
+                f"{who} confirmed the read but sent no digest of its blocks (an older build, or verify_kv_digest "
+                "off there); this node uses only verified KV (NixlConnector option verify_kv_digest)"
+            )
+        expected = digest.values[job.lease_offset : job.lease_offset + num_read]
+        if len(digest.values) != len(job.lease.block_ids) or len(expected) != num_read:
+            self._stats.num_unverified_reads += 1
+            return f"{who} sent {len(digest.values)} block digests for a lease of {len(job.lease.block_ids)} blocks"
+        start = self._clock()
+        try:
+            if started is None or started.alg != digest.alg:
+                started = self._endpoint.start_digest(job.local_block_ids, digest.alg)
+            got = started.result()
+        except DigestError as e:
+            self._stats.num_unverified_reads += 1
+            return f"cannot verify the blocks read from {who}: {e}"
+        self._stats.record_digest(spent_s + self._clock() - start, num_read * self._endpoint.layout.block_nbytes)
+        bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got)
+        if not bad:
+            return None
+        self._stats.num_digest_mismatches += 1
+        i = bad[0]
+        return (
+            f"KV DIGEST MISMATCH: {len(bad)} of {num_read} blocks read from {who} do not hold the bytes it leased "
+            f"(first: remote block {job.remote_block_ids[i]} -> local block {job.local_block_ids[i]}, {digest.alg}); "
+            "they were corrupted in flight or written after the lease was granted"
+        )
+
+    def forget(self, req_id: str) -> None:
+        """The read ended without a verdict (failed, expired): drop its digest."""
+        self._started.pop(req_id, None)

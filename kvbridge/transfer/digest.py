@@ -1,0 +1,190 @@
+"""Digests of KV blocks: what proves that the bytes a reader holds are the bytes the owner leased.
+
+The owner of the blocks digests each leased block (every layer's page, in layer order) on the
+device that holds it when it grants the lease; the reader digests the blocks it read, on its own
+device, before they are used, with the algorithm the owner named. A block's digest depends only
+on its bytes in logical order (layer 0's page, layer 1's page, ...), never on where the pages lie,
+so two engines with different strides agree.
+
+Two algorithms, chosen by the owner's device:
+
+* `xxh3-64` (KV in host memory): xxHash's XXH3, 64 bits, from the `xxhash` package. Any random
+  corruption (bit flips, a torn or stale block, another block's bytes) goes unnoticed with
+  probability about 2^-64.
+* `wsum64` (KV on a GPU, computed there with torch reductions, no host copy): the block read as
+  signed 32-bit words x_i, digest = sum_i c_i * x_i mod 2^64 with fixed odd 64-bit multipliers
+  c_i (splitmix64 of i). Fault model: every change confined to one 32-bit word is detected (an
+  odd c_i is invertible mod 2^64, so c_i * delta is never 0 for a nonzero delta); a change of
+  several words escapes only when it satisfies one linear equation mod 2^64 over the c_i, which
+  random faults (bit flips, torn or misplaced blocks, zeroed pages) hit with a probability of
+  order 2^-32 per affected pair of words or less.
+
+Neither is a cryptographic hash. Their inputs and algorithms are public, so someone who can write
+the owner's KV region on purpose can craft bytes that keep a digest (trivially for wsum64, with
+effort for xxh3-64): the digest stops faults and blind tampering, and the side-channel secret
+decides who can write at all (docs/pd-disaggregation.md, "Threat model").
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvbridge.block_runs import run_lengths, run_starts
+from kvbridge.transfer.messages import KVDigest
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.layout import KVCacheLayout
+
+XXH3 = "xxh3-64"
+WSUM = "wsum64"
+ALGORITHMS = (XXH3, WSUM)
+_MASK64 = (1 << 64) - 1
+_WSUM_CHUNK_NBYTES = 64 << 20  # int64 temporaries of one reduction: bounded, whatever the request size
+
+
+class DigestError(ValueError):
+    """A digest cannot be computed as asked (unknown algorithm, a page that is not whole words)."""
+
+
+def algorithm_for(kv_cache: torch.Tensor) -> str:
+    """The algorithm an owner uses for its blocks: computed where they are, with no copy."""
+    return WSUM if kv_cache.is_cuda else XXH3
+
+
+def region_bytes(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+    """[region_nbytes] uint8: every byte from page (0, 0) to the end of the last page, as one tensor."""
+    import torch
+
+    elements = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,), kv_cache.storage_offset())
+    return elements.view(torch.uint8)
+
+
+class DigestJob:
+    """Digests being computed on a device: `result()` waits for them (GPU) or just returns them."""
+
+    def __init__(self, alg: str, values: list[int] | None = None, sums: torch.Tensor | None = None) -> None:
+        self.alg, self._values, self._sums = alg, values, sums  # sums: [n] int64 on the device
+
+    def result(self) -> KVDigest:
+        if self._values is None:
+            self._values = [v & _MASK64 for v in self._sums.tolist()]  # waits for the device
+            self._sums = None
+        return KVDigest(alg=self.alg, values=self._values)
+
+
+def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> DigestJob:
+    """Start digesting each block of `block_ids` (in their order) on `region`'s device.
+
+    `region` is `region_bytes(kv_cache, layout)`. On a GPU the work is queued on the current stream
+    and `result()` waits for it. Raises DigestError for an algorithm this build does not know,
+    IndexError for a block id outside the layout.
+    """
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    pages = layout.page_offsets(ids)  # [n, num_layers] byte offsets; raises IndexError
+    if alg == XXH3:
+        return DigestJob(alg, values=_xxh3(region, layout, pages))
+    if alg == WSUM:
+        return DigestJob(alg, sums=_wsum(region, layout, ids))
+    raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
+
+
+def block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> KVDigest:
+    """The digest of each block of `block_ids` (in their order), computed on `region`'s device."""
+    return start_block_digests(region, layout, block_ids, alg).result()
+
+
+def mismatches(expected: KVDigest, got: KVDigest) -> list[int]:
+    """Positions whose digests differ (every position when the lengths or algorithms differ)."""
+    if expected.alg != got.alg or len(expected.values) != len(got.values):
+        return list(range(max(len(expected.values), len(got.values))))
+    return [i for i, (a, b) in enumerate(zip(expected.values, got.values)) if a != b]
+
+
+# ---------------------------------------------------------------------- xxh3-64 (host memory)
+
+
+def _xxh3(region: torch.Tensor, layout: KVCacheLayout, pages: np.ndarray) -> list[int]:
+    import xxhash
+
+    if region.is_cuda:  # a GPU reader of a host owner's blocks: hash a host copy of them
+        return _xxh3_host_copy(region, layout, pages)
+    buf = region.numpy()
+    if layout.is_block_contiguous:  # one range per block: one call each
+        n = layout.block_nbytes
+        return [xxhash.xxh3_64_intdigest(buf[o : o + n]) for o in pages[:, 0].tolist()]
+    p = layout.page_nbytes
+    values = []
+    for row in pages.tolist():  # streaming over the pages == one call over their concatenation
+        h = xxhash.xxh3_64()
+        for o in row:
+            h.update(buf[o : o + p])
+        values.append(h.intdigest())
+    return values
+
+
+def _xxh3_host_copy(region: torch.Tensor, layout: KVCacheLayout, pages: np.ndarray) -> list[int]:
+    import torch
+    import xxhash
+
+    p = layout.page_nbytes
+    values = []
+    for row in pages.tolist():
+        block = torch.cat([region[o : o + p] for o in row]).cpu().numpy()
+        values.append(xxhash.xxh3_64_intdigest(block))
+    return values
+
+
+# ---------------------------------------------------------------------- wsum64 (any torch device)
+
+
+@lru_cache(maxsize=8)
+def _multipliers_np(num_words: int) -> np.ndarray:
+    """[num_words] uint64: odd splitmix64(i) for i in 0..num_words-1 (public, fixed forever)."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, num_words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return z | np.uint64(1)
+
+
+_device_multipliers: dict[tuple[int, str], torch.Tensor] = {}  # (num_words, device) -> int64 tensor
+
+
+def _multipliers(num_words: int, device: torch.device) -> torch.Tensor:
+    import torch
+
+    key = (num_words, str(device))
+    c = _device_multipliers.get(key)
+    if c is None:
+        if len(_device_multipliers) >= 8:
+            _device_multipliers.clear()
+        c = _device_multipliers[key] = torch.from_numpy(_multipliers_np(num_words).view(np.int64)).to(device)
+    return c
+
+
+def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch.Tensor:
+    import torch
+
+    strides = (layout.block_stride_bytes, layout.layer_stride_bytes, layout.page_nbytes)
+    if any(s % 4 for s in strides):
+        raise DigestError(f"{WSUM} needs pages of whole 32-bit words; this layout's strides are {strides} bytes")
+    words = region.view(torch.int32)  # [region_nbytes / 4]
+    page_words, block_w, layer_w = layout.page_nbytes // 4, layout.block_stride_bytes // 4, layout.layer_stride_bytes // 4
+    c = _multipliers(layout.num_layers * page_words, region.device).view(layout.num_layers, page_words)
+    per_chunk = max(1, _WSUM_CHUNK_NBYTES // (2 * layout.block_nbytes))  # int64 products: twice the bytes
+    sums = []
+    starts = run_starts(ids)
+    for start, length in zip(starts.tolist(), run_lengths(starts, len(ids)).tolist()):
+        for first in range(start, start + length, per_chunk):
+            k = min(per_chunk, start + length - first)
+            # [k, num_layers, page_words] int32: blocks ids[first:first+k] (adjacent), pages in layer order
+            at = words.storage_offset() + int(ids[first]) * block_w  # as_strided's offset is absolute
+            view = words.as_strided((k, layout.num_layers, page_words), (block_w, layer_w, 1), at)
+            sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=region.device)  # [n] int64
