@@ -8,6 +8,7 @@ import logging
 import sys
 
 from kvbridge import __version__, env
+from kvbridge.cli_errors import FlagNamesFilter
 from kvbridge.errors import ConfigError
 
 # command -> (module with add_arguments(parser) and run(args) -> int, one-line help, default log level).
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))  # usage error: exit 2
     # Other libraries' loggers stay at WARNING; --log-level sets kvbridge's own.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # log lines name flags, as the user typed them
+        handler.addFilter(FlagNamesFilter())
     logging.getLogger("kvbridge").setLevel(args.log_level)
     return int(importlib.import_module(args._module).run(args) or 0)
 
