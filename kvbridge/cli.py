@@ -29,8 +29,8 @@ EPILOG = """\
 examples:
   kvbridge generate --prompt "Hello"                             # one engine, in this process
   kvbridge serve --no-connector --port 8000                      # a plain OpenAI-compatible node
-  kvbridge serve --role prefill --port 8100 --side-channel-port 5600
-  kvbridge serve --role decode  --port 8200 --side-channel-port 5700
+  kvbridge serve --role prefill --port 8100 --side-channel-port 5600  # decode nodes pull KV from 5600
+  kvbridge serve --role decode  --port 8200                      # a decode node listens on no side channel
   kvbridge proxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
   kvbridge demo                                                  # all of the above on loopback, checked
 
