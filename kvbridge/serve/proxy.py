@@ -184,15 +184,19 @@ class PDProxy:
                 "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,
             }
 
+        answered = False  # the decode node sent its first event: it had the prompt's KV, read or recomputed
         try:
             decode = await self.upstream.decode(
                 request, path, decode_body(body, kv_params), routed.prompt, deadline, annotate
             )
             response, complete = decode.value
+            answered = isinstance(response, web.StreamResponse)
         except LegFailed as exc:
             return self._leg_failed(exc)
         finally:
-            if not complete:  # nobody will read what the prefill node holds for this request
+            # Nobody will read what the prefill node holds for this request. Not after the decode node
+            # answered: it has released the lease itself, and a second release would only be refused.
+            if not complete and not answered:
                 self.releaser.release_soon(kv_params)
         if isinstance(response, web.StreamResponse):
             return response
