@@ -97,7 +97,7 @@ def _versions() -> dict[str, str | None]:
     from kvbridge import __version__
 
     versions: dict[str, str | None] = {"kvbridge": __version__, "python": platform.python_version()}
-    for name in ("torch", "nixl", "aiohttp"):
+    for name in ("torch", "nixl-cu12", "nixl-cu13", "nixl", "aiohttp"):
         try:
             versions[name] = md.version(name)
         except md.PackageNotFoundError:

@@ -9,15 +9,25 @@ import pytest
 
 from kvbridge.errors import NixlNotAvailableError, TransferError
 from kvbridge.transfer import agent as agent_mod
+from kvbridge.transfer import nixl_build
 from kvbridge.transfer.agent import NixlAgent, XferState, tensor_registration
 
 torch = pytest.importorskip("torch")
 
 
 def test_missing_nixl_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "nixl._api", None)  # makes `from nixl._api import ...` fail
-    with pytest.raises(NixlNotAvailableError, match="pip install nixl"):
+    for name in ("nixl", *nixl_build.BUILDS):  # no build importable: `import_module(...)` fails for each
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(nixl_build.importlib.util, "find_spec", lambda name: None)
+    assert not nixl_build.is_available()
+    with pytest.raises(NixlNotAvailableError, match="pip install nixl-cu12"):
         agent_mod.import_nixl()
+
+
+@pytest.mark.nixl
+def test_one_nixl_build_serves_the_api():
+    api = nixl_build.nixl_api()
+    assert nixl_build.find_build() is not None and hasattr(api, "nixl_agent") and hasattr(api, "nixlBind")
 
 
 def test_tensor_registration_of_cpu_tensor():
