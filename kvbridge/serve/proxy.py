@@ -179,24 +179,21 @@ class PDProxy:
                 "disaggregated": reason is None,
                 "recomputed": reason is not None,
                 "recompute_reason": reason,
+                "kv_source": kv_source(reason, kvbridge),
                 "prefill_s": round(t1 - t0, 6),
                 "decode_s": round(time.monotonic() - t1, 6),
                 "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,
             }
 
-        answered = False  # the decode node sent its first event: it had the prompt's KV, read or recomputed
         try:
             decode = await self.upstream.decode(
                 request, path, decode_body(body, kv_params), routed.prompt, deadline, annotate
             )
             response, complete = decode.value
-            answered = isinstance(response, web.StreamResponse)
         except LegFailed as exc:
             return self._leg_failed(exc)
         finally:
-            # Nobody will read what the prefill node holds for this request. Not after the decode node
-            # answered: it has released the lease itself, and a second release would only be refused.
-            if not complete and not answered:
+            if not complete:  # nobody will read what the prefill node holds for this request
                 self.releaser.release_soon(kv_params)
         if isinstance(response, web.StreamResponse):
             return response
@@ -268,6 +265,15 @@ def recompute_reason(
     if _count(decode_kvbridge, "num_external_tokens") > 0:
         return None
     return "kv_load_failed" if _count(decode_kvbridge, "num_failed_load_blocks") > 0 else "kv_not_pulled"
+
+
+def kv_source(reason: str | None, decode_kvbridge: dict[str, Any]) -> str:
+    """Where the decode node's KV for the prompt came from: "prefill_node" (pulled), else
+    "decode_prefix_cache" when its own prefix cache served part or all of the prompt (it computed
+    the rest), else "computed"."""
+    if reason is None:
+        return "prefill_node"
+    return "decode_prefix_cache" if _count(decode_kvbridge, "num_cached_tokens") > 0 else "computed"
 
 
 def _count(kvbridge: dict[str, Any], key: str) -> int:

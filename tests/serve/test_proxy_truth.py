@@ -103,9 +103,10 @@ def test_the_proxy_reports_what_each_decode_node_did():
             if expectation == "pulls":
                 assert report["disaggregated"] and not report["recomputed"], kvbridge
                 assert report["recompute_reason"] is None and kvbridge["num_external_tokens"] > 0, kvbridge
+                assert report["kv_source"] == "prefill_node", kvbridge
             else:
                 assert not report["disaggregated"] and report["recomputed"], (node.name, kvbridge)
                 assert report["recompute_reason"] == expectation, (node.name, kvbridge)
-                assert kvbridge["num_external_tokens"] == 0, kvbridge
+                assert kvbridge["num_external_tokens"] == 0 and report["kv_source"] == "computed", kvbridge
     for reason in ("kv_load_failed", "kv_not_pulled"):
         assert f'kvbridge_proxy_recomputes_total{{reason="{reason}"}} {float(NUM_ROUNDS)}' in metrics, metrics
