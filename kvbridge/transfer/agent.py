@@ -64,9 +64,7 @@ def import_nixl() -> tuple[Any, Any]:
     try:
         api = nixl_api()
     except ImportError as e:
-        raise NixlNotAvailableError(
-            f"NIXL is not importable ({e}); `pip install nixl-cu12` (CPU and CUDA 12+), or `pip install nixl-cu13`"
-        ) from None
+        raise NixlNotAvailableError(f"NIXL is not importable: {e}") from None
     return api.nixl_agent, api.nixl_agent_config
 
 

@@ -27,18 +27,30 @@ def _torch_cuda_major() -> int | None:
 
 def find_build() -> str | None:
     """The module `nixl_api()` imports `_api` from: the meta package when installed, else the build
-    that matches torch's CUDA, else the first build installed; None when there is none."""
+    that matches torch's CUDA (when torch is imported and a CUDA build), else the first build
+    installed; None when there is none. Raises ImportError, as the meta package does, for a CUDA
+    torch whose NIXL build is missing: a build for another CUDA major version is not used silently."""
     if importlib.util.find_spec(META) is not None:
         return META
     major = _torch_cuda_major()
-    for name in ([f"nixl_cu{major}"] if major else []) + list(BUILDS):
+    if major is not None:
+        if importlib.util.find_spec(f"nixl_cu{major}") is None:
+            raise ImportError(
+                f"torch is a CUDA {major} build but NIXL's CUDA {major} build is not installed: "
+                f"`pip install nixl-cu{major}`" + (' (or `pip install "kvbridge[cu13]"`)' if major == 13 else "")
+            )
+        return f"nixl_cu{major}"
+    for name in BUILDS:
         if importlib.util.find_spec(name) is not None:
             return name
     return None
 
 
 def is_available() -> bool:
-    return find_build() is not None
+    try:
+        return find_build() is not None
+    except ImportError:
+        return False
 
 
 def nixl_api() -> ModuleType:
@@ -46,5 +58,8 @@ def nixl_api() -> ModuleType:
     ImportError when no build is installed or the one found cannot be loaded."""
     name = find_build()
     if name is None:
-        raise ImportError(f"no NIXL build is installed (none of {', '.join((META, *BUILDS))})")
+        raise ImportError(
+            f"no NIXL build is installed (none of {', '.join((META, *BUILDS))}): `pip install nixl-cu12` (CPU-only "
+            'and CUDA 12), or `pip install "kvbridge[cu13]"` (CUDA 13)'
+        )
     return importlib.import_module(f"{name}._api")

@@ -97,3 +97,18 @@ def test_loopback_read_write_and_release_everything():
         b.close()
         a.close()  # idempotent
     assert not a._dlists and not a._xfers and not a._registrations and not a._peers
+
+
+def test_a_cuda_torch_without_its_nixl_build_is_refused_naming_it(monkeypatch):
+    fake_torch = type(sys)("torch")
+    fake_torch.version = type(sys)("torch.version")
+    fake_torch.version.cuda = "13.0"
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    installed = {"nixl_cu12"}  # what a plain `pip install kvbridge` brings
+    monkeypatch.setattr(nixl_build.importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    with pytest.raises(ImportError, match=r"CUDA 13 build .*kvbridge\[cu13\]"):
+        nixl_build.find_build()
+    installed.add("nixl_cu13")
+    assert nixl_build.find_build() == "nixl_cu13"
+    fake_torch.version.cuda = None  # a CPU torch: the first build installed
+    assert nixl_build.find_build() == "nixl_cu12"
