@@ -94,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long shutdown and reset_prefix_cache wait for in-flight transfers (default: "
         "$KVBRIDGE_FLUSH_TIMEOUT_S, else 30)",
     )  # fmt: skip
-    kv.add_argument("--kv-connector-extra", default=None, help="JSON object of connector-specific options")
+    kv.add_argument(
+        "--kv-connector-extra", default=None, metavar="JSON",
+        help="JSON object of connector-specific options; an unknown key is refused (default: {})",
+    )  # fmt: skip
 
 
 # Flags that configure the connector: with --no-connector nothing would honour them.
