@@ -27,7 +27,7 @@ from aiohttp import web
 
 from kvbridge.serve.node_pool import NodePool
 from kvbridge.serve.proxy_metrics import ProxyMetrics
-from kvbridge.serve.repeated_log import RepeatedWarnings
+from kvbridge.repeated_log import RepeatedWarnings
 from kvbridge.serve.routing import PromptKey, RoutingPolicy
 
 logger = logging.getLogger(__name__)

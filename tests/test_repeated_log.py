@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvbridge.serve.repeated_log import RepeatedWarnings
+from kvbridge.repeated_log import RepeatedWarnings
 
 
 def test_repeats_within_the_window_are_counted_into_the_next_line(caplog):

@@ -3,9 +3,11 @@
     warnings = RepeatedWarnings(logger)
     warnings.warning("no_prefill_node", "no prefill node answered (%s): ...", exc)
 
+Used by the proxy (a dead prefill node) and the engine (a peer that fails every request's load).
+
 The first warning of a key is logged at once. Later ones within `window_s` of the last line logged
 for that key are only counted; the next line logged after the window says how many were folded
-into it: "... (and 46 more like it in the last 30 s)". Event loop thread only (or one thread).
+into it: "... (and 46 more like it in the last 30 s)". Not thread-safe: one owner's thread.
 """
 
 from __future__ import annotations
