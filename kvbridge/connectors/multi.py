@@ -123,6 +123,11 @@ def _give_port(config: KVTransferConfig, children: list[KVTransferConfig], owns_
     if not takers:  # a plugin that does not say whether it listens: it may
         takers = [i for i, b in enumerate(binds) if b is None and not owns_port[i]]
     names = ", ".join(f"{c.connector} ({c.role})" for c in children)
+    if not takers and any(b is not False and owns_port[i] for i, b in enumerate(binds)):
+        raise ConfigError(
+            f"KVTransferConfig.side_channel_port={config.side_channel_port} would not be used: the MultiConnector "
+            "connector that listens sets its own side_channel_port in its entry; give the port in one place"
+        )
     if not takers:
         raise ConfigError(
             f"KVTransferConfig.side_channel_port={config.side_channel_port}: none of MultiConnector's connectors "

@@ -253,3 +253,11 @@ def test_vllm_side_channel_port_for_a_consumer_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match='"side_channel_port": 5601') as exc:
         AdapterConfig.from_vllm(vllm_config({"connector": "NixlConnector", "side_channel_port": 5601}, kv_role="kv_consumer"))
     assert "kv_connector_extra_config" in str(exc.value)
+
+
+def test_a_port_given_twice_to_a_multiconnector_is_refused():
+    entries = [{"connector": "NixlConnector", "side_channel_port": 5602}, {"connector": "OffloadingConnector"}]
+    with pytest.raises(ConfigError) as exc:
+        built(serve_config("--role", "prefill", "--side-channel-port", "5601", "--kv-connector", "MultiConnector",
+                           "--kv-connector-extra", json.dumps({"connectors": entries})))  # fmt: skip
+    assert "--side-channel-port 5601 would not be used" in error_line("serve", exc.value)
