@@ -188,7 +188,9 @@ def start_node(
     killed restarts it at the same address.
     """
     port, side_channel_port = ports or free_ports(2)
-    listens = role != "decode" and not {"--no-connector", "--kv-connector"} & set(extra_args)
+    args = list(extra_args)
+    connector = args[args.index("--kv-connector") + 1] if "--kv-connector" in args[:-1] else "NixlConnector"
+    listens = role != "decode" and "--no-connector" not in args and connector == "NixlConnector"
     side_channel = ["--side-channel-port", str(side_channel_port)] if listens else []
     argv = cli_argv(
         "serve", "--role", role, "--host", HOST, "--port", str(port), *side_channel, "--model", model, *extra_args,
