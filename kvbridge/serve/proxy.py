@@ -48,6 +48,7 @@ from kvbridge.serve.protocol import parse_completion_request
 from kvbridge.serve.proxy_legs import Deadline, Leg, LegFailed, Reply, Upstream, decode_body
 from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
+from kvbridge.serve.proxy_report import kv_source, recompute_reason
 from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
 
 MAX_RETRIES = 2
@@ -168,7 +169,7 @@ class PDProxy:
 
         def annotate(kvbridge: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
             # What the decode node did, from its own report: never inferred from what the proxy sent.
-            reason = recompute_reason(routed, prefill, kv_params, kvbridge)
+            reason = recompute_reason(routed.disaggregated, prefill is not None, kv_params, kvbridge)
             if reason is not None:
                 self.metrics.recomputes.labels(reason=reason).inc()
             kvbridge["proxy"] = {
@@ -237,48 +238,6 @@ class PDProxy:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-# Why a decode node computed the prompt itself instead of pulling it from a prefill node.
-RECOMPUTE_REASONS = {
-    "not_disaggregated": "the request has several prompts or choices (n > 1): the proxy sent it to the decode node only",
-    "no_prefill_node": "no prefill node answered (none healthy, or every one tried failed)",
-    "no_kv_params": "the prefill node answered without kv_transfer_params (it runs no P/D connector)",
-    "kv_load_failed": "the decode node tried to pull the KV and failed (its log says why: authentication, timeout, "
-    "proof, unreachable peer), then recomputed",
-    "kv_not_pulled": "the decode node pulled nothing (it refused the params, e.g. the prefill host is not in its "
-    "allowed_peers, or runs no P/D connector); its log says why",
-}
-
-
-def recompute_reason(
-    routed: Routed, prefill: Any, kv_params: dict[str, Any] | None, decode_kvbridge: dict[str, Any]
-) -> str | None:
-    """None when the decode node's answer says it pulled the prompt's KV from the prefill node (its
-    `num_external_tokens`), else the key of RECOMPUTE_REASONS that says why it did not."""
-    if not routed.disaggregated:
-        return "not_disaggregated"
-    if prefill is None:
-        return "no_prefill_node"
-    if not kv_params:
-        return "no_kv_params"
-    if _count(decode_kvbridge, "num_external_tokens") > 0:
-        return None
-    return "kv_load_failed" if _count(decode_kvbridge, "num_failed_load_blocks") > 0 else "kv_not_pulled"
-
-
-def kv_source(reason: str | None, decode_kvbridge: dict[str, Any]) -> str:
-    """Where the decode node's KV for the prompt came from: "prefill_node" (pulled), else
-    "decode_prefix_cache" when its own prefix cache served part or all of the prompt (it computed
-    the rest), else "computed"."""
-    if reason is None:
-        return "prefill_node"
-    return "decode_prefix_cache" if _count(decode_kvbridge, "num_cached_tokens") > 0 else "computed"
-
-
-def _count(kvbridge: dict[str, Any], key: str) -> int:
-    value = kvbridge.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _node_status(node: NodeStats) -> str:

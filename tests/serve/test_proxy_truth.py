@@ -110,3 +110,4 @@ def test_the_proxy_reports_what_each_decode_node_did():
                 assert kvbridge["num_external_tokens"] == 0 and report["kv_source"] == "computed", kvbridge
     for reason in ("kv_load_failed", "kv_not_pulled"):
         assert f'kvbridge_proxy_recomputes_total{{reason="{reason}"}} {float(NUM_ROUNDS)}' in metrics, metrics
+
