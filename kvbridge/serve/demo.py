@@ -223,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-port", type=int, default=None, metavar="PORT",
         help="pin the ports: the proxy on PORT, prefill0 on PORT+1 (side channel PORT+2), decode0 on PORT+3 "
-        "(side channel PORT+4) (default: free ports)",
+        "(PORT+4 stays free: a decode node listens on no side channel) (default: free ports)",
     )  # fmt: skip
 
 
