@@ -8,6 +8,7 @@ import logging
 import sys
 
 from kvbridge import __version__, env
+from kvbridge.cli_errors import FlagNamesFilter
 from kvbridge.errors import ConfigError
 
 # command -> (module with add_arguments(parser) and run(args) -> int, one-line help, default log level).
@@ -28,8 +29,8 @@ EPILOG = """\
 examples:
   kvbridge generate --prompt "Hello"                             # one engine, in this process
   kvbridge serve --no-connector --port 8000                      # a plain OpenAI-compatible node
-  kvbridge serve --role prefill --port 8100 --side-channel-port 5600
-  kvbridge serve --role decode  --port 8200 --side-channel-port 5700
+  kvbridge serve --role prefill --port 8100 --side-channel-port 5600  # decode nodes pull KV from 5600
+  kvbridge serve --role decode  --port 8200                      # a decode node listens on no side channel
   kvbridge proxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
   kvbridge demo                                                  # all of the above on loopback, checked
 
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))  # usage error: exit 2
     # Other libraries' loggers stay at WARNING; --log-level sets kvbridge's own.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # log lines name flags, as the user typed them
+        handler.addFilter(FlagNamesFilter())
     logging.getLogger("kvbridge").setLevel(args.log_level)
     return int(importlib.import_module(args._module).run(args) or 0)
 

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from kvbridge.transfer import nixl_build
+
 # One torch thread per process: tests start several engine processes on a 2-core machine, and
 # oversubscribed intra-op threads slow small matmuls down by orders of magnitude. Child processes
 # inherit the variable.
@@ -32,9 +34,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = _has_cuda()
-    has_nixl = importlib.util.find_spec("nixl") is not None
+    has_nixl = nixl_build.is_available()
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "nixl" in item.keywords and not has_nixl:
-            item.add_marker(pytest.mark.skip(reason="needs NIXL: pip install nixl"))
+            item.add_marker(pytest.mark.skip(reason="needs NIXL: pip install nixl-cu12"))

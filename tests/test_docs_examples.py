@@ -5,6 +5,9 @@ here, or deliberately not, as the HTML comment on the line before the block says
     <!-- docs-test: serve (what) -->  each line is a `kvbridge serve` command: started on free ports,
                                       asked one prompt twice with the prefix cache reset in between;
                                       the second answer must load its KV through the node's connector
+    <!-- docs-test: client (what) --> runs as an unmarked block does, against a `kvbridge serve` node
+                                      (the tiny preset) that the test starts: the docs' address
+                                      127.0.0.1:8000 is replaced by the node's
 
 An unmarked python block runs in a subprocess, an unmarked shell block under `bash -euo pipefail`,
 both with this checkout's kvbridge first on PYTHONPATH, in a scratch directory, within
@@ -76,13 +79,39 @@ def _env() -> dict[str, str]:
 def test_every_marker_is_known_and_says_why():
     for block in BLOCKS:
         if block.marker is not None:
-            assert block.marker in ("skip", "serve"), f"{block.name}: unknown docs-test marker {block.marker!r}"
+            assert block.marker in ("skip", "serve", "client"), f"{block.name}: unknown docs-test marker {block.marker!r}"
             assert (block.reason or "").strip(), f"{block.name}: a docs-test marker needs a reason in parentheses"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.marker is None], ids=lambda b: b.name)
 def test_block_runs(block: Block, tmp_path):
-    argv = [sys.executable, "-c", block.code] if block.language == "python" else ["bash", "-euo", "pipefail", "-c", block.code]
+    _run_block(block, block.code, tmp_path)
+
+
+DOCS_ADDRESS = "127.0.0.1:8000"  # where the docs' client examples send their requests
+
+
+@pytest.fixture(scope="module")
+def client_node(tmp_path_factory):
+    """The `kvbridge serve --port 8000` the docs' client examples talk to, on a free port."""
+    (port,) = free_ports(1)
+    argv = cli_argv("serve", "--port", str(port), "--num-blocks", "64", "--num-threads", "1")
+    node = ManagedProcess("docs-client-node", f"http://127.0.0.1:{port}", argv, str(tmp_path_factory.mktemp("docs")), _env())
+    try:
+        wait_healthy([node], timeout_s=120)
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.marker == "client"], ids=lambda b: b.name)
+def test_client_block_runs_against_a_node(block: Block, client_node, tmp_path):
+    assert DOCS_ADDRESS in block.code, f"{block.name}: a client block talks to {DOCS_ADDRESS}"
+    _run_block(block, block.code.replace(DOCS_ADDRESS, client_node.url.removeprefix("http://")), tmp_path)
+
+
+def _run_block(block: Block, code: str, tmp_path) -> None:
+    argv = [sys.executable, "-c", code] if block.language == "python" else ["bash", "-euo", "pipefail", "-c", code]
     try:
         done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvbridge.config import KVTransferConfig
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.progress import Wakeup
 
 if TYPE_CHECKING:
@@ -232,6 +233,28 @@ class KVConnectorBase(ABC):
         self.config = config
         self.role = role
         self.context = context
+
+    # ------------------------------------------------------------------ configuration (class level)
+
+    @classmethod
+    def binds_side_channel(cls, config: KVTransferConfig) -> bool | None:
+        """Whether a connector built from `config` listens on `config.side_channel_port`: True, False,
+        or None when the class does not say (the default, so a plugin's own use of the port is never
+        refused). A non-zero port given to a connector that answers False is refused when the
+        connector is built: nothing would listen on it. Pure; called before any instance exists."""
+        return None
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        """Raise ConfigError for anything in `config` this connector cannot honour (an unknown or
+        invalid `extra` option, a port it would not bind), so a server refuses it at start-up, before
+        it binds or builds anything. Pure. Subclasses that validate `extra` extend it (call super)."""
+        if config.side_channel_port and cls.binds_side_channel(config) is False:
+            raise ConfigError(
+                f"KVTransferConfig.side_channel_port={config.side_channel_port}: {config.connector} in role "
+                f"{config.role} opens no side channel, so nothing would listen on that port; leave it unset "
+                "(only a node that serves KV to peers, a producer, listens)"
+            )
 
     # ------------------------------------------------------------------ scheduler side
 

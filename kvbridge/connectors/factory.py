@@ -72,6 +72,15 @@ def resolve_connector_class(name: str) -> type[KVConnectorBase]:
     )
 
 
+def check_connector_config(config: KVTransferConfig) -> type[KVConnectorBase]:
+    """The connector class `config.connector` names, once it has checked that it can honour every
+    option in `config` (`KVConnectorBase.check_config`). Raises ConfigError naming the option."""
+    cls = resolve_connector_class(config.connector)
+    cls.check_config(config)
+    return cls
+
+
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> KVConnectorBase:
-    """Build one half (`role`) of the connector that `config.connector` names."""
-    return resolve_connector_class(config.connector)(config, role, context)
+    """Build one half (`role`) of the connector that `config.connector` names; an option it cannot
+    honour is a ConfigError, never silently dropped."""
+    return check_connector_config(config)(config, role, context)

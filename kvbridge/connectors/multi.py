@@ -6,7 +6,11 @@
     ]})
 
 Each entry of `extra["connectors"]` is a `KVTransferConfig` as a dict; missing `role`,
-`engine_id`, `load_failure_policy` and `flush_timeout_s` are inherited from the outer config.
+`engine_id`, `flush_timeout_s` and `side_channel_host` are inherited from the outer config. The
+outer `side_channel_port` (`kvbridge serve --side-channel-port`) goes to the one child that listens
+on a side channel (the NixlConnector of a producer); none or several such children is a ConfigError,
+as is an entry's own `load_failure_policy` that differs from the outer one (the engine applies the
+outer one): an option is honoured or refused, never dropped.
 
 * loads: the first child (in list order) that offers tokens for a request serves it; the others
   see the admission with zero external tokens;
@@ -39,7 +43,7 @@ from kvbridge.connectors.base import (
     MatchResult,
     SchedulerOutput,
 )
-from kvbridge.connectors.factory import create_connector
+from kvbridge.connectors.factory import check_connector_config, create_connector, resolve_connector_class
 from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,31 +62,97 @@ class MultiMetadata(KVConnectorMetadata):
 
 
 def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
-    """The children's configs from `config.extra["connectors"]`."""
+    """The children's configs from `config.extra["connectors"]`, each checked by its connector
+    (`check_config`). Raises ConfigError naming the entry and the option it cannot honour."""
     entries = config.extra.get("connectors")
+    unknown = sorted(set(config.extra) - {"connectors"})
+    if unknown:
+        raise ConfigError(
+            f"MultiConnector: unknown extra option(s) {unknown}; its only option is extra.connectors (each child's "
+            'own options go in its entry\'s "extra")'
+        )
     if not isinstance(entries, list) or not entries:
         raise ConfigError(
             "MultiConnector needs extra.connectors: a non-empty list of KVTransferConfig dicts, "
             'e.g. [{"connector": "OffloadingConnector", "extra": {"host_num_blocks": 1024}}]'
         )
-    children = []
+    children: list[KVTransferConfig] = []
+    owns_port: list[bool] = []  # the entry set its own side_channel_port
     for i, entry in enumerate(entries):
         if isinstance(entry, KVTransferConfig):
             children.append(entry)
+            owns_port.append(True)
             continue
         if not isinstance(entry, dict) or "connector" not in entry:
             raise ConfigError(f"MultiConnector: extra.connectors[{i}] must be a dict with a 'connector' name")
         if entry["connector"] == "MultiConnector":
             raise ConfigError("MultiConnector: a MultiConnector cannot contain another MultiConnector")
+        policy = entry.get("load_failure_policy", config.load_failure_policy)
+        if policy != config.load_failure_policy:
+            raise ConfigError(
+                f"MultiConnector: extra.connectors[{i}].load_failure_policy={policy!r} would not be applied: the "
+                f"engine applies the outer KVTransferConfig.load_failure_policy ({config.load_failure_policy!r}); "
+                "set it there and not in the entry"
+            )
         inherited = {k: getattr(config, k) for k in _INHERITED if k not in entry}
         try:
             children.append(KVTransferConfig(**(inherited | entry)))
         except TypeError as exc:
             raise ConfigError(f"MultiConnector: extra.connectors[{i}] is not a valid KVTransferConfig: {exc}") from exc
+        owns_port.append("side_channel_port" in entry)
+    if config.side_channel_port:
+        children = _give_port(config, children, owns_port)
+    for i, child in enumerate(children):
+        cls = resolve_connector_class(child.connector)
+        if child.side_channel_port and owns_port[i] and cls.binds_side_channel(child) is False:
+            raise ConfigError(
+                f"MultiConnector: extra.connectors[{i}].side_channel_port={child.side_channel_port}: {child.connector} "
+                f"in role {child.role} opens no side channel, so nothing would listen on that port; remove it"
+            )
+        try:
+            check_connector_config(child)
+        except ConfigError as exc:
+            raise type(exc)(f"MultiConnector: extra.connectors[{i}] ({child.connector}): {exc}") from exc
     return children
 
 
+def _give_port(config: KVTransferConfig, children: list[KVTransferConfig], owns_port: list[bool]) -> list[KVTransferConfig]:
+    """`children` with the outer side_channel_port given to the one that listens on a side channel."""
+    binds = [resolve_connector_class(c.connector).binds_side_channel(c) for c in children]
+    takers = [i for i, b in enumerate(binds) if b is True and not owns_port[i]]
+    if not takers:  # a plugin that does not say whether it listens: it may
+        takers = [i for i, b in enumerate(binds) if b is None and not owns_port[i]]
+    names = ", ".join(f"{c.connector} ({c.role})" for c in children)
+    if not takers and any(b is not False and owns_port[i] for i, b in enumerate(binds)):
+        raise ConfigError(
+            f"KVTransferConfig.side_channel_port={config.side_channel_port} would not be used: the MultiConnector "
+            "connector that listens sets its own side_channel_port in its entry; give the port in one place"
+        )
+    if not takers:
+        raise ConfigError(
+            f"KVTransferConfig.side_channel_port={config.side_channel_port}: none of MultiConnector's connectors "
+            f"({names}) opens a side channel, so nothing would listen on that port; leave it unset"
+        )
+    if len(takers) > 1:
+        raise ConfigError(
+            f"KVTransferConfig.side_channel_port={config.side_channel_port}: MultiConnector's connectors "
+            f"{', '.join(f'extra.connectors[{i}]' for i in takers)} each open a side channel and cannot share one "
+            "port; give each its own side_channel_port in its entry"
+        )
+    return [dataclasses.replace(c, side_channel_port=config.side_channel_port) if i == takers[0] else c
+            for i, c in enumerate(children)]  # fmt: skip
+
+
 class MultiConnector(KVConnectorBase):
+    @classmethod
+    def binds_side_channel(cls, config: KVTransferConfig) -> bool | None:
+        binds = [resolve_connector_class(c.connector).binds_side_channel(c) for c in child_configs(config)]
+        return True if True in binds else None if None in binds else False
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        child_configs(config)  # checks every child, and where the outer side_channel_port goes
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(config, role, context)
         self.children: list[KVConnectorBase] = [create_connector(c, role, context) for c in child_configs(config)]

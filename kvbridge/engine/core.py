@@ -198,6 +198,7 @@ class EngineCore:
             kv_transfer_params=update.kv_transfer_params,
             num_cached_tokens=request.num_cached_tokens,
             num_external_tokens=request.num_external_tokens,
+            num_failed_load_blocks=request.num_failed_load_blocks,
             error=request.error,
         )
 

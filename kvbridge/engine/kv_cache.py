@@ -79,10 +79,10 @@ def make_layout(args: ModelArgs, cache_config: CacheConfig, dtype: str, device: 
 def _sized_by(cache_config: CacheConfig) -> str:
     """How `num_kv_blocks` chose the size, for the start-up log line."""
     if cache_config.num_blocks is not None:
-        return "num_blocks as given"
+        return "CacheConfig.num_blocks as given"
     if cache_config.memory_fraction is not None:
-        return f"memory_fraction {cache_config.memory_fraction:g} of free memory"
-    return f"the default of {DEFAULT_KV_TOKENS} tokens (set num_blocks or memory_fraction to size it)"
+        return f"CacheConfig.memory_fraction={cache_config.memory_fraction:g} of free memory"
+    return f"the default of {DEFAULT_KV_TOKENS} tokens (set CacheConfig.num_blocks or CacheConfig.memory_fraction to size it)"
 
 
 def allocate_kv_cache(layout: KVCacheLayout, device: torch.device) -> torch.Tensor:

@@ -53,4 +53,5 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None  # set by the connector when the request finishes
     num_cached_tokens: int = 0  # prompt tokens served by the local prefix cache
     num_external_tokens: int = 0  # prompt tokens served by a connector
+    num_failed_load_blocks: int = 0  # blocks a connector failed to load (recomputed, or the request failed)
     error: str | None = None

@@ -171,6 +171,11 @@ def check_model_source(model: str) -> None:
             "kvbridge fetches nothing at run time: download the checkpoint first "
             "(e.g. `hf download <repo> --local-dir <dir>`) and pass the directory"
         )
+    if not is_preset(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise ModelNotFoundError(
+            f"model directory {model!r} has no config.json: pass a Hugging Face checkpoint directory "
+            "(config.json, *.safetensors and the tokenizer files)"
+        )
 
 
 def with_overrides(args: ModelArgs, **changes: Any) -> ModelArgs:

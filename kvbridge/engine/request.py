@@ -40,6 +40,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the local prefix cache
         self.num_external_tokens = 0  # prompt tokens served by a connector
+        self.num_failed_load_blocks = 0  # blocks a connector failed to load for it (recomputed or failed)
         self.num_preemptions = 0
         self.error: str | None = None
         self.block_hashes: list[BlockHash] = hash_full_blocks(

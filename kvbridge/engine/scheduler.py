@@ -325,6 +325,7 @@ class Scheduler:
             self.kv.pool.uncache_block(block_id)
         for request_id, first_bad in actions.first_bad_block.items():
             request = self.requests[request_id]
+            request.num_failed_load_blocks += max(1, len(self.kv.block_ids(request_id)) - first_bad)
             self.kv.uncache_from(request_id, first_bad)
             if request_id in actions.fail:
                 self.stats.num_load_failures += 1

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvbridge.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.errors import KVLoadError
+from kvbridge.repeated_log import RepeatedWarnings
 
 if TYPE_CHECKING:
     from collections.abc import Container, Mapping, Sequence
@@ -67,6 +68,7 @@ class TransferBookkeeping:
         self._send_hold: set[str] = set()  # finished; blocks wait for finished_sending
         self._recv_hold: set[str] = set()  # finished while loading; blocks wait for finished_recving
         self._early_sent: set[str] = set()  # finished_sending seen before the request finished
+        self._warnings = RepeatedWarnings(logger)  # a dead or misconfigured peer fails every request's load
 
     @property
     def num_parked(self) -> int:
@@ -133,7 +135,10 @@ class TransferBookkeeping:
                 actions.fail[request_id] = str(self._load_error(request_id, table, invalid, first_bad))
             else:
                 num_good_tokens = first_bad * self.block_size
-                logger.warning("request %s: KV load failed from token %d on; recomputing", request_id, num_good_tokens)
+                self._warnings.warning(
+                    "load_failed", "request %s: KV load failed from token %d on; recomputing (the connector's log "
+                    "says why)", request_id, num_good_tokens,
+                )  # fmt: skip
                 if request_id in self._parked:
                     self._failed_loads[request_id] = first_bad
                 actions.roll_back[request_id] = num_good_tokens

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from kvbridge.cli_errors import flag_names
 from kvbridge.engine.outputs import RequestOutput, TokenLogprobs
 from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.http_errors import error_response
@@ -178,7 +179,7 @@ class AnswerWriter:
             return error_response(503, str(exc), "service_unavailable")
         failure = next((f for f in [c.settle() for c in choices] if f is not None), None)
         if failure:
-            return error_response(500, failure, "engine_error")
+            return error_response(500, flag_names(failure), "engine_error")  # the server was configured by flags
         answers = [c.answer() for c in choices]
         kv_params, stats = choices[0].run.last.kv_transfer_params, self._kvbridge_stats(choices[0].run)
         body = wire.response(request_id, created, self.model_name, answers, _usage(choices), kv_params, stats)
@@ -205,7 +206,7 @@ class AnswerWriter:
                     if delta.is_last:
                         num_unfinished -= 1
                         if failure := choice.settle():
-                            chunk["error"] = protocol.error_body(failure, "engine_error", 500)["error"]
+                            chunk["error"] = protocol.error_body(flag_names(failure), "engine_error", 500)["error"]
                         if not num_unfinished and not include_usage:
                             chunk["usage"] = _usage(choices)
                             self._add_stats(chunk, choices)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -91,20 +92,37 @@ def _template_source(checkpoint_dir: str, config: dict[str, Any]) -> str | None:
     return source if isinstance(source, str) else None
 
 
+# The built-in presets' chat template. Their tokenizer is byte-level (ids 0-255 are UTF-8 bytes, then
+# BOS/EOS), so the turn markers are plain text: "<|user|>\nHello\n<|assistant|>\n". Their weights
+# are random: this lets chat be tried end to end (the route, streaming, the openai client, P/D),
+# it does not make the answers sensible.
+PRESET_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 class ChatTemplate:
-    """A compiled chat template, the special tokens it sees, and the tokenizer of its text."""
+    """A compiled chat template, the special tokens it sees, and the tokenizer of its text: the
+    checkpoint's `tokenizer.json` (`tokenizer_path`), or an `encode` function."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str], tokenizer_path: str) -> None:
-        from tokenizers import Tokenizer
-
+    def __init__(
+        self, source: str, special_tokens: dict[str, str], tokenizer_path: str | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:  # fmt: skip
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}", "messages") from None
-        try:
-            self._tokenizer = Tokenizer.from_file(tokenizer_path)
-        except Exception as exc:  # the library raises a bare Exception on malformed files
-            raise ChatTemplateError(f"cannot read {tokenizer_path}: {exc}", "messages") from None
+        if encode is None:
+            from tokenizers import Tokenizer
+
+            try:
+                tokenizer = Tokenizer.from_file(tokenizer_path)
+            except Exception as exc:  # the library raises a bare Exception on malformed files
+                raise ChatTemplateError(f"cannot read {tokenizer_path}: {exc}", "messages") from None
+            encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
+        self._encode = encode
         self.special_tokens = special_tokens
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -121,18 +139,22 @@ class ChatTemplate:
             raise ChatTemplateError(message, "messages") from None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text; special tokens are the template's to write, none is added."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        """Token ids of rendered text; special tokens are the template's to write (a preset's BOS id,
+        which no text can write, is added by its encoder)."""
+        return self._encode(text)
 
 
 def load_chat_template(checkpoint_dir: str) -> ChatTemplate:
-    """The chat template of a checkpoint directory. Raises ChatTemplateError saying why there is none."""
+    """The chat template of a checkpoint directory, or of a built-in preset (PRESET_CHAT_TEMPLATE).
+    Raises ChatTemplateError saying why there is none."""
+    from kvbridge.engine.presets import is_preset
+
+    if is_preset(checkpoint_dir):
+        from kvbridge.engine.tokenizer import ByteTokenizer
+
+        return ChatTemplate(PRESET_CHAT_TEMPLATE, {}, encode=ByteTokenizer().encode)
     if not os.path.isdir(checkpoint_dir):
-        raise ChatTemplateError(
-            f"model {checkpoint_dir!r} is a built-in preset with a byte-level tokenizer and no chat template; "
-            "use /v1/completions, or serve a checkpoint whose tokenizer_config.json has a chat_template",
-            "messages",
-        )
+        raise ChatTemplateError(f"model {checkpoint_dir!r} is neither a built-in preset nor a checkpoint directory", "messages")
     config = _read_json(os.path.join(checkpoint_dir, "tokenizer_config.json"))
     source = _template_source(checkpoint_dir, config)
     if source is None:

@@ -97,7 +97,7 @@ def _versions() -> dict[str, str | None]:
     from kvbridge import __version__
 
     versions: dict[str, str | None] = {"kvbridge": __version__, "python": platform.python_version()}
-    for name in ("torch", "nixl", "aiohttp"):
+    for name in ("torch", "nixl-cu12", "nixl-cu13", "nixl", "aiohttp"):
         try:
             versions[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -223,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-port", type=int, default=None, metavar="PORT",
         help="pin the ports: the proxy on PORT, prefill0 on PORT+1 (side channel PORT+2), decode0 on PORT+3 "
-        "(side channel PORT+4) (default: free ports)",
+        "(PORT+4 stays free: a decode node listens on no side channel) (default: free ports)",
     )  # fmt: skip
 
 

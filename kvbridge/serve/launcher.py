@@ -219,12 +219,17 @@ def start_node(
 ) -> ManagedProcess:
     """`kvbridge serve --role ROLE` on loopback `ports` (HTTP, side channel); default: free ones.
 
-    Passing the ports of a node that was killed restarts it at the same address.
+    Only a node that listens on a side channel (a prefill or both node with the default connector)
+    gets `--side-channel-port`: any other refuses the flag. Passing the ports of a node that was
+    killed restarts it at the same address.
     """
     port, side_channel_port = ports or free_ports(2)
+    args = list(extra_args)
+    connector = args[args.index("--kv-connector") + 1] if "--kv-connector" in args[:-1] else "NixlConnector"
+    listens = role != "decode" and "--no-connector" not in args and connector == "NixlConnector"
+    side_channel = ["--side-channel-port", str(side_channel_port)] if listens else []
     argv = cli_argv(
-        "serve", "--role", role, "--host", HOST, "--port", str(port),
-        "--side-channel-port", str(side_channel_port), "--model", model, *extra_args,
+        "serve", "--role", role, "--host", HOST, "--port", str(port), *side_channel, "--model", model, *extra_args,
     )  # fmt: skip
     return ManagedProcess(name, f"http://{HOST}:{port}", argv, log_dir, env)
 

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -40,6 +41,29 @@ CHECK_INTERVAL_S = 2.0  # between checks of a healthy node
 MIN_BACKOFF_S = 0.25  # first check of an ejected node; doubles while it stays down
 MAX_BACKOFF_S = 5.0
 CHECK_TIMEOUT_S = 5.0  # a node busy with a burst of requests still answers /health well within this
+
+
+def node_url(role: str, url: str) -> str:
+    """`url` (`--prefill`/`--decode` of `kvbridge proxy`) without a trailing slash, once it names a
+    node: http or https, a host, a port that is one, and nothing after it. Anything else is a
+    ConfigError naming the flag, at start-up: a URL the proxy cannot reach would eject the node on
+    every request."""
+    parts = urlsplit(url if isinstance(url, str) else "")
+    problem = None
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        problem = f"it needs a scheme, e.g. http://{url}" if "://" not in str(url) else "the scheme must be http or https"
+    elif not parts.hostname:
+        problem = "it names no host"
+    elif parts.path.rstrip("/") or parts.query or parts.fragment:
+        problem = "give the node's base URL, without a path (the proxy adds /v1/...)"
+    else:
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+        except ValueError as exc:
+            problem = str(exc)
+    if problem:
+        raise ConfigError(f"--{role} {url!r} is not a node URL: {problem}")
+    return url.rstrip("/")
 
 
 class NodeState(enum.Enum):
@@ -91,7 +115,8 @@ class NodePool:
             raise ConfigError(f"need check_interval_s > 0 and 0 < min_backoff_s <= max_backoff_s, got {check_interval_s}, "
                               f"{min_backoff_s}, {max_backoff_s}")
         self.role = role
-        self._nodes = {url.rstrip("/"): _Node(url.rstrip("/"), backoff_s=min_backoff_s) for url in urls}
+        urls = [node_url(role, url) for url in urls]
+        self._nodes = {url: _Node(url, backoff_s=min_backoff_s) for url in urls}
         if len(self._nodes) != len(urls):
             raise ConfigError(f"{role} node URLs must be distinct, got {list(urls)}")
         self._check_interval_s, self._min_backoff_s, self._max_backoff_s = check_interval_s, min_backoff_s, max_backoff_s

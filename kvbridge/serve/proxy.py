@@ -48,6 +48,7 @@ from kvbridge.serve.protocol import parse_completion_request
 from kvbridge.serve.proxy_legs import Deadline, Leg, LegFailed, Reply, Upstream, decode_body
 from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
+from kvbridge.serve.proxy_report import kv_source, recompute_reason
 from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
 
 MAX_RETRIES = 2
@@ -167,13 +168,19 @@ class PDProxy:
         t1, complete = time.monotonic(), False
 
         def annotate(kvbridge: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
+            # What the decode node did, from its own report: never inferred from what the proxy sent.
+            reason = recompute_reason(routed.disaggregated, prefill is not None, kv_params, kvbridge)
+            if reason is not None:
+                self.metrics.recomputes.labels(reason=reason).inc()
             kvbridge["proxy"] = {
                 "prefill_url": prefill.url if prefill else None,
                 "decode_url": decode_url,
                 "prefill_attempts": prefill.num_attempts if prefill else None,
                 "decode_attempts": decode_attempts,
-                "disaggregated": routed.disaggregated,
-                "recomputed": prefill is None,
+                "disaggregated": reason is None,
+                "recomputed": reason is not None,
+                "recompute_reason": reason,
+                "kv_source": kv_source(reason, kvbridge),
                 "prefill_s": round(t1 - t0, 6),
                 "decode_s": round(time.monotonic() - t1, 6),
                 "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,

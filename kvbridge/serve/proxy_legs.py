@@ -27,6 +27,7 @@ from aiohttp import web
 
 from kvbridge.serve.node_pool import NodePool
 from kvbridge.serve.proxy_metrics import ProxyMetrics
+from kvbridge.repeated_log import RepeatedWarnings
 from kvbridge.serve.routing import PromptKey, RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class Upstream:
         self.prefill_leg, self.decode_leg = prefill, decode
         self.timeout_s, self.max_retries, self.metrics = timeout_s, max_retries, metrics
         self.session: aiohttp.ClientSession | None = None
+        self._warnings = RepeatedWarnings(logger)  # one dead prefill node: one line, not one per request
 
     async def start(self) -> None:
         """Open the session and start checking the nodes (each is checked once before this returns)."""
@@ -199,7 +201,7 @@ class Upstream:
             return await self._on_some_node(self.prefill_leg, prompt, attempt)
         except LegFailed as exc:
             self.metrics.recompute_fallbacks.inc()
-            logger.warning("no prefill node answered (%s): the decode node computes the prompt", exc)
+            self._warnings.warning("no_prefill_node", "no prefill node answered (%s): the decode node computes the prompt", exc)
             return None
 
     async def decode(
@@ -272,9 +274,15 @@ class Upstream:
             try:
                 data = await upstream.content.readany()
             except UPSTREAM_ERRORS as exc:
-                failure = f"decode node {url} failed mid-stream: {exc}"
+                # aiohttp's own words (TransferEncodingError, "Not enough data to satisfy ...") go to the
+                # log; the client learns which node failed and that its answer is incomplete.
+                logger.warning("decode node %s failed mid-stream: %s: %s", url, type(exc).__name__, exc)
+                failure = (
+                    f"decode node {url} failed mid-stream: its connection broke before the answer ended (the node "
+                    "stopped or crashed); the text above is incomplete, retry the request"
+                )
                 self.decode_leg.pool.report_failure(url, failure)
-                await response.write(f"data: {json.dumps({'error': {'message': failure, 'code': 502}})}\n\ndata: [DONE]\n\n".encode())
+                await response.write(sse_error(failure, "upstream_error", 502) + b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response, False
         try:
@@ -315,6 +323,11 @@ class _AnnotatedEvents:
             return event
         self._annotate(chunk["kvbridge"])
         return b"data: " + json.dumps(chunk).encode()
+
+
+def sse_error(message: str, error_type: str, code: int) -> bytes:
+    """An OpenAI-shaped error event of a stream."""
+    return f"data: {json.dumps({'error': {'message': message, 'type': error_type, 'param': None, 'code': code}})}\n\n".encode()
 
 
 def _error_message(text: str) -> str:

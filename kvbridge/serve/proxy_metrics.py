@@ -70,6 +70,13 @@ class ProxyMetrics:
             "Requests sent to a decode node without KV params because no prefill node could answer",
             registry=r,
         )
+        self.recomputes = Counter(
+            "kvbridge_proxy_recomputes",
+            "Answers whose prompt the decode node computed itself instead of pulling its KV, by reason "
+            "(not_disaggregated, no_prefill_node, no_kv_params, kv_load_failed, kv_not_pulled)",
+            ["reason"],
+            registry=r,
+        )
         r.register(_NodeCollector(node_snapshot))
         r.register(_ReleaseCollector(kv_releases))
 

@@ -62,9 +62,12 @@ class LeaseReleaser:
             self.num_released += 1
             return
         self.num_failed += 1
-        logger.warning(
-            "the prefill node did not release the blocks of %s (unreachable, or the lease had ended); "
-            "they are freed when its lease expires", remote_request_id,
+        # Not a warning: the usual cause is a healthy prefill node whose lease already ended (the decode
+        # node read the blocks before its stream broke, and released them). An unreachable prefill
+        # node is warned about by release_remote_kv itself.
+        logger.info(
+            "the prefill node holds no lease of %s any more (already read and released, or expired), or could not "
+            "be reached", remote_request_id,
         )  # fmt: skip
 
     async def drain(self, timeout_s: float = RELEASE_TIMEOUT_S + 1.0) -> None:

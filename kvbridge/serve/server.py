@@ -39,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--role", choices=sorted(ROLE_TO_KV_ROLE), default="both", help="P/D role of this node")
     net.add_argument("--host", default="127.0.0.1", help="HTTP bind address (loopback: the API has no authentication)")
     net.add_argument("--port", type=int, default=8000, help="HTTP port")
-    net.add_argument("--side-channel-port", type=int, default=0, help="connector side-channel port (0: pick one)")
+    net.add_argument(
+        "--side-channel-port", type=int, default=0,
+        help="port of the connector's side channel, where decode nodes reach a prefill node (0: pick one). Only a "
+        "node that serves KV (--role prefill or both) listens: giving it to any other node is an error",
+    )  # fmt: skip
     net.add_argument(
         "--side-channel-host", default=None,
         help="address peers reach this node's side channel and KV at (default: --host; for a wildcard --host, "
@@ -82,15 +86,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--no-connector", action="store_true", help="run a plain engine without a connector")
     kv.add_argument("--engine-id", default=None, help="this engine's id in transfers (default: random)")
     kv.add_argument(
-        "--load-failure-policy", choices=("recompute", "fail"), default="recompute",
-        help="when KV cannot be pulled: compute the prompt here, or fail the request",
+        "--load-failure-policy", choices=("recompute", "fail"), default=None,
+        help="when KV cannot be pulled: compute the prompt here, or fail the request (default: recompute)",
     )  # fmt: skip
-    kv.add_argument("--kv-connector-extra", default="{}", help="JSON object of connector-specific options")
+    kv.add_argument(
+        "--flush-timeout", type=float, default=None, metavar="SECONDS",
+        help="how long shutdown and reset_prefix_cache wait for in-flight transfers (default: "
+        "$KVBRIDGE_FLUSH_TIMEOUT_S, else 30)",
+    )  # fmt: skip
+    kv.add_argument(
+        "--kv-connector-extra", default=None, metavar="JSON",
+        help="JSON object of connector-specific options; an unknown key is refused (default: {})",
+    )  # fmt: skip
     kv.add_argument(
         "--insecure-side-channel", action="store_true",
         help="serve the side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise): "
         "anyone who reaches it can then write into this node's KV cache",
     )  # fmt: skip
+
+
+# Flags that configure the connector: with --no-connector nothing would honour them.
+CONNECTOR_FLAGS = {
+    "--kv-connector": lambda a: a.kv_connector != DEFAULT_CONNECTOR,
+    "--side-channel-port": lambda a: a.side_channel_port != 0,
+    "--side-channel-host": lambda a: a.side_channel_host is not None,
+    "--engine-id": lambda a: a.engine_id is not None,
+    "--load-failure-policy": lambda a: a.load_failure_policy is not None,
+    "--flush-timeout": lambda a: a.flush_timeout is not None,
+    "--kv-connector-extra": lambda a: a.kv_connector_extra is not None,
+    "--insecure-side-channel": lambda a: a.insecure_side_channel,
+}
 
 
 def cache_sizing(args: argparse.Namespace) -> tuple[int | None, float | None]:
@@ -106,9 +131,13 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     `--side-channel-host`, which looks up the default route's address). Raises ConfigError naming
     the bad flag."""
     kv_transfer = None
-    if not args.no_connector:
+    if args.no_connector:
+        given = [flag for flag, is_given in CONNECTOR_FLAGS.items() if is_given(args)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} configure(s) the connector, but --no-connector runs none; drop one or the other")
+    else:
         try:
-            extra = json.loads(args.kv_connector_extra)
+            extra = json.loads(args.kv_connector_extra or "{}")
         except json.JSONDecodeError as exc:
             raise ConfigError(f"--kv-connector-extra is not valid JSON: {exc}") from exc
         if not isinstance(extra, dict):
@@ -121,7 +150,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
             role=ROLE_TO_KV_ROLE[args.role],
             side_channel_host=advertised_host(args.host, args.side_channel_host),
             side_channel_port=args.side_channel_port,
-            load_failure_policy=args.load_failure_policy,
+            load_failure_policy=args.load_failure_policy or "recompute",
+            flush_timeout_s=args.flush_timeout if args.flush_timeout is not None else env.flush_timeout_s(),
             extra=extra,
             **optional,
         )
@@ -187,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_model_source(args.model)  # before anything starts: a bad --model is a bad flag
         config = build_engine_config(args)
+        if config.kv_transfer is not None:  # every option honoured, or refused now: before any port is bound
+            from kvbridge.connectors.factory import check_connector_config
+
+            check_connector_config(config.kv_transfer)
         admin_token = read_admin_token(args.admin_token_file, env.admin_token())
         sock = bind(args.host, args.port)  # before the engine: a busy port fails at once
     except ConfigError as exc:

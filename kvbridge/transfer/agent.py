@@ -33,6 +33,7 @@ import numpy as np
 
 from kvbridge import env
 from kvbridge.errors import NixlNotAvailableError, TransferError
+from kvbridge.transfer.nixl_build import nixl_api
 from kvbridge.transfer.options import TransferOp
 
 if TYPE_CHECKING:
@@ -59,14 +60,12 @@ class Registration(NamedTuple):
 
 
 def import_nixl() -> tuple[Any, Any]:
-    """(nixl_agent, nixl_agent_config) from the `nixl` package, or NixlNotAvailableError."""
+    """(nixl_agent, nixl_agent_config) from the installed NIXL build (nixl_build.py), or NixlNotAvailableError."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        api = nixl_api()
     except ImportError as e:
-        raise NixlNotAvailableError(
-            f"NIXL is not importable ({e}); `pip install nixl` (it selects the cu12 / cu13 / ROCm build)"
-        ) from None
-    return nixl_agent, nixl_agent_config
+        raise NixlNotAvailableError(f"NIXL is not importable: {e}") from None
+    return api.nixl_agent, api.nixl_agent_config
 
 
 _CONFIG_LOCK = threading.Lock()
@@ -81,8 +80,7 @@ def progress_delay(delay_us: int):
     field of the C++ agent config that the wrapper builds; this swaps in a config type that keeps
     our value, for the duration of one construction.
     """
-    import nixl._api as api
-
+    api = nixl_api()
     base = api.nixlBind.nixlAgentConfig
 
     class _DelayedConfig(base):
@@ -136,7 +134,7 @@ class NixlAgent:
         thread_safe: bool = False,
     ) -> None:
         nixl_agent, nixl_agent_config = import_nixl()
-        from nixl._api import nixl_thread_sync_t
+        nixl_thread_sync_t = nixl_api().nixl_thread_sync_t
 
         self.name = name
         self.backend = backend or env.nixl_backend()

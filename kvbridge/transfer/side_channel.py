@@ -35,6 +35,7 @@ from kvbridge.errors import (
     KVBridgeError,
     MalformedMessageError,
     PeerUnreachableError,
+    PortInUseError,
     TransferError,
 )
 from kvbridge.transfer import messages as m
@@ -123,8 +124,9 @@ class SideChannelServer:
             self._socket.bind(address or f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
             self._socket.close(0)
-            raise PeerUnreachableError(
-                f"side channel cannot bind {address or f'tcp://{host}:{port}'}: {e}; pick a free port or port 0"
+            where = f"the address {address}" if address else f"KVTransferConfig.side_channel_port={port} on {host}"
+            raise PortInUseError(
+                f"side channel cannot bind {where}: {e}; pick a free port, or 0 to let the system pick one"
             ) from None
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.num_requests = 0

@@ -19,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from serve_fakes import FakeEngineCore
 
+from kvbridge.transfer import nixl_build
 from kvbridge import env
 from kvbridge.cli import main as cli_main
 from kvbridge.errors import ConfigError
@@ -187,7 +188,7 @@ LEASE_S = 15.0  # long next to a few tiny-model completions; the test waits for 
 
 
 @pytest.mark.nixl
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="needs NIXL")
+@pytest.mark.skipif(not nixl_build.is_available(), reason="needs NIXL")
 def test_reset_with_an_unread_lease_keeps_the_node_serving_and_returns_when_the_lease_expires(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

@@ -194,10 +194,11 @@ def test_chat_accepts_text_parts_and_the_defaults_clients_send(checkpoint):
     assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == 5, raw
 
 
-def test_a_model_without_a_chat_template_is_a_400():
-    status, raw, _ = _post(CHAT)
+def test_a_model_without_a_chat_template_is_a_400(tmp_path):
+    status, raw, _ = _post(CHAT, model=write_chat_checkpoint(tmp_path / "plain", chat_template=None))
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "messages" and "chat template" in error["message"]
+
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import os
 import pytest
 from chat_checkpoint import BOS_ID, write_chat_checkpoint
 
+from kvbridge.engine.presets import BYTE_VOCAB_BOS
 from kvbridge.serve.chat import ChatTemplateError, load_chat_template
 
 MESSAGES = [
@@ -90,8 +91,16 @@ def test_the_sandbox_refuses_python_internals(tmp_path):
 def test_a_checkpoint_without_a_template_or_a_preset_is_a_clear_error(tmp_path):
     with pytest.raises(ChatTemplateError, match="no chat template"):
         load_chat_template(_tokenizer_only(tmp_path / "plain", chat_template=None))
-    with pytest.raises(ChatTemplateError, match="built-in preset"):
-        load_chat_template("tiny")
+    with pytest.raises(ChatTemplateError, match="neither a built-in preset nor a checkpoint directory"):
+        load_chat_template(str(tmp_path / "nowhere"))
     with pytest.raises(ChatTemplateError, match="does not compile"):
         load_chat_template(_tokenizer_only(tmp_path / "broken", chat_template="{% for %}"))
 
+
+
+def test_the_presets_have_a_chat_template_over_their_byte_tokenizer():
+    template = load_chat_template("tiny")
+    text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    ids = template.encode(text)
+    assert ids[0] == BYTE_VOCAB_BOS and bytes(ids[1:]).decode() == text

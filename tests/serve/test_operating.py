@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvbridge.transfer import nixl_build
 from kvbridge.cli import build_parser
 from kvbridge.serve import server
 from kvbridge.serve.launcher import (
@@ -39,7 +40,7 @@ LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")  # a log
 DEMO_PROGRESS = re.compile(r"^kvbridge demo: \[ *[\d.]+ s\] ")
 SECRET_PROMPT = "the prompt text must stay out of the logs"
 needs_nixl = pytest.mark.skipif(
-    importlib.util.find_spec("kvbridge.connectors.nixl.connector") is None or importlib.util.find_spec("nixl") is None,
+    importlib.util.find_spec("kvbridge.connectors.nixl.connector") is None or not nixl_build.is_available(),
     reason="needs the NixlConnector",
 )
 

@@ -25,9 +25,10 @@ from test_proxy import _cluster, _run
 
 import kvbridge.serve.proxy as proxy_mod
 import kvbridge.serve.proxy_release as release_mod
+from kvbridge.transfer import nixl_build
 from kvbridge.serve.launcher import http_json, start_node, start_proxy, wait_healthy, wait_proxy_routes_to_all
 
-needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="needs NIXL")
+needs_nixl = pytest.mark.skipif(not nixl_build.is_available(), reason="needs NIXL")
 
 LEASE_S = 60.0
 COMMON = ["--num-threads", "1", "--num-blocks", "64", "--kv-connector-extra", json.dumps({"lease_s": LEASE_S})]

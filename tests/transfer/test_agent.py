@@ -9,15 +9,25 @@ import pytest
 
 from kvbridge.errors import NixlNotAvailableError, TransferError
 from kvbridge.transfer import agent as agent_mod
+from kvbridge.transfer import nixl_build
 from kvbridge.transfer.agent import NixlAgent, XferState, tensor_registration
 
 torch = pytest.importorskip("torch")
 
 
 def test_missing_nixl_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "nixl._api", None)  # makes `from nixl._api import ...` fail
-    with pytest.raises(NixlNotAvailableError, match="pip install nixl"):
+    for name in ("nixl", *nixl_build.BUILDS):  # no build importable: `import_module(...)` fails for each
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(nixl_build.importlib.util, "find_spec", lambda name: None)
+    assert not nixl_build.is_available()
+    with pytest.raises(NixlNotAvailableError, match="pip install nixl-cu12"):
         agent_mod.import_nixl()
+
+
+@pytest.mark.nixl
+def test_one_nixl_build_serves_the_api():
+    api = nixl_build.nixl_api()
+    assert nixl_build.find_build() is not None and hasattr(api, "nixl_agent") and hasattr(api, "nixlBind")
 
 
 def test_tensor_registration_of_cpu_tensor():
@@ -87,3 +97,18 @@ def test_loopback_read_write_and_release_everything():
         b.close()
         a.close()  # idempotent
     assert not a._dlists and not a._xfers and not a._registrations and not a._peers
+
+
+def test_a_cuda_torch_without_its_nixl_build_is_refused_naming_it(monkeypatch):
+    fake_torch = type(sys)("torch")
+    fake_torch.version = type(sys)("torch.version")
+    fake_torch.version.cuda = "13.0"
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    installed = {"nixl_cu12"}  # what a plain `pip install kvbridge` brings
+    monkeypatch.setattr(nixl_build.importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    with pytest.raises(ImportError, match=r"CUDA 13 build .*kvbridge\[cu13\]"):
+        nixl_build.find_build()
+    installed.add("nixl_cu13")
+    assert nixl_build.find_build() == "nixl_cu13"
+    fake_torch.version.cuda = None  # a CPU torch: the first build installed
+    assert nixl_build.find_build() == "nixl_cu12"

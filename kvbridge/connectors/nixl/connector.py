@@ -29,6 +29,15 @@ class NixlConnector(SplitConnector):
         self.options = NixlOptions.from_extra(config.extra)
         super().__init__(config, role, context)
 
+    @classmethod
+    def binds_side_channel(cls, config: KVTransferConfig) -> bool:
+        return config.is_producer  # a decode node (kv_consumer) connects to its peers' side channels
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        NixlOptions.from_extra(config.extra)
+        super().check_config(config)
+
     def make_scheduler_half(self) -> NixlScheduler:
         opts = self.options
         return NixlScheduler(self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy)

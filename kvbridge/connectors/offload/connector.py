@@ -32,6 +32,15 @@ class OffloadingConnector(SplitConnector):
         self.offload_config = OffloadConfig.from_extra(config.extra)
         super().__init__(config, role, context)
 
+    @classmethod
+    def binds_side_channel(cls, config: KVTransferConfig) -> bool:
+        return False  # host and disk tiers are local
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        OffloadConfig.from_extra(config.extra)
+        super().check_config(config)
+
     def make_scheduler_half(self) -> OffloadScheduler:
         layout = getattr(self.context, "layout", None)
         return OffloadScheduler(self.offload_config, self.context.block_size, block_nbytes_of(layout))

@@ -9,7 +9,9 @@
 `module:Class` path); `side_channel_host`, `side_channel_port` and `flush_timeout_s` there are
 `KVTransferConfig` fields; every other key is that connector's own option (its `extra`). The role
 and the engine id are vLLM's, and so is the load failure policy (`kv_load_failure_policy`): vLLM
-applies it, kvbridge's own would never be consulted.
+applies it, kvbridge's own would never be consulted. The connector checks the whole config when
+vLLM builds the adapter (`check_connector_config`): an option it cannot honour (an unknown key, a
+`side_channel_port` for a role that opens no side channel) is a ConfigError naming the key.
 
 Pure Python; vLLM's config objects are read by attribute only.
 """
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.config import KVTransferConfig
+from kvbridge.connectors.factory import check_connector_config
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.interfaces import advertised_host
 
@@ -51,7 +55,7 @@ class AdapterConfig:
         if not connector or not isinstance(connector, str):
             raise ConfigError(
                 "KVBridgeConnector needs kv_connector_extra_config.connector: the kvbridge connector to run, "
-                'e.g. {"connector": "NixlConnector"} or {"connector": "OffloadingConnector", "host_capacity_gb": 4}'
+                'e.g. {"connector": "NixlConnector"} or {"connector": "OffloadingConnector", "host_capacity_bytes": 4294967296}'
             )
         for ours, theirs in _VLLM_OWNED.items():
             if ours in extra:
@@ -78,7 +82,24 @@ class AdapterConfig:
             )
         except TypeError as exc:
             raise ConfigError(f"KVBridgeConnector: invalid kv_connector_extra_config: {exc}") from exc
+        try:
+            check_connector_config(transfer)
+        except ConfigError as exc:
+            raise type(exc)(f"KVBridgeConnector: kv_connector_extra_config: {extra_config_names(str(exc))}") from exc
         return cls(transfer, model_identity(vllm_config.model_config), vllm_config.cache_config.block_size)
+
+
+def extra_config_names(message: str) -> str:
+    """`message` with the KVTransferConfig fields named as kv_connector_extra_config keys, the way a
+    vLLM user sets them (`KVTransferConfig.side_channel_port=1` -> `"side_channel_port": 1`)."""
+    return re.sub(r"KVTransferConfig\.(side_channel_host|side_channel_port|flush_timeout_s|extra)=?", _key, message)
+
+
+def _key(match: re.Match) -> str:
+    name = match.group(1)
+    if name == "extra":
+        return "kv_connector_extra_config"
+    return f'"{name}": ' if match.group(0).endswith("=") else f'"{name}"'
 
 
 def model_identity(model_config: Any) -> str:

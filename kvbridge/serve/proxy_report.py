@@ -1,0 +1,52 @@
+"""What the proxy says about an answer: where the decode node's KV for the prompt came from, and why
+it computed the prompt itself when it did. Read from the decode node's own figures in its answer's
+`kvbridge` object (`num_external_tokens`, `num_failed_load_blocks`, `num_cached_tokens`), never
+inferred from what the proxy asked of it. Pure functions; the proxy adds them to `kvbridge.proxy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+# Why a decode node computed the prompt itself instead of pulling it from a prefill node.
+RECOMPUTE_REASONS = {
+    "not_disaggregated": "the request has several prompts or choices (n > 1): the proxy sent it to the decode node only",
+    "no_prefill_node": "no prefill node answered (none healthy, or every one tried failed)",
+    "no_kv_params": "the prefill node answered without kv_transfer_params (it runs no P/D connector)",
+    "kv_load_failed": "the decode node tried to pull the KV and failed (its log says why: authentication, timeout, "
+    "proof, unreachable peer), then recomputed",
+    "kv_not_pulled": "the decode node pulled nothing (it refused the params, e.g. the prefill host is not in its "
+    "allowed_peers, or runs no P/D connector); its log says why",
+}
+
+
+def recompute_reason(
+    disaggregated: bool, prefill_answered: bool, kv_params: dict[str, Any] | None, decode_kvbridge: dict[str, Any]
+) -> str | None:
+    """None when the decode node's answer says it pulled the prompt's KV from the prefill node (its
+    `num_external_tokens`), else the key of RECOMPUTE_REASONS that says why it did not.
+    `disaggregated`: the proxy routed the request through a prefill node (one prompt, n = 1)."""
+    if not disaggregated:
+        return "not_disaggregated"
+    if not prefill_answered:
+        return "no_prefill_node"
+    if not kv_params:
+        return "no_kv_params"
+    if _count(decode_kvbridge, "num_external_tokens") > 0:
+        return None
+    return "kv_load_failed" if _count(decode_kvbridge, "num_failed_load_blocks") > 0 else "kv_not_pulled"
+
+
+def kv_source(reason: str | None, decode_kvbridge: dict[str, Any]) -> str:
+    """Where the decode node's KV for the prompt came from: "prefill_node" (pulled), else
+    "decode_prefix_cache" when its own prefix cache served part or all of the prompt (it computed
+    the rest), else "computed"."""
+    if reason is None:
+        return "prefill_node"
+    return "decode_prefix_cache" if _count(decode_kvbridge, "num_cached_tokens") > 0 else "computed"
+
+
+def _count(kvbridge: dict[str, Any], key: str) -> int:
+    value = kvbridge.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,25 @@
+"""proxy_report: the proxy's report of an answer follows the decode node's own figures, case by case."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.serve.proxy_report import RECOMPUTE_REASONS, kv_source, recompute_reason
+
+
+@pytest.mark.parametrize(
+    ("disaggregated", "prefill_answered", "kv_params", "decode", "reason", "source"),
+    [
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 32}, None, "prefill_node"),
+        (False, False, None, {"num_external_tokens": 0}, "not_disaggregated", "computed"),
+        (True, False, None, {"num_external_tokens": 0, "num_cached_tokens": 16}, "no_prefill_node", "decode_prefix_cache"),
+        (True, True, None, {"num_external_tokens": 0}, "no_kv_params", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2}, "kv_load_failed", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0}, "kv_not_pulled", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": True}, "kv_not_pulled", "computed"),  # not a count
+    ],
+)  # fmt: skip
+def test_the_report_follows_the_decode_nodes_figures(disaggregated, prefill_answered, kv_params, decode, reason, source):
+    got = recompute_reason(disaggregated, prefill_answered, kv_params, decode)
+    assert got == reason and (got is None or got in RECOMPUTE_REASONS)
+    assert kv_source(got, decode) == source
