@@ -69,6 +69,7 @@ class NixlWorker:
         )  # fmt: skip
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
+        self._load_errors: dict[str, str] = {}  # request id -> why its load failed, until reported
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -160,6 +161,10 @@ class NixlWorker:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
         return invalid
 
+    def get_load_errors(self) -> dict[str, str]:
+        errors, self._load_errors = self._load_errors, {}
+        return errors
+
     def _progress(self) -> None:
         if self._endpoint is None:
             return
@@ -210,6 +215,7 @@ class NixlWorker:
         self.stats.record_failure(error)
         self.stats.num_load_errors += len(job.local_block_ids)
         self._invalid_block_ids.update(job.local_block_ids)
+        self._load_errors[job.request_id] = error
 
     def _finish_recv(self, req_id: str) -> None:
         job = self._recvs.pop(req_id)
