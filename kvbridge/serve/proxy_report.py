@@ -48,7 +48,7 @@ def recompute_reason(
 _CAUSES = (
     ("authentication_failed", ("AuthenticationError", "wrong signature")),
     ("peer_not_allowed", ("allowed_peers",)),
-    ("peer_unreachable", ("PeerUnreachableError", "unreachable", "did not answer")),
+    ("peer_unreachable", ("PeerUnreachableError", "unreachable", "did not answer", "REMOTE_DISCONNECT")),
     ("timeout", ("TransferTimeoutError", "within its deadline", "timed out")),
     ("proof_failed", ("did not confirm the read",)),
 )
