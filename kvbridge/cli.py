@@ -27,12 +27,12 @@ over NIXL, KV offload, and a reference engine served over an OpenAI-compatible H
 
 EPILOG = """\
 examples:
-  kvbridge generate --prompt "Hello"                             # one engine, in this process
-  kvbridge serve --no-connector --port 8000                      # a plain OpenAI-compatible node
-  kvbridge serve --role prefill --port 8100 --side-channel-port 5600  # decode nodes pull KV from 5600
-  kvbridge serve --role decode  --port 8200                      # a decode node listens on no side channel
+  kvbridge generate --prompt "Hello"                                  # one engine, in this process
+  kvbridge serve --no-connector --port 8000                           # a plain OpenAI-compatible node
+  kvbridge serve --role prefill --port 8100 --side-channel-port 5600   # decode nodes pull from 5600
+  kvbridge serve --role decode  --port 8200                           # no side channel of its own
   kvbridge proxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
-  kvbridge demo                                                  # all of the above on loopback, checked
+  kvbridge demo                                                       # all of the above on loopback, checked
 
 `kvbridge COMMAND --help` lists a command's options and their defaults."""
 

@@ -163,6 +163,7 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)  # delay-freed blocks may now be freed
     finished_recving: set[str] = field(default_factory=set)  # async loads done: the request may run
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
+    load_errors: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed (one line)
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -362,6 +363,12 @@ class KVConnectorBase(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; the scheduler recomputes or fails their requests."""
         return set()
+
+    def get_load_errors(self) -> dict[str, str]:
+        """Request id -> why its load failed (one line, e.g. "... AuthenticationError: ..."), for the
+        loads that failed since the last call. Called right after `get_block_ids_with_load_errors`;
+        the engine reports the reason in the request's output. Optional: the default reports none."""
+        return {}
 
     def flush(self, timeout_s: float) -> FlushReport:
         """Drive every in-flight transfer to completion or failure, waiting at most `timeout_s`.

@@ -265,6 +265,12 @@ class MultiConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set().union(*(child.get_block_ids_with_load_errors() for child in self.children))
 
+    def get_load_errors(self) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        for child in reversed(self.children):  # the first child's word wins: it served the load
+            errors.update(child.get_load_errors())
+        return errors
+
     def flush(self, timeout_s: float) -> FlushReport:
         deadline = time.monotonic() + timeout_s
         results = [child.flush(max(1e-3, deadline - time.monotonic())) for child in self.children]

@@ -123,6 +123,10 @@ class SplitConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_load_errors(self) -> dict[str, str]:
+        get = getattr(self.worker, "get_load_errors", None)  # optional for a worker half
+        return get() if get is not None else {}
+
     def get_step_stats(self) -> dict[str, Any]:
         step_stats = getattr(self.worker, "get_step_stats", None)  # optional for worker halves
         return step_stats() if step_stats is not None else {}

@@ -199,6 +199,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             num_external_tokens=request.num_external_tokens,
             num_failed_load_blocks=request.num_failed_load_blocks,
+            kv_load_error=request.kv_load_error,
             error=request.error,
         )
 

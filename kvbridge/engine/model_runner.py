@@ -159,6 +159,7 @@ class ModelRunner:
                     finished_sending=set(sending),
                     finished_recving=set(recving),
                     invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
+                    load_errors=dict(connector.get_load_errors()),
                     stats=dict(connector.get_step_stats()),
                 )
         finally:

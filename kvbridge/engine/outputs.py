@@ -54,4 +54,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the local prefix cache
     num_external_tokens: int = 0  # prompt tokens served by a connector
     num_failed_load_blocks: int = 0  # blocks a connector failed to load (recomputed, or the request failed)
+    kv_load_error: str | None = None  # why the last failed load failed, as the connector said
     error: str | None = None

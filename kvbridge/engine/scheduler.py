@@ -326,6 +326,7 @@ class Scheduler:
         for request_id, first_bad in actions.first_bad_block.items():
             request = self.requests[request_id]
             request.num_failed_load_blocks += max(1, len(self.kv.block_ids(request_id)) - first_bad)
+            request.kv_load_error = actions.load_errors.get(request_id)
             self.kv.uncache_from(request_id, first_bad)
             if request_id in actions.fail:
                 self.stats.num_load_failures += 1

@@ -44,6 +44,7 @@ class TransferActions:
     first_bad_block: dict[str, int] = field(default_factory=dict)
     fail: dict[str, str] = field(default_factory=dict)  # request id -> error (load_failure_policy "fail")
     roll_back: dict[str, int] = field(default_factory=dict)  # request id -> tokens still good ("recompute")
+    load_errors: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed, as the connector said
     free: list[str] = field(default_factory=list)  # finished requests no transfer holds any more
     resume: list[tuple[Request, int]] = field(default_factory=list)  # async load done: (request, tokens loaded)
 
@@ -131,6 +132,7 @@ class TransferBookkeeping:
             if first_bad is None:
                 continue
             actions.first_bad_block[request_id] = first_bad
+            actions.load_errors[request_id] = kv_output.load_errors.get(request_id) or "the connector gave no reason"
             if self.load_failure_policy == "fail":
                 actions.fail[request_id] = str(self._load_error(request_id, table, invalid, first_bad))
             else:

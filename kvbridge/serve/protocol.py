@@ -300,7 +300,8 @@ def kvbridge_stats(
     stats: dict[str, Any] = {
         "num_cached_tokens": output.num_cached_tokens,
         "num_external_tokens": output.num_external_tokens,
-        "num_failed_load_blocks": getattr(output, "num_failed_load_blocks", 0),  # a connector's load failed
+        "num_failed_load_blocks": getattr(output, "num_failed_load_blocks", 0),  # a connector's load failed ...
+        "kv_load_error": getattr(output, "kv_load_error", None),  # ... and why, as the connector said
         "kv_transfer_bytes": (
             external_kv_bytes(output.num_external_tokens, block_size, block_nbytes) if block_size else 0
         ),

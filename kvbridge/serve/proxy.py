@@ -181,6 +181,7 @@ class PDProxy:
                 "recomputed": reason is not None,
                 "recompute_reason": reason,
                 "kv_source": kv_source(reason, kvbridge),
+                "kv_load_error": kvbridge.get("kv_load_error"),  # the decode node's own words, when a load failed
                 "prefill_s": round(t1 - t0, 6),
                 "decode_s": round(time.monotonic() - t1, 6),
                 "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,

@@ -73,7 +73,7 @@ class ProxyMetrics:
         self.recomputes = Counter(
             "kvbridge_proxy_recomputes",
             "Answers whose prompt the decode node computed itself instead of pulling its KV, by reason "
-            "(not_disaggregated, no_prefill_node, no_kv_params, kv_load_failed, kv_not_pulled)",
+            "(serve/proxy_report.py: RECOMPUTE_REASONS)",
             ["reason"],
             registry=r,
         )

@@ -14,8 +14,13 @@ RECOMPUTE_REASONS = {
     "not_disaggregated": "the request has several prompts or choices (n > 1): the proxy sent it to the decode node only",
     "no_prefill_node": "no prefill node answered (none healthy, or every one tried failed)",
     "no_kv_params": "the prefill node answered without kv_transfer_params (it runs no P/D connector)",
-    "kv_load_failed": "the decode node tried to pull the KV and failed (its log says why: authentication, timeout, "
-    "proof, unreachable peer), then recomputed",
+    "authentication_failed": "the decode node's pull was refused: the two nodes' KVBRIDGE_SIDE_CHANNEL_SECRET differ",
+    "peer_not_allowed": "the decode node's allowed_peers does not allow the prefill node's host",
+    "peer_unreachable": "the decode node could not reach the prefill node's side channel",
+    "timeout": "the decode node's pull made no progress within its deadline (transfer_timeout_s)",
+    "proof_failed": "the prefill node did not vouch for the read (no lease matched: expired, released, restarted)",
+    "digest_mismatch": "the bytes the decode node read are not the ones the prefill node leased (or it sent no digest)",
+    "kv_load_failed": "the decode node tried to pull the KV and failed for another reason (kv_load_error says which)",
     "kv_not_pulled": "the decode node pulled nothing (it refused the params, e.g. the prefill host is not in its "
     "allowed_peers, or runs no P/D connector); its log says why",
 }
@@ -35,7 +40,29 @@ def recompute_reason(
         return "no_kv_params"
     if _count(decode_kvbridge, "num_external_tokens") > 0:
         return None
-    return "kv_load_failed" if _count(decode_kvbridge, "num_failed_load_blocks") > 0 else "kv_not_pulled"
+    if _count(decode_kvbridge, "num_failed_load_blocks") == 0:
+        return "kv_not_pulled"
+    return load_failure_cause(decode_kvbridge.get("kv_load_error"))
+
+
+# What a failed load's message (the decode node's `kv_load_error`) names, checked in this order.
+_CAUSES = (
+    ("authentication_failed", ("AuthenticationError", "wrong signature")),
+    ("peer_not_allowed", ("allowed_peers",)),
+    ("peer_unreachable", ("PeerUnreachableError", "unreachable", "did not answer", "REMOTE_DISCONNECT")),
+    ("timeout", ("TransferTimeoutError", "within its deadline", "timed out")),
+    ("proof_failed", ("did not confirm the read",)),
+    ("digest_mismatch", ("KV DIGEST MISMATCH", "sent no digest")),
+)
+
+
+def load_failure_cause(kv_load_error: Any) -> str:
+    """The RECOMPUTE_REASONS key of a failed load, from the decode node's own message about it."""
+    if isinstance(kv_load_error, str):
+        for cause, words in _CAUSES:
+            if any(word in kv_load_error for word in words):
+                return cause
+    return "kv_load_failed"
 
 
 def kv_source(reason: str | None, decode_kvbridge: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import pytest
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.serve.launcher import http_json, start_node, wait_healthy
+from kvbridge.serve.proxy_report import load_failure_cause
 
 pytestmark = [
     pytest.mark.nixl,
@@ -45,6 +46,13 @@ def test_prefill_killed_between_legs_recompute_succeeds_and_fail_policy_errors()
             body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
             status, first = http_json(f"{prefill.url}/v1/completions", body)
             assert status == 200 and first["kv_transfer_params"]["remote_block_ids"], first
+            # A lease token the prefill node never handed out: it reads, but the prefill does not vouch for it.
+            forged = {**first["kv_transfer_params"], "remote_lease_token": "f" * 64, "do_remote_prefill": True}
+            forged_status, forged_answer = http_json(
+                f"{recompute.url}/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                    "kv_transfer_params": forged}, timeout_s=60,
+            )  # fmt: skip
+            assert http_json(f"{recompute.url}/v1/kvbridge/reset_prefix_cache", {})[0] == 200  # it computed the prompt
             prefill.popen.kill()  # dies holding the blocks the decode nodes were told to read
             prefill.popen.wait(10)
 
@@ -65,6 +73,12 @@ def test_prefill_killed_between_legs_recompute_succeeds_and_fail_policy_errors()
     assert ok_status == 200, ok
     assert ok["choices"][0]["token_ids"] == expected  # recomputed locally, same tokens
     assert ok["kvbridge"]["num_external_tokens"] == 0
+    # Each answer says why it was recomputed, in the decode node's words, which the proxy classifies.
+    print(ok["kvbridge"]["kv_load_error"], "|", forged_answer["kvbridge"]["kv_load_error"])
+    assert ok["kvbridge"]["num_failed_load_blocks"] > 0, ok["kvbridge"]
+    assert load_failure_cause(ok["kvbridge"]["kv_load_error"]) in ("peer_unreachable", "timeout"), ok["kvbridge"]
+    assert forged_status == 200 and forged_answer["choices"][0]["token_ids"] == expected, forged_answer
+    assert load_failure_cause(forged_answer["kvbridge"]["kv_load_error"]) == "proof_failed", forged_answer["kvbridge"]
     assert err_status == 500 and err["error"]["type"] == "engine_error", err
     assert "--load-failure-policy recompute" in err["error"]["message"], err  # the flag the operator types
     assert "KVTransferConfig" not in err["error"]["message"], err

@@ -15,6 +15,18 @@ from kvbridge.serve.proxy_report import RECOMPUTE_REASONS, kv_source, recompute_
         (True, False, None, {"num_external_tokens": 0, "num_cached_tokens": 16}, "no_prefill_node", "decode_prefix_cache"),
         (True, True, None, {"num_external_tokens": 0}, "no_kv_params", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2}, "kv_load_failed", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
+         "read from engine e at tcp://127.0.0.1:1: AuthenticationError: ... wrong signature refused"}, "authentication_failed", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
+         "the prefill engine did not confirm the read: no lease matches (expired, ...)"}, "proof_failed", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
+         "read from engine e at tcp://127.0.0.1:1: no progress within its deadline (state was POSTED)"}, "timeout", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
+         "read from engine e at tcp://127.0.0.1:1: TransferError: NIXL could not post a READ: NIXL_ERR_REMOTE_DISCONNECT"},
+         "peer_unreachable", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
+         "KV DIGEST MISMATCH: 1 of 2 blocks read from engine e at tcp://127.0.0.1:1 do not hold the bytes it leased"},
+         "digest_mismatch", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0}, "kv_not_pulled", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": True}, "kv_not_pulled", "computed"),  # not a count
     ],

@@ -62,7 +62,7 @@ def test_the_proxy_reports_what_each_decode_node_did():
             decodes = {
                 "pulls": start_node("decode-ok", "decode", log_dir, extra_args=[*NODE_ARGS, *extra, json.dumps(FAST_FAIL)],
                                     env={"KVBRIDGE_SIDE_CHANNEL_SECRET": SECRET}),
-                "kv_load_failed": start_node("decode-wrong-secret", "decode", log_dir,
+                "authentication_failed": start_node("decode-wrong-secret", "decode", log_dir,
                                              extra_args=[*NODE_ARGS, *extra, json.dumps(FAST_FAIL)],
                                              env={"KVBRIDGE_SIDE_CHANNEL_SECRET": WRONG_SECRET}),
                 "kv_not_pulled": start_node("decode-no-peers", "decode", log_dir,
@@ -108,6 +108,8 @@ def test_the_proxy_reports_what_each_decode_node_did():
                 assert not report["disaggregated"] and report["recomputed"], (node.name, kvbridge)
                 assert report["recompute_reason"] == expectation, (node.name, kvbridge)
                 assert kvbridge["num_external_tokens"] == 0 and report["kv_source"] == "computed", kvbridge
-    for reason in ("kv_load_failed", "kv_not_pulled"):
+                if expectation == "authentication_failed":  # the decode node's own words, passed on
+                    assert "AuthenticationError" in report["kv_load_error"] == kvbridge["kv_load_error"], kvbridge
+    for reason in ("authentication_failed", "kv_not_pulled"):
         assert f'kvbridge_proxy_recomputes_total{{reason="{reason}"}} {float(NUM_ROUNDS)}' in metrics, metrics
 

@@ -79,6 +79,7 @@ class NixlWorker:
         self._invalid_block_ids: set[int] = set()
         self._flip_landed_bit = env.fault_flip_read_bit()
         self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
+        self._load_errors: dict[str, str] = {}  # request id -> why its load failed, until reported
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -182,6 +183,10 @@ class NixlWorker:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
         return invalid
 
+    def get_load_errors(self) -> dict[str, str]:
+        errors, self._load_errors = self._load_errors, {}
+        return errors
+
     def _progress(self) -> None:
         if self._endpoint is None:
             return
@@ -248,6 +253,7 @@ class NixlWorker:
         self.stats.record_failure(error)
         self.stats.num_load_errors += len(job.local_block_ids)
         self._invalid_block_ids.update(job.local_block_ids)
+        self._load_errors[job.request_id] = error
 
     def _finish_recv(self, req_id: str) -> None:
         job = self._recvs.pop(req_id)
