@@ -120,10 +120,37 @@ def first_group(block_ids: Any) -> list[int]:
     return list(block_ids or ())
 
 
-def step_output(vllm_output: Any, views: RequestViews) -> SchedulerOutput:
+class BlockTables:
+    """Each running request's block table, rebuilt from vLLM's per-step deltas where vLLM does not
+    hand connectors whole tables (0.25: `scheduled_new_reqs[*].block_ids`, then
+    `scheduled_cached_reqs.new_block_ids` appended, or replacing the table of a resumed request)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def apply(self, vllm_output: Any) -> None:
+        for new in vllm_output.scheduled_new_reqs:
+            self._tables[new.req_id] = first_group(new.block_ids)
+        cached = vllm_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if req_id in resumed:
+                self._tables[req_id] = first_group(new_ids)
+            elif new_ids is not None:
+                self._tables.setdefault(req_id, []).extend(first_group(new_ids))
+        for req_id in vllm_output.finished_req_ids:
+            self._tables.pop(req_id, None)
+
+    def get(self, req_id: str) -> list[int]:
+        return list(self._tables.get(req_id, ()))
+
+
+def step_output(vllm_output: Any, views: RequestViews, tables: BlockTables) -> SchedulerOutput:
     """kvbridge's `SchedulerOutput` for one vLLM step: every scheduled request with its progress
     and its whole block table, and the finished and preempted ids."""
-    block_state = vllm_output.kv_connector_block_state
+    block_state = getattr(vllm_output, "kv_connector_block_state", None)  # vLLM 0.32; absent in 0.25
+    if block_state is None:
+        tables.apply(vllm_output)
     start_of: dict[str, int] = {new.req_id: new.num_computed_tokens for new in vllm_output.scheduled_new_reqs}
     cached = vllm_output.scheduled_cached_reqs
     start_of.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -132,10 +159,10 @@ def step_output(vllm_output: Any, views: RequestViews) -> SchedulerOutput:
         view = views.get(req_id)
         if view is None:  # never offered to the connector (vLLM skips it for some requests): nothing to plan
             continue
-        block_ids = first_group(block_state.get_block_ids(req_id)) if block_state is not None else []
+        block_ids = first_group(block_state.get_block_ids(req_id)) if block_state is not None else tables.get(req_id)
         scheduled.append(ScheduledRequest(view, start_of.get(req_id, view.num_computed_tokens), num_new_tokens, block_ids))
     return SchedulerOutput(
         scheduled=scheduled,
         finished_req_ids=set(vllm_output.finished_req_ids),
-        preempted_req_ids=set(vllm_output.preempted_req_ids or ()),
+        preempted_req_ids=set(getattr(vllm_output, "preempted_req_ids", None) or ()),
     )

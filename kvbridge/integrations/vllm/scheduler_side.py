@@ -24,8 +24,9 @@ from kvbridge.connectors.base import (
     SchedulerOutput,
 )
 from kvbridge.connectors.factory import create_connector
+from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.config import AdapterConfig
-from kvbridge.integrations.vllm.requests import RequestViews, first_group, step_output
+from kvbridge.integrations.vllm.requests import BlockTables, RequestViews, first_group, step_output
 from kvbridge.integrations.vllm.stats import KVBridgeStats, StatsSnapshots, StepTimer
 from kvbridge.layout import KVCacheLayout
 
@@ -33,10 +34,11 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, setup: AdapterConfig, layout: KVCacheLayout | None) -> None:
+    def __init__(self, setup: AdapterConfig) -> None:
         self.setup = setup
-        self.layout = layout
+        self.layout: KVCacheLayout | None = None  # the worker's, from its handshake metadata
         self.views = RequestViews(setup.block_size, setup.model_id)
+        self.tables = BlockTables()  # vLLM 0.25 hands connectors block-table deltas only
         self._inner: KVConnectorBase | None = None
         self._delayed: dict[str, Any] = {}  # finished, blocks held for a send: req id -> vLLM request
         self._matched_async: dict[str, bool] = {}  # last match answer: an async load?
@@ -50,15 +52,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ building
 
-    def start(self, incarnation: str | None, step_stats: dict[str, Any]) -> None:
-        """Build the kvbridge half with the worker's incarnation (from vLLM's handshake metadata)."""
+    def start(self, incarnation: str, step_stats: dict[str, Any], layout: dict[str, Any]) -> None:
+        """Build the kvbridge half with the worker's incarnation and KV layout (from vLLM's handshake metadata)."""
+        if self._inner is not None:
+            raise RuntimeError("KVBridgeConnector: start-up metadata delivered twice")
+        self.layout = KVCacheLayout(**layout) if layout else None
         context = ConnectorContext(
             model_id=self.setup.model_id,
             block_size=self.setup.block_size,
             device="cpu",  # the scheduler half touches no device
             hash_namespace=self.setup.model_id,
             layout=self.layout,
-            **({"incarnation": incarnation} if incarnation else {}),
+            incarnation=incarnation,
         )
         self._inner = create_connector(self.setup.transfer, KVConnectorRole.SCHEDULER, context)
         if step_stats:
@@ -66,12 +71,12 @@ class SchedulerSide:
 
     @property
     def inner(self) -> KVConnectorBase:
-        if self._inner is None:  # vLLM delivered no handshake metadata: this engine's workers are elsewhere
-            logger.warning(
-                "KVBridgeConnector: no start-up metadata from the worker; the scheduler half runs with its own "
-                "engine incarnation, so P/D peers may refuse this engine's leases"
+        if self._inner is None:
+            raise ConfigError(
+                "KVBridgeConnector: vLLM delivered no start-up metadata from the worker (set_xfer_handshake_metadata "
+                "was never called), so the scheduler half has no engine incarnation to grant leases under; this vLLM "
+                "version or executor does not collect connector handshake metadata, which KVBridgeConnector needs"
             )
-            self.start(None, {})
         return self._inner
 
     # ------------------------------------------------------------------ admission
@@ -94,7 +99,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, vllm_output: Any):
         with self.timer.timing():
-            return self.inner.build_connector_meta(step_output(vllm_output, self.views))
+            return self.inner.build_connector_meta(step_output(vllm_output, self.views, self.tables))
 
     # ------------------------------------------------------------------ worker reports
 
