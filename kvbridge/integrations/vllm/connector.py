@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvbridge import env
 from kvbridge.integrations.vllm.config import AdapterConfig
+from kvbridge.integrations.vllm.identity import vllm_extra_keys_fn
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler_side import SchedulerSide
@@ -53,7 +54,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._is_cpu = str(vllm_config.device_config.device).startswith("cpu")
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.setup)
+            self._scheduler = SchedulerSide(self.setup, vllm_extra_keys_fn())
         else:
             device = str(vllm_config.device_config.device)
             if device == "cuda":

@@ -3,8 +3,10 @@
 kvbridge's scheduler halves read a request's id, token counts, `kv_transfer_params`, status and
 the chained block hashes (`kvbridge.block_hash`: the identity of KV in every kvbridge
 engine, so a vLLM node and a kvbridge node agree on which blocks hold which prompt). vLLM's
-`Request` has all of it but the hashes, which `RequestView` computes from the token ids, a block
-at a time as the request grows. `step_output` turns vLLM's `SchedulerOutput` into kvbridge's.
+`Request` has all of it but the hashes, which `RequestView` computes from the token ids and the
+extra keys vLLM's prefix cache uses (`identity.py`: cache salt, LoRA, multimodal inputs, prompt
+embeddings), a block at a time as the request grows. `step_output` turns vLLM's
+`SchedulerOutput` into kvbridge's.
 
 Pure bookkeeping: no torch, and vLLM's objects are only read (duck-typed, so the tests can drive
 it without an engine).
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.block_hash import BlockHash, hash_full_blocks
+from kvbridge.block_hash import BlockHash, hash_block, hash_full_blocks, root_hash
 from kvbridge.connectors.base import RequestStatus, ScheduledRequest, SchedulerOutput
+from kvbridge.integrations.vllm.identity import BlockExtraKeys, ExtraKeysFn, has_extra_identity
 
 # vLLM's finished statuses -> kvbridge's (vLLM's RequestStatus is an IntEnum; compared by name so
 # that this module does not import vLLM). Anything not listed and not finished is RUNNING enough
@@ -38,13 +41,15 @@ _UNFINISHED = {
 class RequestView:
     """One vLLM request as a kvbridge `Request` (the attributes connectors read)."""
 
-    __slots__ = ("_req", "block_size", "hash_namespace", "_hashes")
+    __slots__ = ("_req", "block_size", "hash_namespace", "_hashes", "_extra")
 
-    def __init__(self, vllm_request: Any, block_size: int, hash_namespace: str) -> None:
+    def __init__(self, vllm_request: Any, block_size: int, hash_namespace: str, extra_keys: ExtraKeysFn | None) -> None:
         self._req = vllm_request
         self.block_size = block_size
         self.hash_namespace = hash_namespace
         self._hashes: list[BlockHash] = []
+        # Requests whose KV only their tokens decide (most) hash as in kvbridge's engine, without vLLM's help.
+        self._extra = BlockExtraKeys(extra_keys) if has_extra_identity(vllm_request) else None
 
     @property
     def request_id(self) -> str:
@@ -77,11 +82,22 @@ class RequestView:
 
     @property
     def block_hashes(self) -> list[BlockHash]:
-        """Chained hashes of every full block of the request's tokens so far, computed once each."""
+        """Chained hashes of every full block of the request's tokens so far, computed once each.
+        Raises `UnidentifiableRequest` when vLLM's extra keys of a block cannot be had."""
         num_full = self._req.num_tokens // self.block_size
-        if len(self._hashes) < num_full:
-            tokens = self._req.all_token_ids[: num_full * self.block_size]
+        if len(self._hashes) >= num_full:
+            return self._hashes
+        tokens = self._req.all_token_ids[: num_full * self.block_size]
+        if self._extra is None:
             self._hashes = hash_full_blocks(tokens, self.block_size, self._hashes, self.hash_namespace)
+            return self._hashes
+        hashes = list(self._hashes)  # extended only once every new block's keys are known
+        extra = self._extra
+        for start in range(len(hashes) * self.block_size, num_full * self.block_size, self.block_size):
+            parent = hashes[-1] if hashes else root_hash(self.hash_namespace)
+            end = start + self.block_size
+            hashes.append(hash_block(parent, tokens[start:end], extra.of_block(self._req, start, end)))
+        self._hashes = hashes
         return self._hashes
 
     def __repr__(self) -> str:
@@ -91,15 +107,16 @@ class RequestView:
 class RequestViews:
     """The view of every request the scheduler half knows, by id, made on first sight."""
 
-    def __init__(self, block_size: int, hash_namespace: str) -> None:
+    def __init__(self, block_size: int, hash_namespace: str, extra_keys: ExtraKeysFn | None = None) -> None:
         self.block_size = block_size
         self.hash_namespace = hash_namespace
+        self.extra_keys = extra_keys  # vLLM's generate_block_hash_extra_keys (identity.py)
         self._views: dict[str, RequestView] = {}
 
     def of(self, vllm_request: Any) -> RequestView:
         view = self._views.get(vllm_request.request_id)
         if view is None or view._req is not vllm_request:  # a new request object under a reused id
-            view = RequestView(vllm_request, self.block_size, self.hash_namespace)
+            view = RequestView(vllm_request, self.block_size, self.hash_namespace, self.extra_keys)
             self._views[vllm_request.request_id] = view
         return view
 

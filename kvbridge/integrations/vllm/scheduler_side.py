@@ -26,6 +26,7 @@ from kvbridge.connectors.base import (
 from kvbridge.connectors.factory import create_connector
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.config import AdapterConfig
+from kvbridge.integrations.vllm.identity import ExtraKeysFn, UnidentifiableRequest
 from kvbridge.integrations.vllm.requests import BlockTables, RequestViews, first_group, step_output
 from kvbridge.integrations.vllm.stats import KVBridgeStats, StatsSnapshots, StepTimer
 from kvbridge.layout import KVCacheLayout
@@ -34,10 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, setup: AdapterConfig) -> None:
+    def __init__(self, setup: AdapterConfig, extra_keys: ExtraKeysFn | None = None) -> None:
         self.setup = setup
         self.layout: KVCacheLayout | None = None  # the worker's, from its handshake metadata
-        self.views = RequestViews(setup.block_size, setup.model_id)
+        self.views = RequestViews(setup.block_size, setup.model_id, extra_keys)
+        self._local: set[str] = set()  # requests kvbridge cannot identify: vLLM computes them, nothing is shared
         self.tables = BlockTables()  # vLLM 0.25 hands connectors block-table deltas only
         self._inner: KVConnectorBase | None = None
         self._delayed: dict[str, Any] = {}  # finished, blocks held for a send: req id -> vLLM request
@@ -82,6 +84,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ admission
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id in self._local or not self._is_identifiable(request):
+            return 0, False
         view = self.views.of(request)
         num_external, load_async = self.inner.get_num_new_matched_tokens(view, num_computed_tokens)
         if num_external is None:
@@ -91,7 +95,24 @@ class SchedulerSide:
         self._matched_async[request.request_id] = is_async
         return num_external, is_async
 
+    def _is_identifiable(self, request: Any) -> bool:
+        """Whether the request's block hashes can be computed; if not, it is kept local from now on."""
+        view = self.views.of(request)
+        try:
+            view.block_hashes
+        except UnidentifiableRequest as exc:
+            self.views.drop(request.request_id)
+            self._local.add(request.request_id)
+            logger.warning(
+                "KVBridgeConnector: request %s is computed locally and shares no KV: its extra keys (cache salt, LoRA, "
+                "multimodal inputs, prompt embeddings) cannot be identified (%s)", request.request_id, exc,
+            )  # fmt: skip
+            return False
+        return True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if request.request_id in self._local:
+            return
         view = self.views.of(request)
         self.inner.update_state_after_alloc(view, first_group(blocks.get_block_ids()), num_external_tokens)
         if self._matched_async.pop(request.request_id, False) and num_external_tokens:
@@ -155,6 +176,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        if req_id in self._local:
+            self._local.discard(req_id)
+            return False, None
         view = self.views.of(request)
         delay, params = self.inner.request_finished(view, list(block_ids))
         self._has_ended = True

@@ -7,7 +7,7 @@ honours the connector's `prefer_cross_layer_blocks` and allocates one cross-laye
 * `prefill` / `decode` (FLASH_ATTN, kvbridge's NixlConnector, kv_producer / kv_consumer): P/D through
   the two-leg protocol of vLLM's toy proxy; tokens equal colocated and the decode's /metrics count
   one transfer of exactly the prompt's full blocks per request;
-* `offload-triton` (TRITON_ATTN, OffloadingConnector, kv_both, a 128-block KV cache): the host tier
+* `offload-triton` (TRITON_ATTN, OffloadingConnector, kv_both, a 160-block KV cache): the host tier
   serves a prompt that other prompts evicted from vLLM's cache, with the same tokens;
 * `v2-runner` (FLASH_ATTN, V2 model runner, which allocates each layer separately): refused at
   start-up with an error that names the backend and says what to change.
@@ -44,38 +44,39 @@ def servers(vllm_servers, tiny_checkpoint):
                                   extra_args=[*_gpu_args(backend), *extra], env=env)  # fmt: skip
 
     start_s = time.monotonic()
-    refused = start("v2-runner", "FLASH_ATTN", kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=64),
-                    env={"VLLM_USE_V2_MODEL_RUNNER": "1"})  # fmt: skip
     servers = {
         "colocated": start("colocated", "FLASH_ATTN", None),
         "prefill": start("prefill", "FLASH_ATTN", kvbridge_transfer_config("kv_producer", "NixlConnector", lease_s=60)),
         "decode": start("decode", "FLASH_ATTN", kvbridge_transfer_config("kv_consumer", "NixlConnector")),
         "offload": start("offload-triton", "TRITON_ATTN",
                          kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=512),
-                         extra=["--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE)]),
+                         extra=["--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE + 32)]),
     }  # fmt: skip
-    refusal = None
+    vllm_servers.wait()
+    print(f"\nGPU servers ready after {time.monotonic() - start_s:.0f} s")
+    return servers
+
+
+@pytest.fixture(scope="module")
+def v2_runner_refusal(servers, vllm_servers, tiny_checkpoint):
+    """A server with the V2 model runner (each layer allocated alone): it must exit at start-up.
+    Started after the others are up: a server that exits frees GPU memory, which vLLM's memory
+    profiling of a server booting beside it would count as its own."""
+    config = kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=64)
+    refused = vllm_servers.start("v2-runner", tiny_checkpoint, max_model_len=MAX_MODEL_LEN, kv_transfer_config=config,
+                                 extra_args=_gpu_args("FLASH_ATTN"), env={"VLLM_USE_V2_MODEL_RUNNER": "1"})  # fmt: skip
     try:
         vllm_servers.wait()
+        refusal = None
     except VLLMStartError as exc:
-        if refused.is_running():
-            raise
         refusal = str(exc)
-        vllm_servers.servers.remove(refused)
-        vllm_servers.wait()
-    print(f"\nGPU servers ready after {time.monotonic() - start_s:.0f} s")
-    return servers, refused, refusal
-
-
-def test_v2_runner_per_layer_allocation_refused_at_start(servers):
-    _, refused, refusal = servers
-    log = refused.log_tail(20000)
-    assert not refused.is_running(), "a V2-runner server with KVBridgeConnector started serving"
-    assert "FLASH_ATTN" in log and "allocated each layer's KV" in log and "VLLM_USE_V2_MODEL_RUNNER=0" in log, (refusal, log[-3000:])
+    vllm_servers.servers.remove(refused)
+    refused.stop()
+    return refused, refusal
 
 
 def test_layout_read_from_backend_is_cross_layer_block_major(servers):
-    running, _, _ = servers
+    running = servers
     for name in ("prefill", "decode", "offload"):
         log = running[name].log_tail(200000)
         assert "cross-layer; page 2NHD" in log, (name, log[-3000:])
@@ -84,7 +85,7 @@ def test_layout_read_from_backend_is_cross_layer_block_major(servers):
 
 @pytest.mark.parametrize("num_tokens", [300, 1000, 1700])
 def test_pd_tokens_equal_colocated(servers, tiny_checkpoint, num_tokens):
-    running, _, _ = servers
+    running = servers
     prompt = random_prompt(seed=num_tokens, num_tokens=num_tokens)
     reference = complete(running["colocated"].url, greedy(prompt, MAX_TOKENS))
     before = kvbridge_metrics(running["decode"].url)
@@ -104,11 +105,11 @@ def test_pd_tokens_equal_colocated(servers, tiny_checkpoint, num_tokens):
 
 
 def test_offload_host_tier_serves_evicted_prompt_triton(servers):
-    running, _, _ = servers
+    running = servers
     url = running["offload"].url
     prompt = random_prompt(seed=77, num_tokens=40 * BLOCK_SIZE + 5)
     first = complete(url, greedy(prompt, MAX_TOKENS))
-    for i in range(3):  # 180 blocks of other prompts through a 128-block KV cache: the prompt's blocks are evicted
+    for i in range(4):  # 240 blocks of other prompts through a 160-block KV cache: the prompt's blocks are evicted
         complete(url, greedy(random_prompt(seed=78 + i, num_tokens=60 * BLOCK_SIZE), 2))
     before = kvbridge_metrics(url)
     second = complete(url, greedy(prompt, MAX_TOKENS))
@@ -117,3 +118,10 @@ def test_offload_host_tier_serves_evicted_prompt_triton(servers):
     assert second.token_ids == first.token_ids
     assert delta(after, before, loaded) == 40, after
     print(f"offload (TRITON_ATTN): recompute {first.total_s * 1e3:.1f} ms, host-tier hit {second.total_s * 1e3:.1f} ms")
+
+
+def test_v2_runner_per_layer_allocation_refused_at_start(v2_runner_refusal):
+    refused, refusal = v2_runner_refusal
+    log = refused.log_tail(20000)
+    assert refusal is not None, "a V2-runner server with KVBridgeConnector started serving"
+    assert "FLASH_ATTN" in log and "allocated each layer's KV" in log and "VLLM_USE_V2_MODEL_RUNNER=0" in log, (refusal, log[-3000:])
