@@ -64,7 +64,7 @@ def dim_names(backend: Any, geo: Geometry) -> tuple[str, ...]:
         if len(rest) != 1 or base[rest[0]] != 2:
             raise ConfigError(f"expected one K|V dimension of size 2 besides blocks, tokens, heads, dim; got {base}")
         names[rest[0]] = "kv"
-    except (ConfigError, ValueError, NotImplementedError, TypeError) as exc:
+    except (ConfigError, ValueError, NotImplementedError, TypeError, AttributeError) as exc:
         raise ConfigError(
             f"KVBridgeConnector cannot read the KV layout of vLLM's {name} attention backend "
             f"(get_kv_cache_shape{args}): {exc}; kvbridge supports backends whose KV cache is "
