@@ -5,6 +5,8 @@
   had is computed locally (no load, no store, no lease);
 * `get_num_new_matched_tokens` has no side effects: asked again and again, it answers the same and
   counts nothing twice (vLLM asks each step a request waits);
+* preemption while offload stores are in flight: the step that frees the preempted request's blocks
+  tells the worker to finish those stores first; chunked prefill of the tokens after a remote load;
 * missing start-up handshake metadata is a hard error, not a warning followed by failing reads.
 
     .venv-vllm/bin/python -m pytest -q tests/integrations/vllm/test_scheduler_contract.py
@@ -12,12 +14,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: run from .venv-vllm (scripts/vllm-env)")
 
 from sched_harness import BLOCK_SIZE, SchedulerHarness  # noqa: E402
-from test_scheduler_side import consumer, leftovers, mint_params, model_id_of, offload, prompt_of  # noqa: E402
+from sched_harness import OffloadWorkerModel  # noqa: E402
+from test_scheduler_side import Driver, consumer, leftovers, mint_params, model_id_of, offload, prompt_of  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -137,3 +142,56 @@ def test_missing_start_up_handshake_is_a_hard_error(tiny_checkpoint):
         h.step()
     with pytest.raises(ConfigError, match="expected start-up metadata from one kvbridge worker"):
         h.connector.set_xfer_handshake_metadata({})
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_preemption_waits_for_the_preempted_requests_stores(tiny_checkpoint, seed):
+    print(f"seed={seed}")
+    # 7 usable blocks; two requests that each grow to 6 blocks: vLLM preempts one of them mid-decode
+    h = SchedulerHarness.build(tiny_checkpoint, role="kv_both", connector="OffloadingConnector",
+                               options={"host_num_blocks": 64}, num_blocks=8, max_num_seqs=4)  # fmt: skip
+    run = Driver(h, OffloadWorkerModel(random.Random(seed), max_delay=30))  # stores stay in flight a while
+    for i in range(2):
+        h.add_request(f"r{i}", prompt_of(30 + i, 40), max_tokens=50)
+    run.drain()
+
+    preempting = [s for s in h.steps if s.scheduler_output.preempted_req_ids]
+    assert preempting, "no request was preempted"
+    num_waits = 0
+    for step in preempting:
+        preempted = step.scheduler_output.preempted_req_ids
+        waited = step.metadata.wait_for_req_ids if step.metadata is not None else set()
+        # every preempted request whose prompt stores were still running is waited for in that very step
+        in_flight = {r for r in preempted if _had_stores_in_flight(h, step, r)}
+        assert in_flight <= waited, (preempted, in_flight, waited)
+        num_waits += len(in_flight)
+    assert num_waits, "no request was preempted with stores in flight: the scenario tested nothing"
+    assert run.finished() == {"r0", "r1"}
+    assert h.num_used_blocks == 0 and leftovers(h) == {}
+    h.inner.check_integrity()
+
+
+def _had_stores_in_flight(h: SchedulerHarness, step, req_id: str) -> bool:
+    """Whether a store of `req_id` was planned before `step`: a running request's stores are confirmed
+    only when it finishes, and a preempted request has not finished."""
+    index = h.steps.index(step)
+    return any(s.metadata is not None and any(j.req_id == req_id for j in s.metadata.stores) for s in h.steps[:index])
+
+
+def test_tokens_after_a_remote_load_are_prefilled_in_chunks(tiny_checkpoint):
+    prompt = prompt_of(40, 40)  # 2 full blocks come from the prefill engine, 8 tokens are computed here
+    (params,) = mint_params(tiny_checkpoint, [prompt])
+    d = consumer(tiny_checkpoint, max_num_batched_tokens=4, max_num_seqs=4)
+    d.add_request("d0", prompt, kv_transfer_params=params)
+
+    (job,) = d.step().metadata.recvs.values()
+    assert len(job.local_block_ids) == 2
+    d.step(finished_recving={"d0"})
+    chunks = [d.step().num_scheduled_tokens for _ in range(3)]
+
+    assert chunks[:2] == [{"d0": 4}, {"d0": 4}]  # the rest of the prompt, in two chunks of the budget
+    assert all(not s.metadata.recvs for s in d.steps[1:])  # read once, never again for a chunk
+    assert d.scheduler.requests.get("d0") is None or d.scheduler.requests["d0"].num_computed_tokens >= 40
+    for _ in range(3):
+        d.step()
+    assert d.num_used_blocks == 0 and leftovers(d) == {}
