@@ -63,6 +63,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 device = f"cuda:{torch.cuda.current_device()}"
             self._worker = WorkerSide(self.setup, vllm_config, kv_cache_config, device)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """On CUDA, NHD: its cross-layer allocation is kvbridge's block-major layout (HND's interleaves
+        layers inside a page and is refused). vLLM's own override (VLLM_KV_CACHE_LAYOUT) still wins."""
+        return None if str(vllm_config.device_config.device).startswith("cpu") else "NHD"
+
     @property
     def prefer_cross_layer_blocks(self) -> bool:
         """Ask vLLM for one allocation holding every layer, blocks outermost (kvbridge's block-major layout:
