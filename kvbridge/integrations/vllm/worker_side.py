@@ -1,8 +1,12 @@
 """The adapter's worker half: vLLM's model-runner calls -> a kvbridge connector's worker half.
 
-Lives next to vLLM's KV cache, on vLLM's worker thread. `register_kv_caches` hands the kvbridge
-connector one strided view over vLLM's own KV buffer (`kv_layout.py`): nothing is copied, NIXL
-registers vLLM's memory. The other calls map one to one; layer names become layer indices.
+Lives next to vLLM's KV cache, on vLLM's worker thread. The kvbridge connector is built when vLLM
+registers its KV cache, since only then is the layout known: `register_kv_caches` (per-layer
+tensors; on CPU laid out by vLLM 0.32's `KVCacheTensor`, `kv_layout.py`) or
+`register_cross_layers_kv_cache` (vLLM 0.25's one tensor for every layer on CUDA, read through the
+attention backend, `backend_layout.py`). Either way the connector gets one strided view over vLLM's
+own KV buffer: nothing is copied, NIXL registers vLLM's memory. The other calls map one to one;
+layer names become layer indices.
 
 A worker registers itself by engine id in this process (`local_worker`), so the scheduler half
 can drain it before vLLM resets its prefix cache: on CPU (and with any single-process executor)
@@ -30,9 +34,9 @@ from kvbridge.integrations.vllm.kv_layout import (
     page_format_of,
     strided_view,
 )
-from kvbridge.layout import KVCacheLayout
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.integrations.vllm.stats import StatsSnapshots, StepTimer
+from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
