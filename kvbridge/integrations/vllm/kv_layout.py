@@ -150,5 +150,6 @@ def attention_backend(vllm_config: Any, layer_names: list[str]) -> Any:
             raise ConfigError(f"vLLM's layer {name} has no attention backend KVBridgeConnector can read")
         backends.add(getter())
     if len(backends) != 1:
-        raise ConfigError(f"KVBridgeConnector needs one attention backend for every layer; this model has {sorted(b.get_name() for b in backends)}")
+        names = sorted(b.get_name() for b in backends)
+        raise ConfigError(f"KVBridgeConnector needs one attention backend for every layer; this model has {names}")
     return backends.pop()

@@ -7,7 +7,8 @@
   counts nothing twice (vLLM asks each step a request waits);
 * preemption while offload stores are in flight: the step that frees the preempted request's blocks
   tells the worker to finish those stores first; chunked prefill of the tokens after a remote load;
-* missing start-up handshake metadata is a hard error, not a warning followed by failing reads.
+* missing start-up handshake metadata is a hard error, not a warning followed by failing reads;
+* the engine identity changes with every setting that changes KV (here: hf_overrides, the KV cache dtype).
 
     .venv-vllm/bin/python -m pytest -q tests/integrations/vllm/test_scheduler_contract.py
 """
@@ -195,3 +196,26 @@ def test_tokens_after_a_remote_load_are_prefilled_in_chunks(tiny_checkpoint):
     for _ in range(3):
         d.step()
     assert d.num_used_blocks == 0 and leftovers(d) == {}
+
+
+def test_engine_identity_covers_kv_affecting_overrides(tiny_checkpoint):
+    from sched_harness import make_vllm_config
+    from vllm.config import ModelConfig
+
+    from kvbridge.integrations.vllm.config import engine_identity
+
+    config = make_vllm_config(tiny_checkpoint, role="kv_both")
+    plain = engine_identity(config)
+    assert plain == model_id_of(tiny_checkpoint)  # as kvbridge's own engine names the checkpoint
+
+    def with_overrides(**hf_overrides) -> str:
+        config.model_config = ModelConfig(model=tiny_checkpoint, dtype="float32", max_model_len=4096, seed=0,
+                                          skip_tokenizer_init=True, enforce_eager=True, hf_overrides=hf_overrides)  # fmt: skip
+        return engine_identity(config)
+
+    theta_a, theta_a_again = with_overrides(rope_theta=1e6), with_overrides(rope_theta=1e6)
+    theta_b = with_overrides(rope_theta=5e5)
+    assert theta_a == theta_a_again and theta_a.startswith(plain + "+kv:")
+    assert len({plain, theta_a, theta_b}) == 3
+    config.cache_config.cache_dtype = "fp8"  # a KV cache dtype is part of the identity too
+    assert with_overrides(rope_theta=1e6) not in (theta_a, plain)
