@@ -4,6 +4,17 @@ against colocated vLLM, in one run.
     .venv-vllm/bin/python benchmarks/vllm_pd.py --json                          # both arms, 1,024 and 4,096 tokens
     .venv-vllm/bin/python benchmarks/vllm_pd.py --json --arms vllm-nixl         # vLLM's own connector only
     .venv-vllm/bin/python benchmarks/vllm_pd.py --json --prompt-lens 1024 --reps 7
+    python3 benchmarks/vllm_pd.py --json --device cuda                          # GPU vLLM (0.25), one GPU
+
+On CUDA (`--device cuda`) every server shares one GPU (`--gpu-memory-utilization`, 0.3 each), runs
+bf16 with FLASH_ATTN, block size 16 and vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, where
+KVBridgeConnector gets vLLM's cross-layer KV allocation) — the same settings for both arms — and
+is not pinned to cores. Its checkpoint (CUDA_BENCH_MODEL) has Llama-3-8B's KV geometry (32 layers,
+8 KV heads of 128: 128 KiB of bf16 KV per token, 512 MiB for 4,096 tokens) with a hidden size of
+1,024, so it is written in seconds; the bytes moved are Llama-3-8B's, the compute is not. vLLM's
+NixlConnector reads into GPU memory (`kv_buffer_device: cuda`). The baseline of the transfer is a
+device-to-device copy of the same bytes on the same GPU, by the SMs (an elementwise kernel) and by
+`copy_`, measured in this process after the servers stopped; the faster is `raw_copy_gbps`.
 
 Run it from the vLLM environment (`scripts/vllm-env`). One random float32 Llama (8 layers, 2 KV heads
 of 128: 16 KiB of KV per token, 64 MiB for 4,096 tokens, little compute) is built by the vLLM test
@@ -74,12 +85,51 @@ from vllm_server import (  # noqa: E402
 
 # 8 layers x 2 KV heads x 128 x float32 x (K, V) = 16 KiB per token; hidden 256 keeps compute small.
 BENCH_MODEL = dict(num_layers=8, hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=128, vocab_size=1024, seed=0)
+# Llama-3-8B's KV geometry (32 layers, 8 KV heads of 128) with a small hidden size: 128 KiB of bf16 KV per token.
+CUDA_BENCH_MODEL = dict(num_layers=32, hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128, vocab_size=1024,
+                        seed=0)  # fmt: skip
 ARMS = ("vllm-nixl", "kvbridge")
 
 
-def transfer_config(arm: str, role: str) -> dict:
+def server_options(args) -> dict:
+    """What every server of a run gets besides its connector: cores on CPU; on CUDA the GPU settings."""
+    if args.device != "cuda":
+        return {}
+    return {
+        "extra_args": ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                       "--attention-backend", "FLASH_ATTN", "--block-size", "16"],
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    }  # fmt: skip
+
+
+def raw_copy_gbps(nbytes: int, reps: int = 20) -> dict:
+    """Device-to-device copy of `nbytes` on this process's GPU: by the SMs (an elementwise kernel) and by
+    `copy_`; GB/s of the median of `reps` after a warm-up, CUDA events around each."""
+    import torch
+
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ways = {"sm_kernel": lambda: torch.mul(src, 1, out=dst), "copy_": lambda: dst.copy_(src)}
+    out = {}
+    for name, fn in ways.items():
+        fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+def transfer_config(arm: str, role: str, device: str = "cpu") -> dict:
     if arm == "vllm-nixl":
-        return nixl_transfer_config(role)
+        return nixl_transfer_config(role) | ({"kv_buffer_device": "cuda"} if device == "cuda" else {})
     return {
         "kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
         "kv_role": role, "kv_connector_extra_config": {"connector": "NixlConnector"},
@@ -196,7 +246,8 @@ def measure_itl(args, url: str, is_kvbridge: bool = False) -> dict:
 
 def run_colocated(args, model: str, prompts: dict[int, list[list[int]]], log_dir: str) -> dict:
     """TTFT of every prompt on one vLLM server without a connector; its tokens are the reference."""
-    server = start_vllm_server("colocated", model, log_dir, max_model_len=args.max_model_len, cpus=args.decode_cpus)
+    server = start_vllm_server("colocated", model, log_dir, max_model_len=args.max_model_len, cpus=args.decode_cpus,
+                               **server_options(args))  # fmt: skip
     try:
         wait_ready([server])
         out: dict = {"server": server_report(server), "token_ids": {}, "ttft_s": {}}
@@ -304,15 +355,29 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         "prefill_leg_s": percentiles([r.prefill.total_s for r in results]),
         "transfer": transfer,
         "tokens_match_colocated": [r.token_ids for r in results] == expected[args.warmup :],
+        # per timed prompt: leading tokens equal to colocated's (of max_tokens), and the prefill leg's token vs colocated's first
+        "tokens_equal_prefix": [_common_prefix(r.token_ids, e) for r, e in zip(results, expected[args.warmup :])],
+        "prefill_first_token_matches": [r.prefill.token_ids[:1] == e[:1] for r, e in zip(results, expected[args.warmup :])],
     }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], expected: dict, log_dir: str) -> dict:
     """Every prompt through the two-leg protocol between a prefill and a decode server of `arm`."""
     prefill = start_vllm_server(f"{arm}-prefill", model, log_dir, max_model_len=args.max_model_len,
-                                cpus=args.prefill_cpus, kv_transfer_config=transfer_config(arm, "kv_producer"))  # fmt: skip
+                                cpus=args.prefill_cpus, kv_transfer_config=transfer_config(arm, "kv_producer", args.device),
+                                **server_options(args))  # fmt: skip
+    if args.device == "cuda":  # one at a time: vLLM's memory profiling counts a neighbour's boot as its own use
+        wait_ready([prefill])
     decode = start_vllm_server(f"{arm}-decode", model, log_dir, max_model_len=args.max_model_len,
-                               cpus=args.decode_cpus, kv_transfer_config=transfer_config(arm, "kv_consumer"))  # fmt: skip
+                               cpus=args.decode_cpus, kv_transfer_config=transfer_config(arm, "kv_consumer", args.device),
+                               **server_options(args))  # fmt: skip
     try:
         wait_ready([prefill, decode])
         metrics = TransferMetrics(arm, decode.url)
@@ -355,6 +420,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--itl-tokens", type=int, default=64, help="tokens per inter-token-latency stream")
     parser.add_argument("--prefill-cpus", type=cpu_list, default=[0], help="cores of the prefill server")
     parser.add_argument("--decode-cpus", type=cpu_list, default=[1], help="cores of the decode and colocated servers")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="vLLM's device (cuda: one GPU shared)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each server's share of the GPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: a temporary directory)")
     args = parser.parse_args()
@@ -367,6 +434,8 @@ def parse_args() -> argparse.Namespace:
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the first P/D request between two servers includes the handshake")
     args.max_model_len = max(args.prompt_lens) + args.max_tokens + 64
+    if args.device == "cuda":
+        args.prefill_cpus = args.decode_cpus = None  # GPU servers are not pinned
     return args
 
 
@@ -375,17 +444,23 @@ def run(args: argparse.Namespace) -> dict:
     lens = args.prompt_lens
     with tempfile.TemporaryDirectory(prefix="vllm-pd-") as tmp:
         log_dir = args.log_dir or tmp
-        model = args.model or make_tiny_checkpoint(os.path.join(tmp, "model"), **BENCH_MODEL)
+        spec = CUDA_BENCH_MODEL if args.device == "cuda" else BENCH_MODEL
+        model = args.model or make_tiny_checkpoint(os.path.join(tmp, "model"), **spec)
         with open(os.path.join(model, "config.json")) as f:
             vocab_size = json.load(f)["vocab_size"]
-        kv_bytes = {n: n * kv_bytes_per_token(model) for n in lens}  # float32 K and V of a whole prompt
+        dtype_nbytes = 2 if args.device == "cuda" else 4  # served in bf16 on CUDA, float32 on CPU
+        kv_bytes = {n: n * kv_bytes_per_token(model, dtype_nbytes) for n in lens}  # K and V of a whole prompt
         prompts = make_prompts(lens, args.warmup + args.reps, vocab_size, args.seed)
         colocated = run_colocated(args, model, prompts, log_dir)
         arms = {arm: run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir) for arm in args.arms}
 
+    copy = {n: raw_copy_gbps(kv_bytes[n]) for n in lens} if args.device == "cuda" else None
     for arm in arms.values():
         for n, row in arm["by_prompt_len"].items():
             row["ttft_vs_colocated"] = row["ttft_s"]["p50"] / colocated["ttft_s"][n]["p50"]
+            if copy is not None and row["transfer"]["gb_per_s"]:
+                row["transfer"]["raw_copy_gbps"] = max(copy[n].values())
+                row["transfer"]["vs_raw_copy"] = row["transfer"]["gb_per_s"] / max(copy[n].values())
     base = colocated["itl"]
     step_overhead = {"colocated_itl": base}
     for name, arm in arms.items():  # the decode server's ITL minus the colocated server's, same core, same run
@@ -409,8 +484,9 @@ def run(args: argparse.Namespace) -> dict:
         }
     return report | {
         "kv_bytes_per_prompt": kv_bytes,
-        "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": None if args.model else BENCH_MODEL},
-        "machine": {**machine_info("cpu"), "loadavg_start": load_at_start, "loadavg_end": os.getloadavg()},
+        "raw_device_copy_gbps": copy,
+        "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": None if args.model else spec},
+        "machine": {**machine_info(args.device), "loadavg_start": load_at_start, "loadavg_end": os.getloadavg()},
         "versions": package_versions(),
     }
 

@@ -23,15 +23,20 @@ def root_hash(namespace: str = "") -> BlockHash:
     return BlockHash(hashlib.blake2b(_ROOT + namespace.encode(), digest_size=16).digest())
 
 
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block given its parent's hash."""
-    return _hash_ids(parent, np.asarray(token_ids, dtype=np.int64))
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes | None = None) -> BlockHash:
+    """Hash of one full block given its parent's hash. `extra`: whatever besides the tokens decides the
+    block's KV (an engine's cache salt, adapter, image hashes, as canonical bytes); None when nothing does,
+    and then the hash is the tokens' alone, as every kvbridge engine computes it."""
+    return _hash_ids(parent, np.asarray(token_ids, dtype=np.int64), extra)
 
 
-def _hash_ids(parent: BlockHash, ids: np.ndarray) -> BlockHash:
+def _hash_ids(parent: BlockHash, ids: np.ndarray, extra: bytes | None = None) -> BlockHash:
     """`ids`: one block's token ids as contiguous int64 (hashed as their bytes, no copy)."""
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(ids)
+    if extra is not None:  # a separator, then the length: tokens and extra keys never run into each other
+        digest.update(b"\x00extra" + len(extra).to_bytes(8, "little"))
+        digest.update(extra)
     return BlockHash(digest.digest())
 
 

@@ -45,6 +45,7 @@ DTYPE_SIZES: dict[str, int] = {
 PAGE_FORMATS: dict[str, Callable[[int, int, int], tuple[int, int, int, int]]] = {
     "2NHD": lambda block_size, heads, head_dim: (2, block_size, heads, head_dim),  # kvbridge's engine
     "H2ND": lambda block_size, heads, head_dim: (heads, 2, block_size, head_dim),  # vLLM's CPU backend
+    "2HND": lambda block_size, heads, head_dim: (2, heads, block_size, head_dim),  # vLLM's CUDA backends, HND layout
 }
 
 

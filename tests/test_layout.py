@@ -34,9 +34,11 @@ def test_page_formats_name_the_page_interior():
     vllm_cpu = KVCacheLayout(5, **GEOMETRY, page_format="H2ND")
     assert vllm_cpu.page_shape == (2, 2, 4, 8) and vllm_cpu.shape == (5, 3, 2, 2, 4, 8)
     assert block_major.page_nbytes == vllm_cpu.page_nbytes == PAGE and block_major.block_nbytes == 3 * PAGE
-    with pytest.raises(ConfigError, match=r"page_format='NHD2'; expected one of \['2NHD', 'H2ND'\]"):
+    vllm_cuda_hnd = KVCacheLayout(5, **GEOMETRY, page_format="2HND")
+    assert vllm_cuda_hnd.page_shape == (2, 2, 4, 8) and vllm_cuda_hnd.page_nbytes == PAGE
+    with pytest.raises(ConfigError, match=r"page_format='NHD2'; expected one of \['2HND', '2NHD', 'H2ND'\]"):
         KVCacheLayout(5, **GEOMETRY, page_format="NHD2")
-    assert sorted(PAGE_FORMATS) == ["2NHD", "H2ND"]
+    assert sorted(PAGE_FORMATS) == ["2HND", "2NHD", "H2ND"]
 
 
 def test_block_major_is_the_default_and_a_contiguous_tensor():

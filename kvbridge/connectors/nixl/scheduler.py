@@ -50,6 +50,9 @@ class NixlScheduler:
         self.side_channel_port = config.side_channel_port  # replaced by the bound port once the worker reports it
         self._local_hits: dict[str, int] = {}  # decode: local prefix hit seen at matching
         self._handled: set[str] = set()  # decode: remote KV already asked for (never twice)
+        # decode: requests whose remote blocks were refused, counted and logged once however often the
+        # engine asks (vLLM asks again each step a request waits: the answer must have no side effect)
+        self._refused: set[str] = set()
         self._new_recvs: dict[str, RecvJob] = {}
         self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
@@ -103,9 +106,11 @@ class NixlScheduler:
             reason = "they hold other tokens (block hash mismatch); send each decode request its prefill's prompt"
         else:
             return num_blocks
-        logger.error("request %s: the remote prefill's blocks are not this prompt's: %s; computing it locally",
-                     request.request_id, reason)  # fmt: skip
-        self.num_mismatched_params += 1
+        if request.request_id not in self._refused:
+            self._refused.add(request.request_id)
+            logger.error("request %s: the remote prefill's blocks are not this prompt's: %s; computing it locally",
+                         request.request_id, reason)  # fmt: skip
+            self.num_mismatched_params += 1
         return 0
 
     def update_state_after_alloc(
@@ -163,6 +168,7 @@ class NixlScheduler:
         if request.request_id not in self._handled:
             self._release_unread(request)
         self._handled.discard(request.request_id)
+        self._refused.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return KVHandoff(False, None)

@@ -1,4 +1,4 @@
-"""kvbridge's connectors inside vLLM: `KVBridgeConnector`, a V1 KV connector for vLLM 0.32.
+"""kvbridge's connectors inside vLLM: `KVBridgeConnector`, a V1 KV connector for vLLM 0.25 (CUDA) and 0.32 (CPU).
 
     --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
                            "kv_connector_module_path": "kvbridge.integrations.vllm",

@@ -19,10 +19,14 @@ Pure Python; vLLM's config objects are read by attribute only.
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.factory import check_connector_config
@@ -86,7 +90,49 @@ class AdapterConfig:
             check_connector_config(transfer)
         except ConfigError as exc:
             raise type(exc)(f"KVBridgeConnector: kv_connector_extra_config: {extra_config_names(str(exc))}") from exc
-        return cls(transfer, model_identity(vllm_config.model_config), vllm_config.cache_config.block_size)
+        return cls(transfer, engine_identity(vllm_config), vllm_config.cache_config.block_size)
+
+
+def engine_identity(vllm_config: Any) -> str:
+    """The checkpoint's identity, plus a digest of every setting that changes the KV a prompt produces.
+
+    Two engines share KV only when both agree; with no such setting it is `model_identity` alone, as
+    kvbridge's own engine names the checkpoint (so the two engines can share).
+    """
+    base = model_identity(vllm_config.model_config)
+    overrides = kv_overrides(vllm_config)
+    if not overrides:
+        return base
+    try:
+        encoded = msgspec.json.encode(overrides, order="sorted")
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ConfigError(
+            f"KVBridgeConnector cannot name this engine's KV-affecting settings ({sorted(overrides)}): {exc}; "
+            "give hf_overrides as plain JSON values"
+        ) from exc
+    return f"{base}+kv:{hashlib.sha256(encoded).hexdigest()[:32]}"
+
+
+def kv_overrides(vllm_config: Any) -> dict[str, Any]:
+    """Settings beside the checkpoint's files that change its KV, where they differ from the default:
+    config overrides (rope scaling among them), the quantization, the KV cache dtype and its scales,
+    and the revision of the model's code."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    out: dict[str, Any] = {}
+    hf_overrides = getattr(model, "hf_overrides", None)
+    if callable(hf_overrides):  # a function of the config: what it made is the config vLLM runs
+        out["hf_config"] = json.loads(model.hf_config.to_json_string(use_diff=False))
+    elif hf_overrides:
+        out["hf_overrides"] = hf_overrides
+    for name, default in (("quantization", None), ("code_revision", None)):
+        value = getattr(model, name, default)
+        if value != default:
+            out[name] = value
+    for name, default in (("cache_dtype", "auto"), ("calculate_kv_scales", False), ("kv_cache_dtype_skip_layers", [])):
+        value = getattr(cache, name, default)
+        if value != default and value is not None:
+            out[name] = value
+    return out
 
 
 def extra_config_names(message: str) -> str:

@@ -1,4 +1,4 @@
-"""`KVBridgeConnector`: any kvbridge connector, loaded into an unmodified vLLM (0.32) as a V1 KV connector.
+"""`KVBridgeConnector`: any kvbridge connector, loaded into an unmodified vLLM (0.25 on CUDA, 0.32 on CPU) as a V1 KV connector.
 
     vllm ... --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.integrations.vllm", "kv_role": "kv_both",
@@ -22,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvbridge import env
 from kvbridge.integrations.vllm.config import AdapterConfig
-from kvbridge.integrations.vllm.kv_layout import layout_of, page_format_of
+from kvbridge.integrations.vllm.identity import vllm_extra_keys_fn
+from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata
 from kvbridge.integrations.vllm.scheduler_side import SchedulerSide
 from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
@@ -44,26 +45,35 @@ def _log_like_vllm() -> None:
         ours.propagate = False
 
 
-def _backend_name(vllm_config: Any) -> str:
-    from vllm.platforms import current_platform
-
-    return "CPU_ATTN" if current_platform.is_cpu() else f"{current_platform.device_name}:unverified"
-
-
 class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         self.setup = AdapterConfig.from_vllm(vllm_config)
-        page_format = page_format_of(_backend_name(vllm_config))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._is_cpu = str(vllm_config.device_config.device).startswith("cpu")
         if role == KVConnectorRole.SCHEDULER:
-            layout = layout_of(kv_cache_config, page_format)[0] if kv_cache_config is not None else None
-            self._scheduler = SchedulerSide(self.setup, layout)
+            self._scheduler = SchedulerSide(self.setup, vllm_extra_keys_fn())
         else:
             device = str(vllm_config.device_config.device)
-            self._worker = WorkerSide(self.setup, kv_cache_config, page_format, device)
+            if device == "cuda":
+                import torch
+
+                device = f"cuda:{torch.cuda.current_device()}"
+            self._worker = WorkerSide(self.setup, vllm_config, kv_cache_config, device)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """On CUDA, NHD: its cross-layer allocation is kvbridge's block-major layout (HND's interleaves
+        layers inside a page and is refused). vLLM's own override (VLLM_KV_CACHE_LAYOUT) still wins."""
+        return None if str(vllm_config.device_config.device).startswith("cpu") else "NHD"
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """Ask vLLM for one allocation holding every layer, blocks outermost (kvbridge's block-major layout:
+        one descriptor per run of blocks). vLLM's V1 model runner honours it on CUDA; elsewhere it is ignored."""
+        return not self._is_cpu
 
     # ------------------------------------------------------------------ worker side
 
@@ -75,6 +85,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        self.worker.register_cross_layers_kv_cache(kv_cache, attn_backend)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -121,9 +134,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._scheduler
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._scheduler is None:
+            return
         ours = [m for m in metadata.values() if isinstance(m, KVBridgeHandshake)]
-        if self._scheduler is not None and ours:
-            self._scheduler.start(ours[0].incarnation, ours[0].step_stats)
+        if len(ours) != 1:
+            raise ConfigError(
+                f"KVBridgeConnector: expected start-up metadata from one kvbridge worker, got {len(ours)} of "
+                f"{len(metadata)} ({sorted(type(m).__name__ for m in metadata.values())}); the scheduler half cannot "
+                "grant leases or size its tiers without it"
+            )
+        self._scheduler.start(ours[0].incarnation, ours[0].step_stats, ours[0].layout)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

@@ -1,6 +1,9 @@
 """vLLM's KV cache -> kvbridge's `KVCacheLayout` and one strided tensor over it, without a copy.
 
-vLLM 0.32 allocates one backing buffer per KV cache group and describes it with `KVCacheTensor`:
+This module reads vLLM's KV cache config (the CPU backend's placement, the geometry, the layer
+order, the attention backend); `backend_layout.py` reads CUDA backends' layouts from the tensors.
+
+vLLM 0.32 (CPU) allocates one backing buffer per KV cache group and describes it with `KVCacheTensor`:
 the page of layer `l` for block `b` (all of that layer's K and V for `block_size` tokens, one
 contiguous run of `page_size_bytes`) starts at `offset + l * layer_stride + b * block_stride`.
 kvbridge's layout speaks the same language (`KVCacheLayout.layer_stride`/`block_stride`), so the
@@ -35,17 +38,9 @@ def layout_of(kv_cache_config: Any, page_format: str) -> tuple[KVCacheLayout, li
 
     Raises ConfigError naming what is unsupported (several groups, non-full attention, padding).
     """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KVBridgeConnector supports models with one KV cache group (full attention in every layer); "
-            f"this model has {len(groups)} (sliding-window, hybrid or encoder layers)"
-        )
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind != "FullAttentionSpec" or spec.head_size_v != spec.head_size:
-        raise ConfigError(f"KVBridgeConnector supports full attention KV caches; this model's is {kind}")
-    tensors = [t for t in kv_cache_config.kv_cache_tensors if set(t.layers) & set(groups[0].layer_names)]
+    group = _full_attention_group(kv_cache_config)
+    spec = group.kv_cache_spec
+    tensors = [t for t in kv_cache_config.kv_cache_tensors if set(t.layers) & set(group.layer_names)]
     if len(tensors) != 1:
         raise ConfigError(
             f"KVBridgeConnector needs every layer's KV in one vLLM KVCacheTensor; this engine has {len(tensors)}"
@@ -108,3 +103,53 @@ def strided_view(kv_caches: dict[str, Any], layer_names: list[str], layout: KVCa
             raise ConfigError(f"vLLM's KV tensor of layer {name} is not in the same buffer as layer 0's")
     return torch.as_strided(first, layout.shape, layout.strides, first.storage_offset())
 
+
+
+def _full_attention_group(kv_cache_config: Any) -> Any:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVBridgeConnector supports models with one KV cache group (full attention in every layer); "
+            f"this model has {len(groups)} (sliding-window, hybrid or encoder layers)"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ConfigError(f"KVBridgeConnector supports full attention KV caches; this model's is {type(spec).__name__}")
+    return groups[0]
+
+
+def layer_names_in_order(kv_cache_config: Any) -> list[str]:
+    """The attention layers in the order of vLLM's KV cache tensors (its layer order on every version)."""
+    group = _full_attention_group(kv_cache_config)
+    ours = set(group.layer_names)
+    names: list[str] = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        layers = getattr(tensor, "shared_by", None) or getattr(tensor, "layers", ())  # 0.25: shared_by; 0.32: layers
+        names += [name for name in layers if name in ours and name not in names]
+    if set(names) != ours:
+        raise ConfigError(f"vLLM's KV cache tensors do not cover its attention layers ({sorted(ours - set(names))[:3]})")
+    return names
+
+
+def geometry(kv_cache_config: Any):
+    """Blocks, block size, heads, head size and dtype of the one full-attention group."""
+    from kvbridge.integrations.vllm.backend_layout import Geometry
+
+    spec = _full_attention_group(kv_cache_config).kv_cache_spec
+    return Geometry(kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, _dtype_name(spec.dtype))
+
+
+def attention_backend(vllm_config: Any, layer_names: list[str]) -> Any:
+    """The attention backend class vLLM chose for these layers (one for all of them, or ConfigError)."""
+    context = vllm_config.compilation_config.static_forward_context
+    backends = set()
+    for name in layer_names:
+        layer = context.get(name)
+        getter = getattr(layer, "get_attn_backend", None)
+        if getter is None:
+            raise ConfigError(f"vLLM's layer {name} has no attention backend KVBridgeConnector can read")
+        backends.add(getter())
+    if len(backends) != 1:
+        names = sorted(b.get_name() for b in backends)
+        raise ConfigError(f"KVBridgeConnector needs one attention backend for every layer; this model has {names}")
+    return backends.pop()

@@ -5,7 +5,8 @@
   `get_step_stats`, e.g. the side-channel port it bound), worker -> scheduler.
 * `KVBridgeHandshake`: sent once at start-up, worker -> scheduler, through vLLM's handshake
   metadata: the worker's engine incarnation (kvbridge's halves must agree on it: it names every
-  lease the scheduler grants and every handshake the worker answers) and its first step stats.
+  lease the scheduler grants and every handshake the worker answers), its first step stats and
+  the KV layout it read from vLLM's tensors (only the worker sees them).
 
 vLLM moves these between its own processes (in one process on CPU); nothing here is read from
 the network.
@@ -44,3 +45,4 @@ class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
 class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     incarnation: str
     step_stats: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)  # the worker's KVCacheLayout fields, as it read them from vLLM

@@ -24,8 +24,10 @@ from kvbridge.connectors.base import (
     SchedulerOutput,
 )
 from kvbridge.connectors.factory import create_connector
+from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.config import AdapterConfig
-from kvbridge.integrations.vllm.requests import RequestViews, first_group, step_output
+from kvbridge.integrations.vllm.identity import ExtraKeysFn, UnidentifiableRequest
+from kvbridge.integrations.vllm.requests import BlockTables, RequestViews, first_group, step_output
 from kvbridge.integrations.vllm.stats import KVBridgeStats, StatsSnapshots, StepTimer
 from kvbridge.layout import KVCacheLayout
 
@@ -33,10 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, setup: AdapterConfig, layout: KVCacheLayout | None) -> None:
+    def __init__(self, setup: AdapterConfig, extra_keys: ExtraKeysFn | None = None) -> None:
         self.setup = setup
-        self.layout = layout
-        self.views = RequestViews(setup.block_size, setup.model_id)
+        self.layout: KVCacheLayout | None = None  # the worker's, from its handshake metadata
+        self.views = RequestViews(setup.block_size, setup.model_id, extra_keys)
+        self._local: set[str] = set()  # requests kvbridge cannot identify: vLLM computes them, nothing is shared
+        self.tables = BlockTables()  # vLLM 0.25 hands connectors block-table deltas only
         self._inner: KVConnectorBase | None = None
         self._delayed: dict[str, Any] = {}  # finished, blocks held for a send: req id -> vLLM request
         self._matched_async: dict[str, bool] = {}  # last match answer: an async load?
@@ -50,15 +54,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ building
 
-    def start(self, incarnation: str | None, step_stats: dict[str, Any]) -> None:
-        """Build the kvbridge half with the worker's incarnation (from vLLM's handshake metadata)."""
+    def start(self, incarnation: str, step_stats: dict[str, Any], layout: dict[str, Any]) -> None:
+        """Build the kvbridge half with the worker's incarnation and KV layout (from vLLM's handshake metadata)."""
+        if self._inner is not None:
+            raise RuntimeError("KVBridgeConnector: start-up metadata delivered twice")
+        self.layout = KVCacheLayout(**layout) if layout else None
         context = ConnectorContext(
             model_id=self.setup.model_id,
             block_size=self.setup.block_size,
             device="cpu",  # the scheduler half touches no device
             hash_namespace=self.setup.model_id,
             layout=self.layout,
-            **({"incarnation": incarnation} if incarnation else {}),
+            incarnation=incarnation,
         )
         self._inner = create_connector(self.setup.transfer, KVConnectorRole.SCHEDULER, context)
         if step_stats:
@@ -66,17 +73,19 @@ class SchedulerSide:
 
     @property
     def inner(self) -> KVConnectorBase:
-        if self._inner is None:  # vLLM delivered no handshake metadata: this engine's workers are elsewhere
-            logger.warning(
-                "KVBridgeConnector: no start-up metadata from the worker; the scheduler half runs with its own "
-                "engine incarnation, so P/D peers may refuse this engine's leases"
+        if self._inner is None:
+            raise ConfigError(
+                "KVBridgeConnector: vLLM delivered no start-up metadata from the worker (set_xfer_handshake_metadata "
+                "was never called), so the scheduler half has no engine incarnation to grant leases under; this vLLM "
+                "version or executor does not collect connector handshake metadata, which KVBridgeConnector needs"
             )
-            self.start(None, {})
         return self._inner
 
     # ------------------------------------------------------------------ admission
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id in self._local or not self._is_identifiable(request):
+            return 0, False
         view = self.views.of(request)
         num_external, load_async = self.inner.get_num_new_matched_tokens(view, num_computed_tokens)
         if num_external is None:
@@ -86,7 +95,24 @@ class SchedulerSide:
         self._matched_async[request.request_id] = is_async
         return num_external, is_async
 
+    def _is_identifiable(self, request: Any) -> bool:
+        """Whether the request's block hashes can be computed; if not, it is kept local from now on."""
+        view = self.views.of(request)
+        try:
+            view.block_hashes
+        except UnidentifiableRequest as exc:
+            self.views.drop(request.request_id)
+            self._local.add(request.request_id)
+            logger.warning(
+                "KVBridgeConnector: request %s is computed locally and shares no KV: its extra keys (cache salt, LoRA, "
+                "multimodal inputs, prompt embeddings) cannot be identified (%s)", request.request_id, exc,
+            )  # fmt: skip
+            return False
+        return True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if request.request_id in self._local:
+            return
         view = self.views.of(request)
         self.inner.update_state_after_alloc(view, first_group(blocks.get_block_ids()), num_external_tokens)
         if self._matched_async.pop(request.request_id, False) and num_external_tokens:
@@ -94,7 +120,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, vllm_output: Any):
         with self.timer.timing():
-            return self.inner.build_connector_meta(step_output(vllm_output, self.views))
+            return self.inner.build_connector_meta(step_output(vllm_output, self.views, self.tables))
 
     # ------------------------------------------------------------------ worker reports
 
@@ -150,6 +176,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        if req_id in self._local:
+            self._local.discard(req_id)
+            return False, None
         view = self.views.of(request)
         delay, params = self.inner.request_finished(view, list(block_ids))
         self._has_ended = True

@@ -1,8 +1,12 @@
 """The adapter's worker half: vLLM's model-runner calls -> a kvbridge connector's worker half.
 
-Lives next to vLLM's KV cache, on vLLM's worker thread. `register_kv_caches` hands the kvbridge
-connector one strided view over vLLM's own KV buffer (`kv_layout.py`): nothing is copied, NIXL
-registers vLLM's memory. The other calls map one to one; layer names become layer indices.
+Lives next to vLLM's KV cache, on vLLM's worker thread. The kvbridge connector is built when vLLM
+registers its KV cache, since only then is the layout known: `register_kv_caches` (per-layer
+tensors; on CPU laid out by vLLM 0.32's `KVCacheTensor`, `kv_layout.py`) or
+`register_cross_layers_kv_cache` (vLLM 0.25's one tensor for every layer on CUDA, read through the
+attention backend, `backend_layout.py`). Either way the connector gets one strided view over vLLM's
+own KV buffer: nothing is copied, NIXL registers vLLM's memory. The other calls map one to one;
+layer names become layer indices.
 
 A worker registers itself by engine id in this process (`local_worker`), so the scheduler half
 can drain it before vLLM resets its prefix cache: on CPU (and with any single-process executor)
@@ -11,17 +15,28 @@ vLLM's scheduler and its only worker share a process and a thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
 
-from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, KVConnectorRole
+from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, KVConnectorBase, KVConnectorRole
 from kvbridge.connectors.factory import create_connector
+from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.affinity import run_unpinned
+from kvbridge.integrations.vllm.backend_layout import cross_layer_views, dim_names, layout_of_tensors
 from kvbridge.integrations.vllm.config import AdapterConfig
-from kvbridge.integrations.vllm.kv_layout import layout_of, strided_view
+from kvbridge.integrations.vllm.kv_layout import (
+    attention_backend,
+    geometry,
+    layer_names_in_order,
+    layout_of,
+    page_format_of,
+    strided_view,
+)
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.integrations.vllm.stats import StatsSnapshots, StepTimer
+from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +50,16 @@ def local_worker(engine_id: str) -> WorkerSide | None:
 
 class WorkerSide:
     @run_unpinned
-    def __init__(self, setup: AdapterConfig, kv_cache_config: Any, page_format: str, device: str) -> None:
+    def __init__(self, setup: AdapterConfig, vllm_config: Any, kv_cache_config: Any, device: str) -> None:
         self.setup = setup
-        self.layout, self.layer_names = layout_of(kv_cache_config, page_format)
-        self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
-        self.context = ConnectorContext(
-            model_id=setup.model_id,
-            block_size=setup.block_size,
-            device=device,
-            hash_namespace=setup.model_id,
-            layout=self.layout,
-        )
-        self.inner = create_connector(setup.transfer, KVConnectorRole.WORKER, self.context)
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._device = device
+        self.layout: KVCacheLayout | None = None
+        self.layer_names: list[str] = []
+        self._layer_index: dict[str, int] = {}
+        self.context: ConnectorContext | None = None
+        self._inner: KVConnectorBase | None = None
         self._carry = CompletedTransfers(set(), set())  # collected by a drain, reported by the next step
         self._snapshots = StatsSnapshots("worker")
         self._has_ended = False  # a request or a transfer ended this step: snapshot the stats
@@ -54,27 +67,75 @@ class WorkerSide:
         self._is_shut_down = False
         _LOCAL_WORKERS[setup.transfer.engine_id] = self
 
+    @property
+    def inner(self) -> KVConnectorBase:
+        if self._inner is None:
+            raise RuntimeError("KVBridgeConnector: vLLM called the worker half before registering its KV cache")
+        return self._inner
+
     @run_unpinned
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        view = strided_view(kv_caches, self.layer_names, self.layout)
-        self.inner.register_kv_caches(view, self.layout)
+        """vLLM's per-layer KV tensors: one buffer of pages on CPU (vLLM 0.32's KVCacheTensor strides) or,
+        on CUDA, whatever the attention backend and the allocation say (`backend_layout.py`)."""
+        if self._device.startswith("cpu"):
+            layout, names = layout_of(self._kv_cache_config, page_format_of("CPU_ATTN"))
+            self._start(layout, names, strided_view(kv_caches, names, layout), "CPU_ATTN")
+            return
+        names = layer_names_in_order(self._kv_cache_config)
+        missing = [name for name in names if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:3]}")
+        backend, geo = attention_backend(self._vllm_config, names), geometry(self._kv_cache_config)
+        tensors = [kv_caches[name] for name in names]
+        layout = layout_of_tensors(tensors, dim_names(backend, geo), geo, backend.get_name())
+        self._start(layout, names, _view(tensors[0], layout), backend.get_name())
+
+    @run_unpinned
+    def register_cross_layers_kv_cache(self, kv_cache: Any, backend: Any) -> None:
+        """vLLM's cross-layer KV tensor (one allocation for every layer, asked for by `prefer_cross_layer_blocks`)."""
+        names, geo = layer_names_in_order(self._kv_cache_config), geometry(self._kv_cache_config)
+        tensors = cross_layer_views(kv_cache, backend, len(names), geo)
+        layout = layout_of_tensors(tensors, dim_names(backend, geo), geo, backend.get_name())
+        self._start(layout, names, _view(tensors[0], layout), f"{backend.get_name()}, cross-layer")
+
+    def _start(self, layout: KVCacheLayout, layer_names: list[str], view: Any, backend_name: str) -> None:
+        if self._inner is not None:
+            raise RuntimeError("KVBridgeConnector: vLLM registered its KV cache twice")
+        self.layout, self.layer_names = layout, list(layer_names)
+        self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        self.context = ConnectorContext(
+            model_id=self.setup.model_id,
+            block_size=self.setup.block_size,
+            device=self._device,
+            hash_namespace=self.setup.model_id,
+            layout=layout,
+        )
+        self._inner = create_connector(self.setup.transfer, KVConnectorRole.WORKER, self.context)
+        self._inner.register_kv_caches(view, layout)
         logger.info(
-            "KVBridgeConnector: %s registered %d layers x %d blocks of vLLM's KV cache (%s, page %d B, %s)",
-            self.setup.transfer.connector, self.layout.num_layers, self.layout.num_blocks, self.layout.page_format,
-            self.layout.page_nbytes, "blocks outermost" if self.layout.is_block_contiguous else "layers outermost",
+            "KVBridgeConnector: %s registered %d layers x %d blocks of vLLM's KV cache (%s; page %s, %d B; %s)",
+            self.setup.transfer.connector, layout.num_layers, layout.num_blocks, backend_name, layout.page_format,
+            layout.page_nbytes, "blocks outermost" if layout.is_block_contiguous else "layers outermost",
         )  # fmt: skip
 
     def handshake(self) -> KVBridgeHandshake:
-        return KVBridgeHandshake(incarnation=self.context.incarnation, step_stats=self.inner.get_step_stats())
+        if self.context is None or self.layout is None:
+            raise RuntimeError("KVBridgeConnector: vLLM asked for handshake metadata before registering its KV cache")
+        return KVBridgeHandshake(
+            incarnation=self.context.incarnation,
+            step_stats=self.inner.get_step_stats(),
+            layout=dataclasses.asdict(self.layout),
+        )
 
     # ------------------------------------------------------------------ per step
 
     def bind(self, metadata: KVBridgeMetadata | None) -> None:
-        if metadata is not None and metadata.inner is not None:
+        if metadata is not None and metadata.inner is not None and self._inner is not None:
             self.inner.bind_connector_metadata(metadata.inner)
 
     def clear(self) -> None:
-        self.inner.clear_connector_metadata()
+        if self._inner is not None:
+            self._inner.clear_connector_metadata()
 
     @run_unpinned
     def start_load_kv(self) -> None:
@@ -155,8 +216,18 @@ class WorkerSide:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        if self._inner is None:  # vLLM never registered a KV cache: nothing was started
+            _LOCAL_WORKERS.pop(self.setup.transfer.engine_id, None)
+            return
         try:
             self._flush(self.setup.transfer.flush_timeout_s)
         finally:
-            self.inner.shutdown()
+            self._inner.shutdown()
             _LOCAL_WORKERS.pop(self.setup.transfer.engine_id, None)
+
+
+def _view(first: Any, layout: KVCacheLayout) -> Any:
+    """`[num_blocks, num_layers, *page_shape]` over the buffer that holds layer 0's tensor `first`."""
+    import torch
+
+    return torch.as_strided(first, layout.shape, layout.strides, first.storage_offset())

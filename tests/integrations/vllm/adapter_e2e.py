@@ -18,6 +18,8 @@ from typing import Any
 
 from vllm_client import scrape_metrics
 
+from kvbridge.serve.launcher import http_json
+
 # Gauges of the NixlConnector (worker half) and of the adapter, as vLLM's /metrics names them.
 TRANSFERS = "kvbridge_worker_num_transfers"
 BYTES = "kvbridge_worker_bytes_transferred"
@@ -76,3 +78,21 @@ def wait_for_metrics(url: str, is_done: Callable[[dict[str, float]], bool], time
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def reset_prefix_cache(url: str, timeout_s: float = 15.0) -> int:
+    """POST /reset_prefix_cache until vLLM reports success; returns the attempts it took.
+
+    Its worker runs in a process of its own (vLLM's CPU backend with multiprocessing), so the adapter
+    cannot drain it first: vLLM refuses while an offload store still holds blocks, and a retry succeeds.
+    """
+    deadline = time.monotonic() + timeout_s
+    attempts = 0
+    while True:
+        attempts += 1
+        status, body = http_json(f"{url}/reset_prefix_cache", {})
+        assert status == 200, (status, body)
+        if body.get("success") or time.monotonic() > deadline:
+            assert body.get("success"), f"vLLM did not reset its prefix cache in {timeout_s} s: {body}"
+            return attempts
+        time.sleep(0.2)

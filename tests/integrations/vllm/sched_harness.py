@@ -239,14 +239,16 @@ class SchedulerHarness:
     # ------------------------------------------------------------------ requests
 
     def make_request(
-        self, req_id: str, prompt: list[int], *, max_tokens: int = 1, kv_transfer_params: dict[str, Any] | None = None
+        self, req_id: str, prompt: list[int], *, max_tokens: int = 1, kv_transfer_params: dict[str, Any] | None = None,
+        **request_fields: Any,
     ) -> Request:
-        """A vLLM request as EngineCore builds one; `kv_transfer_params` travel in sampling_params.extra_args."""
+        """A vLLM request as EngineCore builds one; `kv_transfer_params` travel in sampling_params.extra_args;
+        `request_fields` are other `Request` arguments (cache_salt, lora_request, ...)."""
         extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
         return Request(
             request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params, pooling_params=None,
-            arrival_time=float(next(self._arrivals)), block_hasher=self.block_hasher,
+            arrival_time=float(next(self._arrivals)), block_hasher=self.block_hasher, **request_fields,
         )  # fmt: skip
 
     def add_request(self, req_id: str, prompt: list[int], **kwargs: Any) -> Request:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from adapter_e2e import greedy, kvbridge_metrics, kvbridge_transfer_config, random_prompt, wait_for_metrics
+from adapter_e2e import greedy, kvbridge_metrics, kvbridge_transfer_config, random_prompt, reset_prefix_cache, wait_for_metrics
 from vllm_client import complete
 from vllm_server import CPU_BLOCK_SIZE
 
-from kvbridge.serve.launcher import http_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -63,31 +62,13 @@ def servers(vllm_servers, tiny_checkpoint):
     return offload, multi
 
 
-def _reset_prefix_cache(url: str, timeout_s: float = 15.0) -> int:
-    """POST /reset_prefix_cache until vLLM reports success; returns the attempts it took.
-
-    Its worker runs in a process of its own (vLLM's CPU backend with multiprocessing), so the adapter
-    cannot drain it first: vLLM refuses while an offload store still holds blocks, and a retry succeeds.
-    """
-    deadline = time.monotonic() + timeout_s
-    attempts = 0
-    while True:
-        attempts += 1
-        status, body = http_json(f"{url}/reset_prefix_cache", {})
-        assert status == 200, (status, body)
-        if body.get("success") or time.monotonic() > deadline:
-            assert body.get("success"), f"vLLM did not reset its prefix cache in {timeout_s} s: {body}"
-            return attempts
-        time.sleep(0.2)
-
-
 def test_host_tier_serves_prompt_after_prefix_cache_reset(servers):
     offload, _ = servers
     prompt = random_prompt(seed=100, num_tokens=PROMPT_LEN)
     first = complete(offload.url, greedy(prompt, MAX_TOKENS))
     stored = wait_for_metrics(offload.url, lambda m: _sum_of(m, "worker", "blocks_stored") >= NUM_FULL_BLOCKS)
     assert _sum_of(stored, "worker", "blocks_stored") == NUM_FULL_BLOCKS, stored
-    attempts = _reset_prefix_cache(offload.url)
+    attempts = reset_prefix_cache(offload.url)
     before = kvbridge_metrics(offload.url)
 
     second = complete(offload.url, greedy(prompt, MAX_TOKENS))

@@ -444,7 +444,7 @@ def test_p2p_bookkeeping_is_empty_after_every_way_of_finishing(tiny_checkpoint, 
     assert h.num_used_blocks == 0
     assert leftovers(h) == {}
     nixl = h.inner
-    assert not (nixl._local_hits or nixl._handled or nixl._new_recvs or nixl._new_leases or nixl._leased)
+    assert not (nixl._local_hits or nixl._handled or nixl._refused or nixl._new_recvs or nixl._new_leases or nixl._leased)
 
 
 @pytest.mark.parametrize("seed", [0])
