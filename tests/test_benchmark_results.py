@@ -46,3 +46,13 @@ def test_a_kept_result_becomes_a_table_of_its_headline_figures():
 def test_the_last_json_object_is_read_past_log_lines():
     results = load_results_module()
     assert results.last_json_object('loading {weights}\n{"a": 1}\nnoise\n{"b": {"c": 2}}\n') == {"b": {"c": 2}}
+
+
+def test_a_nested_result_shows_the_leaves_its_benchmark_names():
+    results = load_results_module()
+    result = {"benchmark": "vllm_pd", "arms": {"kvbridge": {"by_prompt_len": {"1024": {
+        "ttft_s": {"p50": 0.11, "p99": 0.12, "min": 0.1}, "transfer": {"gb_per_s": 56.9, "latency_gauges_ms": {"p90": 12.4}},
+    }}}}}  # fmt: skip
+    rows = dict(results.headlines(result))
+    assert rows == {"arms.kvbridge.by_prompt_len.1024.ttft_s.p50": "0.11", "arms.kvbridge.by_prompt_len.1024.ttft_s.p99": "0.12",
+                    "arms.kvbridge.by_prompt_len.1024.transfer.gb_per_s": "56.9"}  # fmt: skip
