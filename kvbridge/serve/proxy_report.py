@@ -47,7 +47,7 @@ def recompute_reason(
 
 # What a failed load's message (the decode node's `kv_load_error`) names, checked in this order.
 _CAUSES = (
-    ("authentication_failed", ("AuthenticationError", "wrong signature")),
+    ("authentication_failed", ("AuthenticationError", "wrong signature", "KVBRIDGE_SIDE_CHANNEL_SECRET")),
     ("peer_not_allowed", ("allowed_peers",)),
     ("peer_unreachable", ("PeerUnreachableError", "unreachable", "did not answer", "REMOTE_DISCONNECT")),
     ("timeout", ("TransferTimeoutError", "within its deadline", "timed out")),

@@ -25,6 +25,9 @@ from kvbridge.serve.proxy_report import RECOMPUTE_REASONS, kv_source, recompute_
          "read from engine e at tcp://127.0.0.1:1: TransferError: NIXL could not post a READ: NIXL_ERR_REMOTE_DISCONNECT"},
          "peer_unreachable", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
+         "reply from tcp://127.0.0.1:1 refused: ...; set the same KVBRIDGE_SIDE_CHANNEL_SECRET on both nodes (a peer "
+         "without our secret cannot sign its answers)"}, "authentication_failed", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
          "KV DIGEST MISMATCH: 1 of 2 blocks read from engine e at tcp://127.0.0.1:1 do not hold the bytes it leased"},
          "digest_mismatch", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0}, "kv_not_pulled", "computed"),
