@@ -93,7 +93,7 @@ def wait_until_proxy_healthy(net, proxy_url: str, timeout_s: float = 60.0) -> No
     while True:
         with net.entered(net.decode):
             status, reply = http_json(f"{proxy_url}/health", timeout_s=10.0)
-        if status == 200:
+        if status == 200 and reply.get("status") == "ok":  # every node back in rotation, the prefill too
             return
         assert time.monotonic() < deadline, reply
         time.sleep(0.5)
