@@ -18,9 +18,11 @@ destination blocks: neither releasing its handle nor removing the peer's agent s
 on their way (measured over UCX's TCP transport: they land after both). Such a read is quarantined:
 its handle is kept and polled, and its record is reported only once NIXL says the transfer is over,
 so the owner of the blocks never frees or reuses them while a late write could land. A quarantine
-lasts at most `transfer_timeout_s`; then the peer is disconnected, the blocks are released anyway,
-and an error is logged and counted (`num_quarantine_timeouts`): past that bound NIXL offers no way
-to rule a late write out, so a peer that stalls that long is a peer the operator must look at.
+lasts at most `transfer_timeout_s`; then its handle is released and the blocks with it, and an
+error is logged and counted (`num_quarantine_timeouts`): past that bound NIXL offers no way to rule
+a late write out, so a peer that stalls that long is a peer the operator must look at. (The peer is
+not disconnected then: removing an agent with a transfer in flight over a partitioned link blocked
+for tens of seconds and left later reads from that peer failing, measured in tests/serve/test_netns.py.)
 
 `read_blocks` never blocks: when the peer is not known yet the record starts HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
@@ -149,9 +151,11 @@ class KVEndpoint:
             before_unmap=self._sync_ipc_copies,  # nothing may use a mapping once it is closed
         )
         self._ipc = IpcCopier(kv_cache, layout, opts.ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
-        self._quarantine: dict[str, tuple[TransferRecord, float]] = {}  # req id -> (expired read in flight, since)
+        # req id -> (expired read in flight, since, the peer instance it reads from)
+        self._quarantine: dict[str, tuple[TransferRecord, float, tuple[str, str]]] = {}
         self._unquarantined: list[TransferRecord] = []  # ended quarantines, reported by the next poll
         self.num_quarantined_reads = self.num_quarantine_timeouts = 0
+        self._to_forget: set[str] = set()  # peers to forget once no NIXL read from them is in flight
         self._closed = False
         self.server = (
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
@@ -183,8 +187,21 @@ class KVEndpoint:
         return self.peers.handshake(address)
 
     def forget_peer(self, address: str) -> None:
-        """Drop a peer's metadata and cached lists; the next transfer to it handshakes again."""
+        """Drop a peer's metadata and cached lists; the next transfer to it handshakes again.
+
+        Deferred while NIXL reads from it are in flight or quarantined: once its agent is removed,
+        NIXL reports those reads over while their bytes may still land.
+        """
+        if self._reads_from(address):
+            self._to_forget.add(address)
+            return
+        self._to_forget.discard(address)
         self.peers.forget(address)
+
+    def _reads_from(self, address: str) -> bool:
+        """Whether NIXL reads from `address` are in flight (posted or quarantined)."""
+        live = any(r.peer == address and isinstance(r.handle, NixlPost) for r in self.tracker.live())
+        return live or any(entry[0].peer == address for entry in self._quarantine.values())
 
     def request(self, address: str, msg: m.Message, audience: tuple[str, str] | None = None) -> m.Message:
         """Send a side-channel message (LeaseRenew, TransferDone, Ping...) to `address` and return the reply.
@@ -286,6 +303,8 @@ class KVEndpoint:
             else:
                 self._release(rec)
         self._end_quarantines()
+        for address in [a for a in self._to_forget if not self._reads_from(a)]:
+            self.forget_peer(address)
         self.peers.drop_handshakes({r.peer for r in self.tracker.live() if r.state is TransferState.HANDSHAKING})
 
     def _finish_handshakes(self) -> None:
@@ -309,7 +328,7 @@ class KVEndpoint:
                 )
 
     def _quarantine_read(self, rec: TransferRecord) -> None:
-        self._quarantine[rec.req_id] = (rec, self.tracker.clock())
+        self._quarantine[rec.req_id] = (rec, self.tracker.clock(), self._peer_instance(rec.peer))
         self.num_quarantined_reads += 1
         logger.warning(
             "read %s from %s expired while NIXL still runs it: its %d destination blocks stay quarantined until "
@@ -318,20 +337,25 @@ class KVEndpoint:
 
     def _end_quarantines(self) -> None:
         now = self.tracker.clock()
-        for req_id, (rec, since) in list(self._quarantine.items()):
-            if self.agent.poll(rec.handle.xfer) is XferState.IN_PROGRESS:
+        for req_id, (rec, since, instance) in list(self._quarantine.items()):
+            # Once the peer's agent is removed (a failure of another read, a restart), NIXL reports its
+            # transfers over while their bytes may still land: only the bound ends the quarantine then.
+            is_over = self.agent.poll(rec.handle.xfer) is not XferState.IN_PROGRESS
+            if not is_over or self._peer_instance(rec.peer) != instance:
                 if now - since < self.transfer_timeout_s:
                     continue
                 self.num_quarantine_timeouts += 1
                 logger.error(
-                    "read %s from %s: NIXL still runs it %.0fs after it expired; disconnecting from the peer and "
-                    "releasing its blocks (a late write into them can no longer be ruled out)", req_id, rec.peer,
-                    now - since,
+                    "read %s from %s: NIXL still runs it %.0fs after it expired; releasing it and its blocks "
+                    "(a late write into them can no longer be ruled out)", req_id, rec.peer, now - since,
                 )  # fmt: skip
-                self.forget_peer(rec.peer)
             self._release(rec)
             del self._quarantine[req_id]
             self._unquarantined.append(rec)
+
+    def _peer_instance(self, address: str) -> tuple[str, str]:
+        info = self.peers.get(address) if address in self.peers else None
+        return (info.agent_name, info.incarnation) if info is not None else ("", "")
 
     @property
     def num_quarantined(self) -> int:
@@ -397,7 +421,7 @@ class KVEndpoint:
         self._closed = True
         if self.server is not None:
             self.server.close()
-        for rec in [*self.tracker.live(), *(rec for rec, _ in self._quarantine.values())]:
+        for rec in [*self.tracker.live(), *(entry[0] for entry in self._quarantine.values())]:
             self._release(rec)
         self._quarantine.clear()
         self._sync_ipc_copies()

@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MIN_RENEW_INTERVAL_S = 0.1  # renewals to one prefill engine are at least this far apart
+
 
 class NixlWorker:
     def __init__(self, config: KVTransferConfig, context: ConnectorContext, options: NixlOptions) -> None:
@@ -240,7 +242,8 @@ class NixlWorker:
             answered = job.remote.address in peers
             if not answered and not peers.is_handshaking(job.remote.address):
                 continue
-            interval_s = job.lease_s / 3 if job.lease_s > 0 else float("inf")
+            # params name the prefill's term; a forged tiny one must not turn renewals into a flood
+            interval_s = max(MIN_RENEW_INTERVAL_S, job.lease_s / 3) if job.lease_s > 0 else float("inf")
             reading.setdefault(job.remote, []).append(Reading(job.lease, self._admitted[req_id], interval_s, answered))
         return reading
 
