@@ -120,7 +120,6 @@ def test_a_wildcard_bind_without_a_route_is_refused_naming_the_flag(net):
 
 
 def test_a_partition_before_the_read_ends_in_a_recompute_and_strands_nothing(net, nodes):
-    wait_until_proxy_healthy(net, nodes["proxy"])  # the proxy may have probed the prefill before it was up
     warm = post(net, f"{nodes['proxy']}/v1/completions", {"prompt": "Warm up the peers. " * 8, "max_tokens": 1})
     assert warm["kvbridge"]["num_external_tokens"] > 0  # the handshake is done: the partition hits the read
     prompt_body = {"prompt": "A partition cuts the wire between the hosts. " * 8, "max_tokens": MAX_TOKENS, "temperature": 0}
