@@ -74,7 +74,7 @@ def record(name: str, command: list[str]) -> Path:
 
 def keep(name: str, result: dict, command: str, commit: str | None = None) -> Path:
     """Write `result` as benchmarks/results/NAME.json with when, where from and how it was made."""
-    dirty = git("status", "--porcelain", "--", "kvbridge", "benchmarks")
+    dirty = git("status", "--porcelain", "--", "kvbridge", "benchmarks", ":!benchmarks/results")
     result["recorded"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "commit": commit or git("rev-parse", "--short=10", "HEAD") + ("+changes" if dirty else ""),
