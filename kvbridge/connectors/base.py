@@ -271,6 +271,16 @@ class KVConnectorBase(ABC):
         again for the same request in a later step (if it could not be admitted).
         """
 
+    def take_refusal(self, request_id: str) -> str | None:
+        """Why this connector refused the external KV a request's params named (a peer outside
+        `allowed_peers`, blocks that are not the prompt's, malformed params), in one line, or None.
+
+        Called by the scheduler right after `get_num_new_matched_tokens` matched no external token for
+        the request; the reason is handed over once (the request's answer reports it), so the
+        connector forgets it. The default refuses nothing.
+        """
+        return None
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
@@ -414,7 +424,7 @@ class SchedulerHalf(Protocol):
     """The scheduler half of a connector written as two plain objects (`split.SplitConnector`).
 
     Each method means what the `KVConnectorBase` method of the same name means. May also define
-    `check_integrity()` (see `KVConnectorBase.check_integrity`).
+    `check_integrity()` and `take_refusal()` (see `KVConnectorBase`).
     """
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult: ...

@@ -174,6 +174,11 @@ class MultiConnector(KVConnectorBase):
                 return MatchResult(num_tokens, load_async)
         return MatchResult(0, False)
 
+    def take_refusal(self, request_id: str) -> str | None:
+        """The first child's refusal (every child is asked, so none keeps a reason)."""
+        reasons = [child.take_refusal(request_id) for child in self.children]
+        return next((r for r in reasons if r is not None), None)
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:

@@ -85,6 +85,10 @@ class SplitConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def take_refusal(self, request_id: str) -> str | None:
+        take = getattr(self.scheduler, "take_refusal", None)  # optional for a scheduler half
+        return take(request_id) if take is not None else None
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:

@@ -18,11 +18,11 @@ RECOMPUTE_REASONS = {
     "peer_not_allowed": "the decode node's allowed_peers does not allow the prefill node's host",
     "peer_unreachable": "the decode node could not reach the prefill node's side channel",
     "timeout": "the decode node's pull made no progress within its deadline (transfer_timeout_s)",
-    "proof_failed": "the prefill node did not vouch for the read (no lease matched: expired, released, restarted)",
+    "proof_failed": "the prefill node did not vouch for the read (no lease matched: expired, released, restarted), "
+    "or the params name blocks that are not this prompt's (block hash mismatch)",
     "digest_mismatch": "the bytes the decode node read are not the ones the prefill node leased (or it sent no digest)",
     "kv_load_failed": "the decode node tried to pull the KV and failed for another reason (kv_load_error says which)",
-    "kv_not_pulled": "the decode node pulled nothing (it refused the params, e.g. the prefill host is not in its "
-    "allowed_peers, or runs no P/D connector); its log says why",
+    "kv_not_pulled": "the decode node pulled nothing and gave no reason (e.g. it runs no P/D connector)",
 }
 
 
@@ -40,8 +40,8 @@ def recompute_reason(
         return "no_kv_params"
     if _count(decode_kvbridge, "num_external_tokens") > 0:
         return None
-    if _count(decode_kvbridge, "num_failed_load_blocks") == 0:
-        return "kv_not_pulled"
+    if _count(decode_kvbridge, "num_failed_load_blocks") == 0 and not decode_kvbridge.get("kv_load_error"):
+        return "kv_not_pulled"  # nor did it say why: e.g. a decode node without a P/D connector
     return load_failure_cause(decode_kvbridge.get("kv_load_error"))
 
 
@@ -51,7 +51,7 @@ _CAUSES = (
     ("peer_not_allowed", ("allowed_peers",)),
     ("peer_unreachable", ("PeerUnreachableError", "unreachable", "did not answer", "REMOTE_DISCONNECT")),
     ("timeout", ("TransferTimeoutError", "within its deadline", "timed out")),
-    ("proof_failed", ("did not confirm the read",)),
+    ("proof_failed", ("did not confirm the read", "are not this prompt's")),
     ("digest_mismatch", ("KV DIGEST MISMATCH", "sent no digest")),
 )
 

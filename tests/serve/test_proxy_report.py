@@ -30,6 +30,12 @@ from kvbridge.serve.proxy_report import RECOMPUTE_REASONS, kv_source, recompute_
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 2, "kv_load_error":
          "KV DIGEST MISMATCH: 1 of 2 blocks read from engine e at tcp://127.0.0.1:1 do not hold the bytes it leased"},
          "digest_mismatch", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "num_failed_load_blocks": 0, "kv_load_error":
+         "it names prefill host '127.0.0.1', which the NixlConnector option allowed_peers ['10.0.0.0/8'] does not allow"},
+         "peer_not_allowed", "computed"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0, "kv_load_error":
+         "the remote prefill's blocks are not this prompt's: they hold other tokens (block hash mismatch)"},
+         "proof_failed", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 0}, "kv_not_pulled", "computed"),
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": True}, "kv_not_pulled", "computed"),  # not a count
     ],

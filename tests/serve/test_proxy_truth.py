@@ -65,7 +65,7 @@ def test_the_proxy_reports_what_each_decode_node_did():
                 "authentication_failed": start_node("decode-wrong-secret", "decode", log_dir,
                                              extra_args=[*NODE_ARGS, *extra, json.dumps(FAST_FAIL)],
                                              env={"KVBRIDGE_SIDE_CHANNEL_SECRET": WRONG_SECRET}),
-                "kv_not_pulled": start_node("decode-no-peers", "decode", log_dir,
+                "peer_not_allowed": start_node("decode-no-peers", "decode", log_dir,
                                             extra_args=[*NODE_ARGS, *extra, json.dumps({**FAST_FAIL, "allowed_peers": ["10.0.0.0/8"]})],
                                             env={"KVBRIDGE_SIDE_CHANNEL_SECRET": SECRET}),
             }  # fmt: skip
@@ -110,6 +110,9 @@ def test_the_proxy_reports_what_each_decode_node_did():
                 assert kvbridge["num_external_tokens"] == 0 and report["kv_source"] == "computed", kvbridge
                 if expectation == "authentication_failed":  # the decode node's own words, passed on
                     assert "AuthenticationError" in report["kv_load_error"] == kvbridge["kv_load_error"], kvbridge
-    for reason in ("authentication_failed", "kv_not_pulled"):
+                if expectation == "peer_not_allowed":  # refused before any pull: the scheduler's words
+                    assert "allowed_peers" in report["kv_load_error"] == kvbridge["kv_load_error"], kvbridge
+                    assert kvbridge["num_failed_load_blocks"] == 0, kvbridge
+    for reason in ("authentication_failed", "peer_not_allowed"):
         assert f'kvbridge_proxy_recomputes_total{{reason="{reason}"}} {float(NUM_ROUNDS)}' in metrics, metrics
 

@@ -53,6 +53,7 @@ class NixlScheduler:
         # decode: requests whose remote blocks were refused, counted and logged once however often the
         # engine asks (vLLM asks again each step a request waits: the answer must have no side effect)
         self._refused: set[str] = set()
+        self._refusals: dict[str, str] = {}  # decode: why a request's params were refused, until taken
         self._new_recvs: dict[str, RecvJob] = {}
         self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
@@ -67,18 +68,23 @@ class NixlScheduler:
         try:
             params = parse_remote_prefill(request.kv_transfer_params)
         except InvalidRequestError as e:
-            logger.error("request %s: %s; computing its prompt locally", request.request_id, e)
-            self._handled.add(request.request_id)
+            self._refuse(request.request_id, str(e))
             return None
         if params is not None and not self.peer_policy.allows(params.remote_host):
-            logger.error(
-                "request %s names prefill host %r, which the NixlConnector option allowed_peers %s does not "
-                "allow; computing its prompt locally", request.request_id, params.remote_host, list(self.peer_policy.allowed),
-            )  # fmt: skip
+            self._refuse(request.request_id, f"it names prefill host {params.remote_host!r}, which the NixlConnector "
+                         f"option allowed_peers {list(self.peer_policy.allowed)} does not allow")  # fmt: skip
             self.num_refused_peers += 1
-            self._handled.add(request.request_id)
             return None
         return params
+
+    def _refuse(self, request_id: str, reason: str) -> None:
+        """Params this request will never load from: said once, in the log and to `take_refusal`."""
+        logger.error("request %s: %s; computing its prompt locally", request_id, reason)
+        self._handled.add(request_id)
+        self._refusals[request_id] = reason
+
+    def take_refusal(self, request_id: str) -> str | None:
+        return self._refusals.pop(request_id, None)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         params = self._remote_params(request)
@@ -108,8 +114,8 @@ class NixlScheduler:
             return num_blocks
         if request.request_id not in self._refused:
             self._refused.add(request.request_id)
-            logger.error("request %s: the remote prefill's blocks are not this prompt's: %s; computing it locally",
-                         request.request_id, reason)  # fmt: skip
+            self._refusals[request.request_id] = reason = f"the remote prefill's blocks are not this prompt's: {reason}"
+            logger.error("request %s: %s; computing it locally", request.request_id, reason)
             self.num_mismatched_params += 1
         return 0
 
@@ -169,6 +175,7 @@ class NixlScheduler:
             self._release_unread(request)
         self._handled.discard(request.request_id)
         self._refused.discard(request.request_id)
+        self._refusals.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return KVHandoff(False, None)
