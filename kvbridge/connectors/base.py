@@ -271,6 +271,15 @@ class KVConnectorBase(ABC):
         again for the same request in a later step (if it could not be admitted).
         """
 
+    def external_source(self, request_id: str) -> str:
+        """Where the external tokens just matched for a request come from: "peer" (another engine's
+        KV, pulled), "host_tier" or "disk_tier" (this engine's offload tiers), or a word of the
+        connector's own. Called by the scheduler right after `get_num_new_matched_tokens` matched
+        external tokens for the request; the request's answer reports it (`kv_external_source`).
+        The default, "external", says only that a connector supplied them.
+        """
+        return "external"
+
     def take_refusal(self, request_id: str) -> str | None:
         """Why this connector refused the external KV a request's params named (a peer outside
         `allowed_peers`, blocks that are not the prompt's, malformed params), in one line, or None.
@@ -424,7 +433,7 @@ class SchedulerHalf(Protocol):
     """The scheduler half of a connector written as two plain objects (`split.SplitConnector`).
 
     Each method means what the `KVConnectorBase` method of the same name means. May also define
-    `check_integrity()` and `take_refusal()` (see `KVConnectorBase`).
+    `check_integrity()`, `take_refusal()` and `external_source()` (see `KVConnectorBase`).
     """
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult: ...

@@ -174,6 +174,11 @@ class MultiConnector(KVConnectorBase):
                 return MatchResult(num_tokens, load_async)
         return MatchResult(0, False)
 
+    def external_source(self, request_id: str) -> str:
+        """The source the child that matched the request's external tokens names."""
+        owner = self._load_owner.get(request_id)
+        return self.children[owner].external_source(request_id) if owner is not None else super().external_source(request_id)
+
     def take_refusal(self, request_id: str) -> str | None:
         """The first child's refusal (every child is asked, so none keeps a reason)."""
         reasons = [child.take_refusal(request_id) for child in self.children]

@@ -85,6 +85,10 @@ class SplitConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def external_source(self, request_id: str) -> str:
+        source = getattr(self.scheduler, "external_source", None)  # optional for a scheduler half
+        return source(request_id) if source is not None else super().external_source(request_id)
+
     def take_refusal(self, request_id: str) -> str | None:
         take = getattr(self.scheduler, "take_refusal", None)  # optional for a scheduler half
         return take(request_id) if take is not None else None

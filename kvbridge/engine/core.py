@@ -200,6 +200,7 @@ class EngineCore:
             num_external_tokens=request.num_external_tokens,
             num_failed_load_blocks=request.num_failed_load_blocks,
             kv_load_error=request.kv_load_error,
+            kv_external_source=request.kv_external_source,
             error=request.error,
         )
 

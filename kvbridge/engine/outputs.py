@@ -55,4 +55,5 @@ class RequestOutput:
     num_external_tokens: int = 0  # prompt tokens served by a connector
     num_failed_load_blocks: int = 0  # blocks a connector failed to load (recomputed, or the request failed)
     kv_load_error: str | None = None  # why the last failed load failed, as the connector said
+    kv_external_source: str | None = None  # where num_external_tokens came from: "peer", "host_tier", "disk_tier", ...
     error: str | None = None

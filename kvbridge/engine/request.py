@@ -42,6 +42,7 @@ class Request:
         self.num_external_tokens = 0  # prompt tokens served by a connector
         self.num_failed_load_blocks = 0  # blocks a connector failed to load for it (recomputed or failed)
         self.kv_load_error: str | None = None  # why the last failed load failed, as the connector said
+        self.kv_external_source: str | None = None  # where its external tokens came from ("peer", "host_tier", ...)
         self.num_preemptions = 0
         self.error: str | None = None
         self.block_hashes: list[BlockHash] = hash_full_blocks(

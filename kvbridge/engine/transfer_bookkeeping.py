@@ -100,9 +100,11 @@ class TransferBookkeeping:
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
         if num_external is None:
             return None
-        if not num_external and (refusal := self.connector.take_refusal(request.request_id)) is not None:
-            request.kv_load_error = refusal  # the answer says why the params it was sent were not used
         num_external = max(0, min(num_external, request.num_tokens - num_local))
+        if num_external:
+            request.kv_external_source = self.connector.external_source(request.request_id)
+        elif (refusal := self.connector.take_refusal(request.request_id)) is not None:
+            request.kv_load_error = refusal  # the answer says why the params it was sent were not used
         return num_external, bool(load_async and num_external > 0)
 
     def after_alloc(self, request: Request, block_ids: list[int], num_external: int) -> None:

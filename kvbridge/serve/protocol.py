@@ -302,6 +302,7 @@ def kvbridge_stats(
         "num_external_tokens": output.num_external_tokens,
         "num_failed_load_blocks": getattr(output, "num_failed_load_blocks", 0),  # a connector's load failed ...
         "kv_load_error": getattr(output, "kv_load_error", None),  # ... and why, as the connector said
+        "kv_external_source": getattr(output, "kv_external_source", None),  # "peer", "host_tier", "disk_tier"
         "kv_transfer_bytes": (
             external_kv_bytes(output.num_external_tokens, block_size, block_nbytes) if block_size else 0
         ),

@@ -170,6 +170,7 @@ class PDProxy:
         def annotate(kvbridge: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
             # What the decode node did, from its own report: never inferred from what the proxy sent.
             reason = recompute_reason(routed.disaggregated, prefill is not None, kv_params, kvbridge)
+            source = kv_source(reason, kvbridge)
             if reason is not None:
                 self.metrics.recomputes.labels(reason=reason).inc()
             kvbridge["proxy"] = {
@@ -177,10 +178,10 @@ class PDProxy:
                 "decode_url": decode_url,
                 "prefill_attempts": prefill.num_attempts if prefill else None,
                 "decode_attempts": decode_attempts,
-                "disaggregated": reason is None,
+                "disaggregated": reason is None and source == "prefill_node",
                 "recomputed": reason is not None,
                 "recompute_reason": reason,
-                "kv_source": kv_source(reason, kvbridge),
+                "kv_source": source,
                 "kv_load_error": kvbridge.get("kv_load_error"),  # the decode node's own words, when a load failed
                 "prefill_s": round(t1 - t0, 6),
                 "decode_s": round(time.monotonic() - t1, 6),

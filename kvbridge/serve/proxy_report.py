@@ -65,12 +65,17 @@ def load_failure_cause(kv_load_error: Any) -> str:
     return "kv_load_failed"
 
 
+# A decode node's `kv_external_source` -> the proxy's `kv_source` (absent or "peer": pulled).
+TIER_SOURCES = {"host_tier": "decode_host_tier", "disk_tier": "decode_disk_tier"}
+
+
 def kv_source(reason: str | None, decode_kvbridge: dict[str, Any]) -> str:
-    """Where the decode node's KV for the prompt came from: "prefill_node" (pulled), else
+    """Where the decode node's KV for the prompt came from: "prefill_node" (pulled), its own offload
+    tier ("decode_host_tier", "decode_disk_tier", as its `kv_external_source` says), else
     "decode_prefix_cache" when its own prefix cache served part or all of the prompt (it computed
     the rest), else "computed"."""
     if reason is None:
-        return "prefill_node"
+        return TIER_SOURCES.get(decode_kvbridge.get("kv_external_source"), "prefill_node")
     return "decode_prefix_cache" if _count(decode_kvbridge, "num_cached_tokens") > 0 else "computed"
 
 

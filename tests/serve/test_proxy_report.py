@@ -11,6 +11,11 @@ from kvbridge.serve.proxy_report import RECOMPUTE_REASONS, kv_source, recompute_
     ("disaggregated", "prefill_answered", "kv_params", "decode", "reason", "source"),
     [
         (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 32}, None, "prefill_node"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 32, "kv_external_source": "peer"}, None, "prefill_node"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 32, "kv_external_source": "host_tier"}, None,
+         "decode_host_tier"),
+        (True, True, {"remote_block_ids": [1]}, {"num_external_tokens": 32, "kv_external_source": "disk_tier"}, None,
+         "decode_disk_tier"),
         (False, False, None, {"num_external_tokens": 0}, "not_disaggregated", "computed"),
         (True, False, None, {"num_external_tokens": 0, "num_cached_tokens": 16}, "no_prefill_node", "decode_prefix_cache"),
         (True, True, None, {"num_external_tokens": 0}, "no_kv_params", "computed"),

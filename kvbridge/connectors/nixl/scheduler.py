@@ -86,6 +86,9 @@ class NixlScheduler:
     def take_refusal(self, request_id: str) -> str | None:
         return self._refusals.pop(request_id, None)
 
+    def external_source(self, request_id: str) -> str:
+        return "peer"  # a prefill engine's KV, pulled
+
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         params = self._remote_params(request)
         if params is None or not params.remote_block_ids:

@@ -49,7 +49,7 @@ class OffloadScheduler:
         if config.has_disk:
             self.disk = DiskTierIndex(config.num_disk_blocks(block_nbytes), scan_block_files(config.disk_dir))
         self._reqs: dict[str, _RequestState] = {}
-        self._matches: dict[str, tuple[int, int]] = {}  # req id -> (first block, number of blocks)
+        self._matches: dict[str, tuple[int, int, bool]] = {}  # req id -> (first block, number of blocks, any on disk only)
         self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (blocks looked up, blocks hit), latest
         self._failed_blocks: set[int] = set()
         self._stats = dict.fromkeys(
@@ -67,17 +67,22 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         first = num_computed_tokens // self.block_size
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)  # keep one token
-        num_hit = 0
+        num_hit, from_disk = 0, False
         for block_hash in request.block_hashes[first:last]:
             if not self._is_available(block_hash):
                 break
             num_hit += 1
+            from_disk = from_disk or not self.host.is_ready(block_hash)
         self._lookups[request.request_id] = (max(0, last - first), num_hit)  # counted at admission
         if num_hit == 0:
             self._matches.pop(request.request_id, None)
             return MatchResult(0, False)
-        self._matches[request.request_id] = (first, num_hit)
+        self._matches[request.request_id] = (first, num_hit, from_disk)
         return MatchResult(num_hit * self.block_size, True)
+
+    def external_source(self, request_id: str) -> str:
+        match = self._matches.get(request_id)
+        return "disk_tier" if match is not None and match[2] else "host_tier"
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
