@@ -188,7 +188,7 @@ def main() -> int:
             os.path.join(tmp, "model"), seed=0, max_position_embeddings=args.prompt_len + args.decode_steps + 64,
             **geometry,
         )  # fmt: skip
-        vocab_size = geometry["vocab_size"] if args.checkpoint is None else json.load(open(os.path.join(checkpoint, "config.json")))["vocab_size"]
+        vocab_size = json.loads(Path(checkpoint, "config.json").read_text())["vocab_size"]
         flops, step_nbytes = model_figures(checkpoint, args)
         results = {}
         for engine in args.engines.split(","):
