@@ -7,9 +7,8 @@ with a 200 or an OpenAI-shaped 4xx JSON error: never a 5xx, never a hang. Afterw
 healthy, its bookkeeping holds, every block is free again, and a greedy request returns the
 colocated engine's tokens.
 
-CI runs a fixed, derandomized set of examples as a step of its own (`pytest -m soak`: the `soak`
-marker keeps them out of the default run); `--hypothesis-seed=N` draws another set (the seed in use
-is printed).
+CI runs a fixed, derandomized set of examples; `--hypothesis-seed=N` draws another set (the seed
+in use is printed).
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from kvbridge.serve.launcher import http_json
 
 pytestmark = [
     pytest.mark.nixl,
-    pytest.mark.soak,
     pytest.mark.skipif(
         importlib.util.find_spec("kvbridge.connectors.nixl.connector") is None, reason="needs the NixlConnector"
     ),

@@ -3,8 +3,7 @@
 Generated bodies put JSON of every shape in `messages` (roles the template refuses, null and list
 contents, image parts, extra keys a template may read) and in every other field. Each must be
 answered with a 200 or an OpenAI-shaped 4xx: never a 5xx, never a hang. Afterwards the node still
-answers a plain chat request. Run with `pytest -m soak` (CI does, as a step of its own);
-`--hypothesis-seed=N` draws another set than CI's fixed one.
+answers a plain chat request. `--hypothesis-seed=N` draws another set than CI's fixed one.
 """
 
 from __future__ import annotations
@@ -12,15 +11,12 @@ from __future__ import annotations
 import collections
 import json
 
-import pytest
 from chat_checkpoint import chat_node
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from test_api_fuzz import MAX_CHEAP_TOKENS, Client, fields, junk
 
 from kvbridge.serve.launcher import http_json
-
-pytestmark = [pytest.mark.soak]
 
 MAX_EXAMPLES = 400
 
