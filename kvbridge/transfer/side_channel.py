@@ -13,7 +13,13 @@ retry. Returning None sends `Ack()`.
 
 `SideChannelClient` is the REQ-like end over a DEALER socket: `request(msg)` sends, waits up to
 `timeout_s` per attempt, retries `retries` times on a fresh socket, and raises
-`PeerUnreachableError` naming the address when nothing answered. An `ErrorReply` is raised as
+`PeerUnreachableError` naming the address when nothing answered. Within an attempt, a request
+that has no answer after `RESEND_AFTER_S` is sent again, freshly sealed, on a new connection
+(then after twice that, and so on), and the first answer to any copy counts: a TCP connection
+that lost packets to a partition retransmits on the kernel's doubling backoff and can sit for
+many seconds after the link is back, longer than a lease lives (measured in
+tests/serve/test_netns.py), while a new connection goes through at once. Handlers are idempotent,
+so a copy answered twice changes nothing. An `ErrorReply` is raised as
 the matching named error (see `raise_for_error`). A client may be shared between threads: a lock
 serializes requests.
 """
@@ -46,6 +52,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # a handshake is a few KiB; NIXL metadata grows with registrations
 _QUEUE_HWM = 1000  # messages buffered per peer and direction
 _POLL_MS = 50  # how often the server thread checks for close()
+RESEND_AFTER_S = 1.0  # an unanswered request is sent again on a new connection after this, then doubling
 
 Handler = Callable[[m.Message], "m.Message | None"]
 
@@ -267,36 +274,66 @@ class SideChannelClient:
             self._reset_socket()
 
     def _attempt(self, payload: bytes, timeout_s: float, audience: bytes) -> m.Message | None:
+        """Send `payload` and wait up to `timeout_s` for an answer, resending on new connections
+        while none comes. The socket that answered is kept for the next request."""
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        nonces: dict[int, bytes] = {}  # corr id of each copy sent -> its nonce
+        resend_after = RESEND_AFTER_S
         sock = self._ensure_socket()
+        try:
+            while True:
+                self._send_copy(sock, payload, audience, nonces)
+                poller.register(sock, zmq.POLLIN)
+                resend_at = min(deadline, time.monotonic() + resend_after)
+                while (left_ms := int((resend_at - time.monotonic()) * 1000)) > 0:
+                    for ready, _ in poller.poll(left_ms):
+                        reply = self._receive(ready, nonces)
+                        if reply is not None:
+                            self._socket = ready
+                            return reply
+                if resend_at >= deadline:
+                    return None
+                sock, resend_after = self._new_socket(), resend_after * 2
+        finally:
+            for registered in list(poller.sockets):
+                if registered[0] is not self._socket:
+                    registered[0].close(0)
+
+    def _send_copy(self, sock: zmq.Socket, payload: bytes, audience: bytes, nonces: dict[int, bytes]) -> None:
         corr_id = next(self._corr_ids)
         sent = self._signer.seal(corr_id, payload, audience)
+        nonces[corr_id] = sent.nonce
         sock.send(m.encode_frame(sent))
-        deadline = time.monotonic() + timeout_s
-        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if not sock.poll(left_ms):
-                break
-            frame = m.decode_frame(sock.recv())
-            if frame.corr_id != corr_id:
-                continue  # a late reply to an earlier attempt
-            try:  # before decoding: with a secret, an unsigned reply (an ErrorReply too) is never believed
-                self._signer.verify(frame, (sent.nonce,))  # a reply to this very request
-            except AuthenticationError as e:
-                raise AuthenticationError(
-                    f"reply from {self.address} refused: {e} (a peer without our secret cannot sign its answers)"
-                ) from None
-            return m.decode(frame.payload)
-        return None
+
+    def _receive(self, sock: zmq.Socket, nonces: dict[int, bytes]) -> m.Message | None:
+        """The reply waiting on `sock` when it answers a copy of this request; None for a late reply
+        to an earlier request. Raises AuthenticationError for a reply not signed for the copy it answers."""
+        frame = m.decode_frame(sock.recv())
+        nonce = nonces.get(frame.corr_id)
+        if nonce is None:
+            return None
+        try:  # before decoding: with a secret, an unsigned reply (an ErrorReply too) is never believed
+            self._signer.verify(frame, (nonce,))  # a reply to this very copy
+        except AuthenticationError as e:
+            raise AuthenticationError(
+                f"reply from {self.address} refused: {e} (a peer without our secret cannot sign its answers)"
+            ) from None
+        return m.decode(frame.payload)
 
     def _ensure_socket(self) -> zmq.Socket:
         if self._socket is None:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-            sock.setsockopt(zmq.SNDHWM, _QUEUE_HWM)
-            sock.setsockopt(zmq.RCVHWM, _QUEUE_HWM)
-            sock.connect(self.address)
-            self._socket = sock
+            self._socket = self._new_socket()
         return self._socket
+
+    def _new_socket(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, _QUEUE_HWM)
+        sock.setsockopt(zmq.RCVHWM, _QUEUE_HWM)
+        sock.connect(self.address)
+        return sock
 
     def _reset_socket(self) -> None:
         if self._socket is not None:

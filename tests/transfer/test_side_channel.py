@@ -124,6 +124,39 @@ def test_late_reply_to_a_timed_out_attempt_is_not_mistaken_for_the_next(server):
         client.close()
 
 
+def test_a_request_stuck_on_a_dead_connection_is_sent_again_on_a_new_one():
+    """A connection that swallows the request (as one backing off after a partition does): the copy
+    sent on a new connection after RESEND_AFTER_S is answered long before the attempt's timeout,
+    and the connection that answered serves the next request."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[bytes] = []  # the connection (ROUTER identity) each request arrived on
+
+    def serve() -> None:
+        while len(seen) < 3 and router.poll(20_000):
+            ident, data = router.recv_multipart()
+            seen.append(ident)
+            if len(seen) == 1:
+                continue  # the first connection is dead: its request never gets an answer
+            request = m.decode_frame(data)
+            router.send_multipart([ident, m.encode_frame(m.Frame(request.corr_id, m.encode(m.Ack(count=len(seen)))))])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    client = _client(f"tcp://127.0.0.1:{port}", timeout_s=60.0)
+    try:
+        start = time.monotonic()
+        assert client.request(m.Ping(engine_id="me")) == m.Ack(count=2)
+        assert time.monotonic() - start < 30.0  # answered by the resent copy, not after the 60 s attempt
+        assert client.request(m.Ping(engine_id="me")) == m.Ack(count=3)
+    finally:
+        thread.join(30)
+        client.close()
+        router.close(0)
+    assert len(seen) == 3 and seen[0] != seen[1] == seen[2]
+
+
 def test_client_is_thread_safe(server):
     client = _client(server.address)
     errors = []
