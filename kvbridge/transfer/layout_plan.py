@@ -1,0 +1,309 @@
+"""Plan a read of one prompt's KV from a prefill's layout into a decode's layout. Pure numpy.
+
+The two sides of a P/D pair rarely lay KV out alike: tensor parallelism splits the KV heads
+differently (a decode rank needs heads [h0, h1), held by one or several prefill ranks, or by
+several when heads are replicated), block sizes differ (token t lives in block t // P on the
+prefill and t // D on the decode), and page formats differ ("2NHD", "H2ND", "2HND"). What they
+must share is the model: layers, head_dim, the total number of KV heads and the dtype.
+
+Every layout keeps head_dim innermost, so the unit both sides agree on is an *atom*: the
+head_dim elements of one (layer, K|V, token, head). The planner lists every atom the decode
+needs with its byte offset on both sides (vectorized: arrays of shape [L, 2, T, H]), then
+chooses the cheaper of two plans by descriptor count, which is what transfer speed depends on:
+
+- DIRECT: read straight into the destination pages. A descriptor is a run of atoms adjacent
+  on both sides; sorted by source offset, the maximal runs are the fewest descriptors possible.
+- STAGED: read the source bytes into a staging buffer, then one gather pass on the reader's
+  device (`layout_gather.apply_gather`) puts the atoms into the destination pages. A descriptor
+  is a run adjacent on the source side only; runs may also swallow a gap of at most
+  `max_gap_nbytes` when the gap lies inside the same or the next page (bytes of the blocks
+  being read, never another request's): reading a few unneeded bytes costs far less than a
+  descriptor (docs/transfer.md has the figures).
+
+DIRECT wins ties, and wins whenever every direct read is at least a page (the layouts agree page
+for page and differ only in placement or block ids): no staging copy then. Same layouts on both sides give DIRECT with exactly the
+runs of `descriptors.coalesce_blocks`; TP 2 -> 1 gives STAGED with one descriptor per run of
+source blocks per prefill rank. What cannot be expressed raises `IncompatiblePeerError` naming
+both layouts (`check_same_model`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from kvbridge.block_runs import run_lengths, run_starts
+from kvbridge.errors import ConfigError, IncompatiblePeerError
+from kvbridge.layout import KVCacheLayout
+
+DEFAULT_MAX_GAP_NBYTES = 256 * 1024  # a gap this size reads in ~1 us at 300 GB/s; a descriptor costs more
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """One rank's KV cache: its layout holds KV heads [head_start, head_start + layout.num_kv_heads)
+    of the model's `num_total_kv_heads` (None: all of them, i.e. tensor parallel 1)."""
+
+    layout: KVCacheLayout
+    head_start: int = 0
+    num_total_kv_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_start < 0 or self.head_end > self.total_kv_heads:
+            raise ConfigError(
+                f"KVShard heads [{self.head_start}, {self.head_end}) lie outside the model's {self.total_kv_heads} KV heads"
+            )
+
+    @property
+    def total_kv_heads(self) -> int:
+        return self.layout.num_kv_heads if self.num_total_kv_heads is None else self.num_total_kv_heads
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.layout.num_kv_heads
+
+    def describe(self) -> str:
+        """e.g. "2NHD pages, 16-token blocks, KV heads [0, 4) of 8, 2 layers x head_dim 64, bfloat16, block-major"."""
+        lay = self.layout
+        placement = "block-major" if lay.is_contiguous else f"strides layer {lay.layer_stride_bytes} B / block {lay.block_stride_bytes} B"
+        return (
+            f"{lay.page_format} pages, {lay.block_size}-token blocks, KV heads [{self.head_start}, {self.head_end}) of "
+            f"{self.total_kv_heads}, {lay.num_layers} layers x head_dim {lay.head_dim}, {lay.dtype}, {placement}"
+        )
+
+
+class PlanKind(enum.Enum):
+    DIRECT = "direct"  # straight into the destination pages
+    STAGED = "staged"  # into a staging buffer, then one gather pass into the pages
+
+
+class Reads(NamedTuple):
+    """Byte ranges to read: range i copies nbytes[i] bytes from `remote_offsets[i]` of prefill rank
+    `source[i]`'s region to `local_offsets[i]` of the destination region (DIRECT) or of the staging
+    buffer (STAGED)."""
+
+    source: np.ndarray  # [N] int64, an index into the plan's sources
+    remote_offsets: np.ndarray  # [N] int64
+    local_offsets: np.ndarray  # [N] int64
+    nbytes: np.ndarray  # [N] int64
+
+
+class Gather(NamedTuple):
+    """The staged pass: destination region row dst_rows[i] = staging row staging_rows[i], rows of
+    `row_nbytes` bytes. `is_dense`: staging_rows is 0, 1, 2, ... (the staging buffer holds exactly
+    the needed bytes, in order), so the pass reads the staging buffer as is."""
+
+    row_nbytes: int
+    staging_rows: np.ndarray  # [M] int64
+    dst_rows: np.ndarray  # [M] int64
+    is_dense: bool
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How to read `num_tokens` tokens of KV from the prefill shards into the decode shard."""
+
+    kind: PlanKind
+    reads: Reads
+    num_tokens: int
+    staging_nbytes: int = 0  # STAGED: bytes of the staging buffer; DIRECT: 0
+    gather: Gather | None = None  # STAGED only
+    num_direct_descriptors: int = 0  # what the other choice would have cost, for logs
+    num_staged_descriptors: int = 0
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.reads.nbytes)
+
+    @property
+    def nbytes_read(self) -> int:
+        return int(self.reads.nbytes.sum())
+
+    def descriptors_per_source(self, num_sources: int) -> list[int]:
+        return np.bincount(self.reads.source, minlength=num_sources).tolist()
+
+    def summary(self) -> str:
+        """One line for the log: the kind, descriptors (and the alternative's), bytes."""
+        other = self.num_staged_descriptors if self.kind is PlanKind.DIRECT else self.num_direct_descriptors
+        return (
+            f"{self.kind.value} plan: {self.num_descriptors} descriptors (the other kind: {other}), "
+            f"{self.nbytes_read} B read, {self.staging_nbytes} B staged, {self.num_tokens} tokens"
+        )
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
+    """IncompatiblePeerError, naming both layouts, unless the shards are of one model (layers,
+    head_dim, total KV heads, dtype) and the prefill shards hold every KV head the decode needs."""
+    if not prefills:
+        raise ConfigError("a read plan needs at least one prefill shard")
+    for shard in prefills:
+        a, b = decode.layout, shard.layout
+        mine = (a.num_layers, a.head_dim, decode.total_kv_heads, a.dtype)
+        theirs = (b.num_layers, b.head_dim, shard.total_kv_heads, b.dtype)
+        if mine != theirs:
+            raise IncompatiblePeerError(
+                f"the prefill's KV ({shard.describe()}) and the decode's ({decode.describe()}) are not of one model: "
+                "layers, head_dim, total KV heads and dtype must agree; serve the same checkpoint and kv dtype on both"
+            )
+    missing = [h for h in range(decode.head_start, decode.head_end)
+               if not any(s.head_start <= h < s.head_end for s in prefills)]  # fmt: skip
+    if missing:
+        held = "; ".join(s.describe() for s in prefills)
+        raise IncompatiblePeerError(
+            f"no prefill rank holds KV heads {missing} that the decode ({decode.describe()}) needs (prefill ranks: "
+            f"{held}); give the decode every prefill rank's address"
+        )
+
+
+def _head_owners(decode: KVShard, prefills: Sequence[KVShard]) -> list[tuple[int, int, int]]:
+    """(source index, first head, end head) per source: each needed head is read from the first rank that holds it."""
+    owner = [next(i for i, s in enumerate(prefills) if s.head_start <= h < s.head_end)
+             for h in range(decode.head_start, decode.head_end)]  # fmt: skip
+    spans = []
+    for i in sorted(set(owner)):
+        heads = [decode.head_start + k for k, o in enumerate(owner) if o == i]
+        spans.append((i, heads[0], heads[-1] + 1))  # a rank's heads are a range, so its share is too
+    return spans
+
+
+# ---------------------------------------------------------------------------- atoms
+
+
+def _page_strides(layout: KVCacheLayout) -> dict[str, int]:
+    """Byte strides of a page's dimensions by name: "2" K|V, "N" token, "H" head, "D" head_dim."""
+    return {dim: stride * layout.element_size for dim, stride in zip(layout.page_format, layout.strides[2:])}
+
+
+def _atom_offsets(shard: KVShard, block_ids: np.ndarray, num_tokens: int, heads: range) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offset of each atom, byte offset of its page), both [L, 2, T, len(heads)] int64, for
+    atoms (layer, K|V, token, head) of global `heads` in `shard` with its blocks `block_ids`."""
+    lay = shard.layout
+    needed = -(-num_tokens // lay.block_size)
+    if len(block_ids) < needed:
+        raise ValueError(f"{num_tokens} tokens need {needed} blocks of {lay.block_size} tokens, {len(block_ids)} given")
+    tokens = np.arange(num_tokens, dtype=np.int64)
+    strides = _page_strides(lay)
+    block = lay.block_offsets(block_ids[tokens // lay.block_size])  # [T], IndexError for ids outside the layout
+    layer = np.arange(lay.num_layers, dtype=np.int64) * lay.layer_stride_bytes  # [L]
+    page = layer[:, None, None, None] + block[None, None, :, None]  # [L, 1, T, 1]
+    kv = np.arange(2, dtype=np.int64) * strides["2"]  # [2]
+    slot = (tokens % lay.block_size) * strides["N"]  # [T]
+    head = (np.arange(heads.start, heads.stop, dtype=np.int64) - shard.head_start) * strides["H"]  # [H]
+    atom = page + kv[None, :, None, None] + slot[None, None, :, None] + head[None, None, None, :]
+    return atom, np.broadcast_to(page, atom.shape)
+
+
+class _Atoms(NamedTuple):
+    """Every needed atom, sorted by (source, source offset)."""
+
+    source: np.ndarray  # [A] int64
+    src: np.ndarray  # [A] byte offset in its source region
+    src_page: np.ndarray  # [A] byte offset of its source page
+    dst: np.ndarray  # [A] byte offset in the destination region
+    nbytes: int  # bytes per atom: head_dim elements
+
+
+def _collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens) -> _Atoms:
+    source, src, src_page, dst = [], [], [], []
+    for i, h0, h1 in _head_owners(decode, prefills):
+        s, p = _atom_offsets(prefills[i], src_ids[i], num_tokens, range(h0, h1))
+        d, _ = _atom_offsets(decode, dst_ids, num_tokens, range(h0, h1))
+        order = np.argsort(s.reshape(-1), kind="stable")
+        source.append(np.full(len(order), i, dtype=np.int64))
+        src.append(s.reshape(-1)[order])
+        src_page.append(p.reshape(-1)[order])
+        dst.append(d.reshape(-1)[order])
+    nbytes = decode.layout.head_dim * decode.layout.element_size
+    return _Atoms(*(np.concatenate(a) for a in (source, src, src_page, dst)), nbytes)
+
+
+# ---------------------------------------------------------------------------- the two plans
+
+
+def _direct_reads(atoms: _Atoms) -> Reads:
+    """Maximal runs of atoms adjacent on both sides (and of one source)."""
+    starts = run_starts(atoms.src, atoms.dst, atoms.nbytes)
+    starts = np.union1d(starts, np.flatnonzero(np.diff(atoms.source, prepend=-1)))  # a new source starts a run
+    lengths = run_lengths(starts, len(atoms.src))
+    return Reads(atoms.source[starts], atoms.src[starts], atoms.dst[starts], lengths * atoms.nbytes)
+
+
+def _staged_reads(atoms: _Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) -> tuple[Reads, Gather, int]:
+    """Runs adjacent (or nearly: a small gap inside the same or the next page) on the source side,
+    packed back to back in the staging buffer; and the gather from staging into the pages."""
+    end = atoms.src + atoms.nbytes  # [A]
+    gap = atoms.src[1:] - end[:-1]  # [A-1]
+    page, next_page = atoms.src_page[:-1], atoms.src_page[1:]
+    same_or_next_page = (next_page == page) | (next_page == page + page_nbytes[:-1])
+    joins = (atoms.source[1:] == atoms.source[:-1]) & (gap >= 0) & (
+        (gap == 0) | ((gap <= max_gap_nbytes) & same_or_next_page)
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))  # [R]
+    last = np.append(starts[1:], len(atoms.src)) - 1  # [R] index of each run's last atom
+    nbytes = end[last] - atoms.src[starts]  # [R]
+    staging_start = np.cumsum(nbytes) - nbytes  # [R]
+    run_of = np.repeat(np.arange(len(starts)), run_lengths(starts, len(atoms.src)))  # [A]
+    staging = staging_start[run_of] + atoms.src - atoms.src[starts][run_of]  # [A] byte offset in staging
+    reads = Reads(atoms.source[starts], atoms.src[starts], staging_start, nbytes)
+    return reads, _gather(atoms, staging), int(nbytes.sum())
+
+
+def _gather(atoms: _Atoms, staging: np.ndarray) -> Gather:
+    """Row indices for the pass: rows of the largest size that divides every offset (usually one atom)."""
+    row = math.gcd(atoms.nbytes, *np.unique(staging % atoms.nbytes).tolist(), *np.unique(atoms.dst % atoms.nbytes).tolist())
+    per_atom = np.arange(atoms.nbytes // row, dtype=np.int64)  # [k]
+    staging_rows = ((staging // row)[:, None] + per_atom).reshape(-1)  # [A * k]
+    dst_rows = ((atoms.dst // row)[:, None] + per_atom).reshape(-1)
+    is_dense = bool(np.array_equal(staging_rows, np.arange(len(staging_rows))))
+    return Gather(row, staging_rows, dst_rows, is_dense)
+
+
+def _moves_whole_pages(direct: Reads, decode: KVShard, prefills: Sequence[KVShard]) -> bool:
+    """Whether every direct read is at least a page: the layouts agree page for page (they differ in
+    placement or block ids only), which is what the block and page transfers have always read directly."""
+    smallest_page = min(s.layout.page_nbytes for s in (decode, *prefills))
+    return len(direct.nbytes) > 0 and int(direct.nbytes.min()) >= smallest_page
+
+
+def plan_read(
+    decode: KVShard,
+    dst_block_ids,
+    prefills: Sequence[KVShard],
+    src_block_ids: Sequence,  # one id list per prefill shard
+    num_tokens: int,
+    *,
+    kind: PlanKind | None = None,  # None: DIRECT for page-for-page layouts, else the one with fewer descriptors
+    max_gap_nbytes: int = DEFAULT_MAX_GAP_NBYTES,
+) -> ReadPlan:
+    """The plan that reads tokens [0, num_tokens) of every KV head the decode shard holds from the
+    prefill shards' blocks into the decode's blocks. Nothing outside those tokens' atoms is written.
+
+    Raises IncompatiblePeerError (see `check_same_model`), ValueError for too few block ids and
+    IndexError for an id outside its layout.
+    """
+    check_same_model(decode, prefills)
+    if len(src_block_ids) != len(prefills):
+        raise ValueError(f"{len(prefills)} prefill shards but {len(src_block_ids)} block id lists")
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    src_ids = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in src_block_ids]
+    atoms = _collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens)
+    direct = _direct_reads(atoms)
+    # prefill shards' pages may differ in size (their head counts): the gap rule takes each atom's
+    page_nbytes = np.array([s.layout.page_nbytes for s in prefills], dtype=np.int64)[atoms.source]  # [A]
+    staged, gather, staging_nbytes = _staged_reads(atoms, page_nbytes, max_gap_nbytes)
+    n_direct, n_staged = len(direct.nbytes), len(staged.nbytes)
+    if kind is None:
+        kind = PlanKind.DIRECT if n_direct <= n_staged or _moves_whole_pages(direct, decode, prefills) else PlanKind.STAGED
+    if kind is PlanKind.DIRECT:
+        return ReadPlan(kind, direct, num_tokens, num_direct_descriptors=n_direct, num_staged_descriptors=n_staged)
+    return ReadPlan(kind, staged, num_tokens, staging_nbytes, gather, n_direct, n_staged)

@@ -1,0 +1,250 @@
+"""The layout translator: random prefill and decode layouts against a one-element-at-a-time reference.
+
+Each case draws a model (layers, KV heads, head_dim, dtype), a prefill TP size and a decode TP
+size (1, 2 or 4; heads split or replicated), block sizes (8, 16, 32), page formats, placements
+(block-major, layer-major, padded) and block ids (runs or scattered). The plan's reads are executed
+as numpy byte copies between byte buffers (what NIXL would do), its gather by `apply_gather`; the
+whole destination buffer must equal the reference's, so bytes outside the read atoms stay untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.errors import IncompatiblePeerError
+from kvbridge.layout import PAGE_FORMATS, KVCacheLayout
+from kvbridge.transfer.descriptors import coalesce_blocks
+from kvbridge.transfer.layout_gather import apply_gather
+from kvbridge.transfer.layout_plan import KVShard, PlanKind, ReadPlan, plan_read
+
+FORMATS = sorted(PAGE_FORMATS)
+PLACEMENTS = ("block-major", "layer-major", "padded")
+
+
+# ---------------------------------------------------------------------------- random cases
+
+
+def _layout(rng: random.Random, num_blocks, num_layers, block_size, heads, head_dim, dtype) -> KVCacheLayout:
+    lay = KVCacheLayout(num_blocks, num_layers, block_size, heads, head_dim, dtype, page_format=rng.choice(FORMATS))
+    placement = rng.choice(PLACEMENTS)
+    if placement == "layer-major":  # vLLM's CPU placement
+        return dataclasses.replace(lay, layer_stride=num_blocks * lay.page_nbytes, block_stride=lay.page_nbytes)
+    if placement == "padded":
+        pad = lay.element_size * rng.randint(1, 9)
+        return dataclasses.replace(lay, layer_stride=lay.page_nbytes, block_stride=lay.block_nbytes + pad)
+    return lay
+
+
+def _shard_heads(rank: int, tp: int, total: int) -> tuple[int, int]:
+    """(head_start, num_heads) of a TP rank, Megatron-style; replicated when tp > total."""
+    if tp <= total:
+        return rank * (total // tp), total // tp
+    return rank // (tp // total), 1
+
+
+def _block_ids(rng: random.Random, needed: int, num_blocks: int) -> list[int]:
+    if rng.random() < 0.4:  # one run
+        start = rng.randint(0, num_blocks - needed)
+        return list(range(start, start + needed))
+    return rng.sample(range(num_blocks), needed)
+
+
+@dataclasses.dataclass
+class Case:
+    decode: KVShard
+    dst_ids: list[int]
+    prefills: list[KVShard]
+    src_ids: list[list[int]]
+    num_tokens: int
+
+    def __str__(self) -> str:
+        prefills = " | ".join(p.describe() for p in self.prefills)
+        return f"{self.num_tokens} tokens: [{prefills}] -> [{self.decode.describe()}]"
+
+
+def random_case(seed: int) -> Case:
+    rng = random.Random(seed)
+    total = rng.choice((2, 4))
+    num_layers, head_dim = rng.randint(1, 3), rng.choice((2, 4, 8))
+    dtype = rng.choice(("float16", "bfloat16", "float32", "float8_e4m3fn"))
+    p_size, d_size = rng.choice((8, 16, 32)), rng.choice((8, 16, 32))
+    num_tokens = rng.randint(1, 3 * max(p_size, d_size))
+    n, m = rng.choice((1, 2, 4)), rng.choice((1, 2, 4))
+
+    def shard(rank, tp, block_size):
+        start, heads = _shard_heads(rank, tp, total)
+        needed = -(-num_tokens // block_size)
+        num_blocks = needed + rng.randint(0, 6)
+        lay = _layout(rng, num_blocks, num_layers, block_size, heads, head_dim, dtype)
+        return KVShard(lay, start, total), _block_ids(rng, needed, num_blocks)
+
+    decode, dst_ids = shard(rng.randrange(m), m, d_size)
+    prefills, src_ids = zip(*(shard(rank, n, p_size) for rank in range(n)))
+    return Case(decode, dst_ids, list(prefills), list(src_ids), num_tokens)
+
+
+# ---------------------------------------------------------------------------- the reference and the executor
+
+
+def _elements(buffer: np.ndarray, layout: KVCacheLayout) -> np.ndarray:
+    """The [num_blocks, num_layers, *page_shape] element view of a byte buffer (numpy's own strides)."""
+    elts = buffer.view(f"u{layout.element_size}")
+    byte_strides = tuple(s * layout.element_size for s in layout.strides)
+    return np.lib.stride_tricks.as_strided(elts, layout.shape, byte_strides)
+
+
+def _index(layout: KVCacheLayout, block: int, layer: int, kv: int, slot: int, head: int, dim: int) -> tuple:
+    coords = {"2": kv, "N": slot, "H": head, "D": dim}
+    return (block, layer, *(coords[c] for c in layout.page_format))
+
+
+def reference_read(case: Case, sources: list[np.ndarray], dst: np.ndarray) -> np.ndarray:
+    """The destination after moving ONE ELEMENT AT A TIME, each needed head from the first rank holding it."""
+    out = dst.copy()
+    d_lay = case.decode.layout
+    d_view = _elements(out, d_lay)
+    for head in range(case.decode.head_start, case.decode.head_end):
+        rank = next(i for i, p in enumerate(case.prefills) if p.head_start <= head < p.head_end)
+        p_shard = case.prefills[rank]
+        p_lay = p_shard.layout
+        s_view = _elements(sources[rank], p_lay)
+        for t in range(case.num_tokens):
+            for layer in range(d_lay.num_layers):
+                for kv in range(2):
+                    for dim in range(d_lay.head_dim):
+                        src = _index(p_lay, case.src_ids[rank][t // p_lay.block_size], layer, kv,
+                                     t % p_lay.block_size, head - p_shard.head_start, dim)  # fmt: skip
+                        dst_at = _index(d_lay, case.dst_ids[t // d_lay.block_size], layer, kv,
+                                        t % d_lay.block_size, head - case.decode.head_start, dim)  # fmt: skip
+                        d_view[dst_at] = s_view[src]
+    return out
+
+
+def execute(plan: ReadPlan, sources: list[np.ndarray], dst: np.ndarray) -> np.ndarray:
+    """Run a plan over byte buffers: NIXL's reads as numpy byte copies, then the gather in torch."""
+    out = dst.copy()
+    r = plan.reads
+    target = out if plan.kind is PlanKind.DIRECT else np.full(plan.staging_nbytes, 0xA5, dtype=np.uint8)
+    for source, remote, local, nbytes in zip(r.source, r.remote_offsets, r.local_offsets, r.nbytes):
+        target[local : local + nbytes] = sources[source][remote : remote + nbytes]
+    if plan.kind is PlanKind.STAGED:
+        apply_gather(plan.gather, torch.from_numpy(target), torch.from_numpy(out))
+    return out
+
+
+def _buffers(case: Case, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    gen = np.random.default_rng(seed)
+    sources = [gen.integers(0, 256, p.layout.region_nbytes, dtype=np.uint8) for p in case.prefills]
+    return sources, gen.integers(0, 256, case.decode.layout.region_nbytes, dtype=np.uint8)
+
+
+def _plan(case: Case, kind: PlanKind | None, **kwargs) -> ReadPlan:
+    return plan_read(case.decode, case.dst_ids, case.prefills, case.src_ids, case.num_tokens, kind=kind, **kwargs)
+
+
+def _check_reads_stay_in_read_pages(case: Case, plan: ReadPlan) -> None:
+    """No read touches a source byte outside the pages of the blocks holding the prompt's tokens."""
+    for rank, shard in enumerate(case.prefills):
+        lay = shard.layout
+        allowed = np.zeros(lay.region_nbytes + 1, dtype=np.int64)  # +1 / -1 at page bounds, then cumsum
+        used = case.src_ids[rank][: -(-case.num_tokens // lay.block_size)]
+        for page in lay.page_offsets(used).reshape(-1):
+            allowed[page] += 1
+            allowed[page + lay.page_nbytes] -= 1
+        inside = np.cumsum(allowed)[:-1] > 0
+        mine = plan.reads.source == rank
+        for start, nbytes in zip(plan.reads.remote_offsets[mine], plan.reads.nbytes[mine]):
+            assert inside[start : start + nbytes].all(), f"a read of [{start}, {start + nbytes}) leaves the read pages"
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_every_plan_moves_what_one_element_at_a_time_moves(seed):
+    case = random_case(seed)
+    print(f"seed {seed}: {case}")
+    sources, dst = _buffers(case, seed)
+    expected = reference_read(case, sources, dst)
+    for kind in (None, PlanKind.DIRECT, PlanKind.STAGED):
+        plan = _plan(case, kind)
+        assert plan.kind is (kind or plan.kind)
+        got = execute(plan, sources, dst)
+        assert np.array_equal(got, expected), f"seed {seed}, {plan.summary()}: destination differs"
+        _check_reads_stay_in_read_pages(case, plan)
+        if kind is None and plan.kind is PlanKind.STAGED:
+            assert plan.num_staged_descriptors < plan.num_direct_descriptors, "staged only when it saves descriptors"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_staged_plans_without_gap_reading_are_dense_and_still_correct(seed):
+    case = random_case(1000 + seed)
+    sources, dst = _buffers(case, seed)
+    plan = _plan(case, PlanKind.STAGED, max_gap_nbytes=0)
+    assert plan.gather.is_dense and plan.staging_nbytes == plan.nbytes_read
+    assert np.array_equal(execute(plan, sources, dst), reference_read(case, sources, dst))
+
+
+def test_identical_layouts_read_directly_with_the_runs_of_coalesce_blocks():
+    lay = KVCacheLayout(num_blocks=40, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype="bfloat16")
+    rng = random.Random(7)
+    src, dst = rng.sample(range(40), 12), [*range(3, 9), *rng.sample(range(10, 40), 6)]
+    plan = plan_read(KVShard(lay), dst, [KVShard(lay)], [src], 12 * 16)
+    assert plan.kind is PlanKind.DIRECT and plan.staging_nbytes == 0
+    assert plan.num_descriptors == coalesce_blocks(dst, src, lay).num_descriptors
+
+
+def test_tp2_to_1_with_a_larger_decode_block_is_staged_with_one_read_per_source_run():
+    model = dict(num_layers=2, head_dim=8, dtype="float16")
+    decode = KVShard(KVCacheLayout(num_blocks=8, block_size=32, num_kv_heads=4, page_format="H2ND", **model))
+    prefills = [KVShard(KVCacheLayout(num_blocks=16, block_size=16, num_kv_heads=2, **model), h, 4) for h in (0, 2)]
+    plan = plan_read(decode, [5, 6], prefills, [[0, 1, 2, 3], [8, 9, 10, 11]], 64)
+    assert plan.kind is PlanKind.STAGED
+    assert plan.descriptors_per_source(2) == [1, 1] and plan.nbytes_read == decode.layout.page_nbytes * 2 * 2
+
+
+# ---------------------------------------------------------------------------- the descriptor budget
+
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["runs", "fragmented"])
+def test_a_tp2_to_1_read_of_4096_tokens_costs_at_most_twice_the_descriptors_of_tp1_to_1(fragmented):
+    model = dict(num_layers=4, head_dim=16, dtype="bfloat16", block_size=16)
+    num_tokens, num_blocks, heads = 4096, 512, 8
+    rng = random.Random(23)
+    pick = (lambda: rng.sample(range(num_blocks), 256)) if fragmented else (lambda: list(range(100, 356)))
+    dst_ids, src_ids = pick(), pick()
+    decode = KVShard(KVCacheLayout(num_blocks=num_blocks, num_kv_heads=heads, **model))
+    tp1 = plan_read(decode, dst_ids, [KVShard(decode.layout)], [src_ids], num_tokens)
+    half = KVCacheLayout(num_blocks=num_blocks, num_kv_heads=heads // 2, **model)
+    tp2 = plan_read(decode, dst_ids, [KVShard(half, 0, heads), KVShard(half, heads // 2, heads)], [src_ids, pick()], num_tokens)
+    print(f"descriptors per request, {'fragmented' if fragmented else 'runs'}: TP 1->1 {tp1.summary()}; TP 2->1 {tp2.summary()}")
+    assert tp1.kind is PlanKind.DIRECT and tp2.kind is PlanKind.STAGED
+    assert tp2.num_descriptors <= 2 * tp1.num_descriptors
+    assert tp2.num_direct_descriptors > 10 * tp2.num_descriptors  # what a head-split direct read would cost
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+MODEL = dict(num_blocks=8, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 3), ("head_dim", 16), ("dtype", "float16"), ("num_kv_heads", 8)])
+def test_another_model_is_refused_naming_both_layouts(field, value):
+    decode = KVShard(KVCacheLayout(**MODEL))
+    prefill = KVShard(KVCacheLayout(**{**MODEL, field: value, "page_format": "H2ND"}))
+    with pytest.raises(IncompatiblePeerError) as err:
+        plan_read(decode, [0], [prefill], [[0]], 16)
+    assert decode.describe() in str(err.value) and prefill.describe() in str(err.value)
+
+
+def test_heads_no_prefill_rank_holds_are_refused():
+    decode = KVShard(KVCacheLayout(**MODEL))
+    half = KVShard(KVCacheLayout(**{**MODEL, "num_kv_heads": 2}), 0, 4)
+    with pytest.raises(IncompatiblePeerError, match=r"KV heads \[2, 3\]"):
+        plan_read(decode, [0], [half], [[0]], 16)
