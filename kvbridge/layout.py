@@ -17,7 +17,9 @@ with element strides `layout.strides`. Two placements matter:
   block-outermost with padding between blocks (`block_stride > num_layers * page_nbytes`).
 
 Transfers and offload move whole blocks, i.e. all of a block's pages. Two engines exchange pages
-when their page formats and geometry agree, whatever their strides (`compat_hash`).
+as they are when their page formats and geometry agree, whatever their strides (`compat_hash`);
+of the same model but another block size or page format (`model_hash`), through a read plan
+(transfer/layout_plan.py).
 
 This module imports neither torch nor nixl: the engine, the transfer layer and the connectors
 all share it, and bookkeeping code can use it without a device.
@@ -217,6 +219,13 @@ class KVCacheLayout:
         and place their pages differently; descriptors translate between placements.
         """
         return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.page_format)
+
+    def model_hash(self, model_id: str) -> str:
+        """Hex digest over what a layout translator cannot change: the model identity, layers, KV
+        heads, head_dim and dtype. Two engines with equal model hashes exchange KV through a read
+        plan (transfer/layout_plan.py) whatever their block sizes, page formats and placements."""
+        text = repr(("kvbridge-model-v1", model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def compat_hash(self, model_id: str) -> str:
         """Hex digest over the model identity, the geometry and the page format, compared at handshake

@@ -37,6 +37,12 @@ given stale or forged params).
 A transfer goes through NIXL in a `DescriptorMode` (options.py, nixl_post.py), or, with a
 same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
 peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
+
+A peer of the same model whose block size or page format differs from ours (the handshake's
+model hash) is read through a plan (layout_plan.py): DIRECT into our pages, or STAGED into a
+staging buffer and gathered into our pages when NIXL reports the read done. The remote and local
+id lists may then differ in length (the prompt's tokens fill ceil(T / P) of its blocks and
+ceil(T / D) of ours). The kind is logged once per peer and counted in `get_stats`.
 """
 
 from __future__ import annotations
@@ -56,9 +62,18 @@ from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.auth import audience_of, check_exposure
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
-from kvbridge.transfer.digest import DigestJob, algorithm_for, block_digests, region_bytes, start_block_digests
-from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake
+from kvbridge.transfer.digest import (
+    DigestError,
+    DigestJob,
+    algorithm_for,
+    block_digests,
+    region_bytes,
+    start_block_digests,
+)
+from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
 from kvbridge.transfer.interfaces import ucx_on_interface_of
+from kvbridge.transfer.layout_gather import apply_gather
+from kvbridge.transfer.layout_plan import KVShard, PlanKind, copy_gather, plan_engine_read
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
 from kvbridge.transfer.options import DescriptorMode, TransferOp, TransferOptions
 from kvbridge.transfer.peers import PeerDirectory
@@ -137,12 +152,18 @@ class KVEndpoint:
         self._region = m.KVRegion(
             base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
         )
-        self._nixl = NixlPoster(self.agent, layout, self._region, opts.descriptor_mode, opts.max_descriptor_nbytes)
+        self._nixl = NixlPoster(
+            self.agent, layout, self._region, opts.descriptor_mode, opts.max_descriptor_nbytes, device=kv_cache.device
+        )
         use_ipc = opts.cuda_ipc and kv_cache.is_cuda
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
             cuda_ipc=cuda_ipc_export(region) if use_ipc else None, digest_alg=self.digest_alg,
+            model_hash=layout.model_hash(model_id),
         )
+        self.num_plans = {kind: 0 for kind in PlanKind}  # translated reads posted, by plan kind
+        self.num_plan_descriptors = 0  # descriptors those reads posted
+        self._logged_plans: set[tuple[str, PlanKind]] = set()  # (peer, kind) already logged
         self.tracker = TransferTracker(clock)
         self.peers = PeerDirectory(
             self.agent, self._me, secret=self._secret, timeout_s=opts.handshake_timeout_s,
@@ -227,7 +248,7 @@ class KVEndpoint:
             remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
         except OverflowError:
             raise ValueError("a block id does not fit in 64 bits") from None
-        if local.shape != remote.shape:
+        if local.shape != remote.shape and not self._translates(address):
             raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
         self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
@@ -259,9 +280,21 @@ class KVEndpoint:
         if posted is None:
             self.tracker.mark_done(rec.req_id)
 
+    def _translates(self, address: str) -> bool:
+        """Whether reads from `address` go through a plan (or may: the peer is not known yet)."""
+        return address not in self.peers or self.is_translated(self.peers.get(address))
+
+    def is_translated(self, peer: PeerInfo) -> bool:
+        """Whether the peer's pages differ from ours (block size, page format): its reads are planned."""
+        return peer.layout.geometry_key() != self.layout.geometry_key()
+
     def _post_read(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
-        if len(read.local_ids) == 0:
+        if len(read.local_ids) == 0 and len(read.remote_ids) == 0:
             return None, 0
+        if self.is_translated(peer):
+            return self._post_plan(read, peer)
+        if len(read.local_ids) != len(read.remote_ids):
+            raise ValueError(f"{len(read.local_ids)} local block ids but {len(read.remote_ids)} remote block ids")
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
         copy = (
             self._ipc.start(TransferOp.READ, mapping, peer.layout, read.local_ids, read.remote_ids)
@@ -272,6 +305,19 @@ class KVEndpoint:
         remote_list = self.peers.block_list(peer.address) if self._nixl.mode is DescriptorMode.BLOCKS else None
         post = self._nixl.post(TransferOp.READ, read.local_ids, read.remote_ids, peer, remote_list)
         return post, post.num_descriptors
+
+    def _post_plan(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost, int]:
+        plan = plan_engine_read(self.layout, peer.layout, read.local_ids, read.remote_ids)
+        post = self._nixl.post_plan(plan, peer)
+        self.num_plans[plan.kind] += 1
+        self.num_plan_descriptors += plan.num_descriptors
+        if (peer.address, plan.kind) not in self._logged_plans:
+            self._logged_plans.add((peer.address, plan.kind))
+            logger.info(
+                "reads from %s go through a %s plan (its KV: %s; ours: %s); first one: %s", peer.address,
+                plan.kind.value, describe_layout(peer.layout), describe_layout(self.layout), plan.summary(),
+            )  # fmt: skip
+        return post, plan.num_descriptors
 
     def poll(self) -> list[TransferRecord]:
         """Advance every transfer without blocking; return (and forget) the records that became final.
@@ -291,6 +337,8 @@ class KVEndpoint:
                 state = self._poll(handle)
                 if state is XferState.IN_PROGRESS:
                     continue
+                if state is XferState.DONE and isinstance(handle, NixlPost):
+                    self._nixl.finish(handle, self._region_bytes)  # a staged plan's gather into our pages
                 self._release(rec)
                 if state is XferState.DONE:
                     self.tracker.mark_done(rec.req_id)
@@ -391,6 +439,35 @@ class KVEndpoint:
         """`digest_blocks` without waiting for the device: `result()` waits (a GPU's work is queued)."""
         return start_block_digests(self._region_bytes, self.layout, block_ids, alg)
 
+    def start_read_digest(self, address: str, local_block_ids, remote_block_ids, alg: str) -> DigestJob:
+        """Digests of the peer's blocks `remote_block_ids` as this node holds them after reading them into
+        `local_block_ids`: what the peer's own digests of those blocks must equal.
+
+        Same pages on both sides: our blocks' digests. Translated (another block size or page format):
+        the peer's blocks are rebuilt in its page format from our pages (the inverse of the read plan,
+        one gather into a scratch buffer on our device) and digested, so the check covers the bytes
+        where they landed, gather included. Raises DigestError when our blocks do not hold all of the
+        peer's blocks' tokens (a larger remote block whose tail we have no room for): unverifiable.
+        """
+        peer = self.peers.get(address) if address in self.peers else None
+        if peer is None or not self.is_translated(peer):
+            return self.start_digest(local_block_ids, alg)
+        import torch
+
+        local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        num_remote = len(np.asarray(remote_block_ids).reshape(-1))
+        num_tokens = num_remote * peer.layout.block_size
+        if len(local) * self.layout.block_size < num_tokens:
+            raise DigestError(
+                f"{len(local)} blocks of {self.layout.block_size} tokens cannot hold the {num_tokens} tokens of the peer's "
+                f"{num_remote} blocks of {peer.layout.block_size}: their digests cannot be checked here"
+            )
+        scratch_layout = peer.layout.block_major(max(num_remote, 1))
+        scratch = torch.zeros(scratch_layout.region_nbytes, dtype=torch.uint8, device=self._region_bytes.device)
+        gather = copy_gather(KVShard(scratch_layout), np.arange(num_remote), KVShard(self.layout), local, num_tokens)
+        apply_gather(gather, self._region_bytes, scratch)
+        return start_block_digests(scratch, scratch_layout, np.arange(num_remote), alg)
+
     def flip_bit(self, block_id: int) -> None:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""
         offset = self.layout.block_offset(block_id)
@@ -410,6 +487,9 @@ class KVEndpoint:
             "num_quarantined": self.num_quarantined,
             "num_quarantined_reads": self.num_quarantined_reads,
             "num_quarantine_timeouts": self.num_quarantine_timeouts,
+            "num_direct_plan_reads": self.num_plans[PlanKind.DIRECT],
+            "num_staged_plan_reads": self.num_plans[PlanKind.STAGED],
+            "num_plan_descriptors": self.num_plan_descriptors,
         }
 
     # ------------------------------------------------------------------ shutdown

@@ -4,8 +4,13 @@ Owner of the KV (server thread): `answer_handshake(request, identity)` checks th
 version range and the compatibility hash and returns the `HandshakeResponse`, or raises
 `IncompatiblePeerError` (sent back as `ErrorReply(INCOMPATIBLE)`).
 
-Reader: `peer_from_response(response, address, expected_hash, local_layout)` re-checks the
-answer and turns it into a `PeerInfo`: everything needed to build descriptors for that peer.
+Reader: `peer_from_response(response, address, expected_hash, local_layout, model_hash)` re-checks
+the answer and turns it into a `PeerInfo`: everything needed to build descriptors for that peer.
+
+Two engines pair when their compat hashes agree (same pages: reads are block or page copies) or,
+when the reader translates layouts (it sends its `model_hash`), when their model hashes agree: the
+peer's block size, page format and placement may then differ from ours, and the reader plans each
+read (transfer/layout_plan.py). Anything else is refused with both layouts named.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from kvbridge.errors import ConfigError, HandshakeError, IncompatiblePeerError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
+from kvbridge.transfer.layout_plan import KVShard
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class LocalIdentity:
     layout: KVCacheLayout
     cuda_ipc: m.IpcExport | None = None  # the KV tensor's CUDA IPC export, when offered
     digest_alg: str = ""  # what this engine digests its leased blocks with
+    model_hash: str = ""  # KVCacheLayout.model_hash: set when this engine translates layouts (and accepts readers that do)
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class PeerInfo:
     agent_metadata: bytes
     protocol_version: int
     region: m.KVRegion
-    layout: KVCacheLayout  # the local geometry with the peer's block count and strides
+    layout: KVCacheLayout  # the local model geometry with the peer's block count, block size, page format and strides
     cuda_ipc: m.IpcExport | None = None  # the peer's CUDA IPC export, if it offered one
     digest_alg: str = ""  # the peer's digest algorithm for its leased blocks ("": not said)
 
@@ -60,17 +67,20 @@ def make_request(me: LocalIdentity) -> m.HandshakeRequest:
         engine_id=me.engine_id,
         compat_hash=me.compat_hash,
         agent_name=me.agent_name,
+        model_hash=me.model_hash,
+        layout_description=describe_layout(me.layout),
     )
 
 
 def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeResponse:
     """The response to `req`, or IncompatiblePeerError. Called on the side-channel server thread."""
     version = m.negotiate_version(req.protocol_version, req.min_protocol_version)
-    if req.compat_hash != me.compat_hash:
+    same_model = bool(req.model_hash) and req.model_hash == me.model_hash  # the reader translates layouts
+    if req.compat_hash != me.compat_hash and not same_model:
         raise IncompatiblePeerError(
             f"engine {req.engine_id!r} has compat hash {req.compat_hash}, engine {me.engine_id!r} has "
-            f"{me.compat_hash}: the model, dtype or KV block geometry differ; run the same model and "
-            "cache config on both"
+            f"{me.compat_hash}: the model, dtype or KV geometry differ (theirs: {req.layout_description or 'not said'}; "
+            f"ours: {describe_layout(me.layout)}); run the same model and kv dtype on both"
         )
     if version < m.STRIDED_LAYOUT_VERSION and not me.layout.is_contiguous:
         raise IncompatiblePeerError(
@@ -92,33 +102,42 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
         layer_stride=me.layout.layer_stride,
         block_stride=me.layout.block_stride,
         digest_alg=me.digest_alg,
+        model_hash=me.model_hash,
+        block_size=me.layout.block_size,
     )
 
 
 def peer_from_response(
-    resp: m.Message, address: str, expected_hash: str, local_layout: KVCacheLayout
+    resp: m.Message, address: str, expected_hash: str, local_layout: KVCacheLayout, model_hash: str = ""
 ) -> PeerInfo:
-    """Validate a handshake answer. Raises IncompatiblePeerError or HandshakeError."""
+    """Validate a handshake answer. Raises IncompatiblePeerError or HandshakeError.
+
+    `model_hash`: ours, when we translate layouts: a peer of the same model with another block
+    size or page format is accepted then (its `PeerInfo.layout` says how its pages differ)."""
     if not isinstance(resp, m.HandshakeResponse):
         raise HandshakeError(f"peer {address} answered a handshake with {type(resp).__name__}")
     version = m.negotiate_version(resp.protocol_version, resp.protocol_version)
-    if resp.compat_hash != expected_hash:
-        raise IncompatiblePeerError(
-            f"peer {address} (engine {resp.engine_id!r}) has compat hash {resp.compat_hash}, ours is "
-            f"{expected_hash}: the model, dtype or KV block geometry differ"
-        )
-    if resp.block_nbytes != local_layout.block_nbytes:
-        raise IncompatiblePeerError(
-            f"peer {address} has {resp.block_nbytes}-byte blocks, ours are {local_layout.block_nbytes}"
-        )
-    if resp.page_format != local_layout.page_format:
-        raise IncompatiblePeerError(
-            f"peer {address} has {resp.page_format!r} KV pages, ours are {local_layout.page_format!r}"
-        )
+    translated = resp.compat_hash != expected_hash
     if len(resp.regions) != 1:
         raise HandshakeError(f"peer {address} sent {len(resp.regions)} KV regions; this build expects exactly one")
     region = resp.regions[0]
     layout = _peer_layout(resp, address, local_layout)
+    if translated and not (model_hash and resp.model_hash == model_hash):
+        raise IncompatiblePeerError(
+            f"peer {address} (engine {resp.engine_id!r}) has compat hash {resp.compat_hash}, ours is {expected_hash}, "
+            f"and {'another model hash' if resp.model_hash else 'no model hash'}: its KV ({describe_layout(layout)}) "
+            f"and ours ({describe_layout(local_layout)}) are not of one model, dtype and KV geometry; serve the same "
+            "checkpoint and kv dtype on both"
+        )
+    if resp.block_nbytes != layout.block_nbytes:
+        raise IncompatiblePeerError(
+            f"peer {address} has {resp.block_nbytes}-byte blocks, but its layout ({describe_layout(layout)}) makes "
+            f"them {layout.block_nbytes} B; ours: {describe_layout(local_layout)}"
+        )
+    if not translated and resp.page_format != local_layout.page_format:
+        raise IncompatiblePeerError(
+            f"peer {address} has {resp.page_format!r} KV pages, ours are {local_layout.page_format!r}"
+        )
     if region.nbytes < layout.region_nbytes:
         raise HandshakeError(
             f"peer {address} claims {resp.num_blocks} blocks of {resp.block_nbytes} B spanning {layout.region_nbytes} B "
@@ -143,12 +162,19 @@ def peer_from_response(
 
 
 def _peer_layout(resp: m.HandshakeResponse, address: str, local_layout: KVCacheLayout) -> KVCacheLayout:
-    """Our geometry with the peer's block count and strides, or HandshakeError when they are invalid."""
+    """Our model geometry with the peer's block count, block size (0: ours), page format and strides,
+    or HandshakeError when they are invalid."""
     if resp.num_blocks <= 0:
         raise HandshakeError(f"peer {address} claims {resp.num_blocks} blocks")
     try:
         return dataclasses.replace(
-            local_layout, num_blocks=resp.num_blocks, layer_stride=resp.layer_stride, block_stride=resp.block_stride
+            local_layout, num_blocks=resp.num_blocks, block_size=resp.block_size or local_layout.block_size,
+            page_format=resp.page_format, layer_stride=resp.layer_stride, block_stride=resp.block_stride,
         )
     except ConfigError as e:
         raise HandshakeError(f"peer {address} described an invalid KV layout: {e}") from None
+
+
+def describe_layout(layout: KVCacheLayout) -> str:
+    """A layout in words, for errors and logs (that of a whole engine: tensor parallel 1)."""
+    return KVShard(layout).describe()

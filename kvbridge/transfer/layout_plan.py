@@ -307,3 +307,27 @@ def plan_read(
     if kind is PlanKind.DIRECT:
         return ReadPlan(kind, direct, num_tokens, num_direct_descriptors=n_direct, num_staged_descriptors=n_staged)
     return ReadPlan(kind, staged, num_tokens, staging_nbytes, gather, n_direct, n_staged)
+
+
+def plan_engine_read(local: KVCacheLayout, remote: KVCacheLayout, local_block_ids, remote_block_ids) -> ReadPlan:
+    """The plan of a P/D read between two whole engines (tensor parallel 1 on both sides): remote
+    blocks `remote_block_ids` hold the prompt's first tokens, local blocks `local_block_ids` receive
+    them. The tokens moved are those both lists have room for: min(len(local) * D, len(remote) * P)."""
+    num_tokens = min(len(local_block_ids) * local.block_size, len(remote_block_ids) * remote.block_size)
+    if num_tokens == 0:
+        raise ValueError("a read plan needs at least one block on each side")
+    return plan_read(KVShard(local), local_block_ids, [KVShard(remote)], [remote_block_ids], num_tokens)
+
+
+def copy_gather(
+    dst: KVShard, dst_block_ids, src: KVShard, src_block_ids, num_tokens: int
+) -> Gather:
+    """The gather that copies tokens [0, num_tokens) from `src`'s blocks into `dst`'s blocks when both
+    lie in one process: source region rows -> destination region rows (`layout_gather.apply_gather`
+    with the source region as its "staging" buffer). What a reader uses to rebuild the prefill's
+    blocks from its own pages, to digest them as the prefill did."""
+    check_same_model(dst, [src])
+    dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    src_ids = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    atoms = _collect_atoms(dst, dst_ids, [src], [src_ids], num_tokens)
+    return _gather(atoms, atoms.src)

@@ -86,6 +86,12 @@ class HandshakeRequest(_Message, tag="hs_req"):
     min_protocol_version: int = 1
     agent_name: str = ""
     agent_metadata: bytes = b""
+    # `KVCacheLayout.model_hash(model_id)` when the reader translates layouts (transfer/layout_plan.py):
+    # the owner then accepts another compat_hash (block size, page format) of the same model.
+    # "": an older reader, held to the same compat_hash.
+    model_hash: str = ""
+    # The requester's KV layout in words (informative): a refusal names both layouts.
+    layout_description: str = ""
 
 
 class HandshakeResponse(_Message, tag="hs_resp"):
@@ -116,6 +122,10 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     # The algorithm the owner digests leased blocks with (transfer/digest.py), so a reader can digest
     # what it read as soon as it lands. "": an older owner; the reader then digests on confirmation.
     digest_alg: str = ""
+    # The owner's model hash and tokens per block, for readers that translate layouts. "" and 0:
+    # an older owner, whose block size is the reader's (its compat_hash matched).
+    model_hash: str = ""
+    block_size: int = 0
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,12 +7,18 @@
 - "ranges": `descriptors.coalesce_blocks` turns the pairing into byte ranges, split at
   `max_descriptor_nbytes`; both lists are prepared per transfer and released with it.
 
+A peer whose block size or page format differs from ours is read through a `layout_plan.ReadPlan`
+(`post_plan`, whatever the mode): a DIRECT plan's ranges land in our pages; a STAGED plan's land in
+a staging buffer registered for that read, and `finish` runs the plan's gather into our pages once
+NIXL reports the read done. The staging buffer is deregistered and dropped by `release`, so a read
+quarantined in flight keeps it as long as it keeps its blocks.
+
 docs/transfer.md has the measurements. Called by `KVEndpoint` on the owner's thread only.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -30,13 +36,30 @@ from kvbridge.transfer.descriptors import (
     unit_indices,
 )
 from kvbridge.transfer.handshake import PeerInfo
+from kvbridge.transfer.layout_plan import PlanKind, ReadPlan
 from kvbridge.transfer.options import DescriptorMode, TransferOp
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.transfer.agent import Registration
+    from kvbridge.transfer.layout_gather import GatherIndex
+
+
+class Staging(NamedTuple):
+    """A STAGED read's landing buffer and the gather that empties it into our pages."""
+
+    buffer: torch.Tensor  # [staging_nbytes] uint8 on our KV tensor's device, registered with NIXL
+    registration: Registration
+    gather: GatherIndex
 
 
 class NixlPost(NamedTuple):
     xfer: object  # NIXL transfer handle, for NixlAgent.poll
     dlists: tuple  # per-transfer lists ("ranges" mode), released with the transfer
     num_descriptors: int  # ranges after NIXL's merging ("blocks"), or ranges posted
+    plan: ReadPlan | None = None  # a translated read's plan (post_plan)
+    staging: Staging | None = None  # a STAGED plan's buffer, until release
 
 
 class NixlPoster:
@@ -47,8 +70,10 @@ class NixlPoster:
         region: m.KVRegion,  # our registered KV tensor
         mode: DescriptorMode = DescriptorMode.BLOCKS,
         max_descriptor_nbytes: int | None = None,  # "ranges": split longer ranges
+        device: torch.device | str = "cpu",  # where staging buffers live: our KV tensor's device
     ) -> None:
         self._agent, self._layout, self._region = agent, layout, region
+        self._device = device
         self.mode = mode
         self.max_descriptor_nbytes = max_descriptor_nbytes
         self._local_lists: dict[Unit, object] = {}  # "blocks" mode: our prepared list per unit
@@ -69,32 +94,69 @@ class NixlPoster:
             remote_idx = unit_indices(peer.layout, remote_ids, unit)
             xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx)
             return NixlPost(xfer, (), num_merged_ranges(local_ids, remote_ids, self._layout, peer.layout))
-        r = peer.region
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
-        local_list = self._agent.prep_local(
-            range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id), mine.mem_type
-        )
+        local = range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id)
+        return self._post_ranges(op, local, mine.mem_type, ranges.remote_offsets, ranges.nbytes, peer)
+
+    def post_plan(self, plan: ReadPlan, peer: PeerInfo) -> NixlPost:
+        """Post the reads of a plan between our layout and the peer's (one prefill shard: `peer`).
+        Raises TransferError when NIXL refuses (nothing is left prepared or registered then)."""
+        import torch
+
+        from kvbridge.transfer.layout_gather import GatherIndex
+
+        reads, staging = plan.reads, None
+        if plan.kind is PlanKind.DIRECT:
+            local = range_descs(reads.local_offsets, reads.nbytes, self._region.base_addr, self._region.device_id)
+            mem_type = self._region.mem_type
+        else:
+            buffer = torch.empty(plan.staging_nbytes, dtype=torch.uint8, device=self._device)
+            reg = self._agent.register_tensor(buffer)
+            staging = Staging(buffer, reg, GatherIndex.of(plan.gather, buffer.device))
+            local, mem_type = range_descs(reads.local_offsets, reads.nbytes, reg.base_addr, reg.device_id), reg.mem_type
+        try:
+            post = self._post_ranges(TransferOp.READ, local, mem_type, reads.remote_offsets, reads.nbytes, peer)
+        except TransferError:
+            if staging is not None:
+                self._agent.deregister(staging.registration)
+            raise
+        return post._replace(plan=plan, staging=staging)
+
+    def _post_ranges(self, op, local_descs: np.ndarray, local_mem_type: str, remote_offsets, nbytes, peer) -> NixlPost:
+        """Prepare both per-transfer lists and post them entry for entry."""
+        r = peer.region
+        local_list = self._agent.prep_local(local_descs, local_mem_type)
         try:
             remote_list = self._agent.prep_remote(
-                peer.agent_name, range_descs(ranges.remote_offsets, ranges.nbytes, r.base_addr, r.device_id), r.mem_type
+                peer.agent_name, range_descs(remote_offsets, nbytes, r.base_addr, r.device_id), r.mem_type
             )
         except TransferError:
             self._agent.release_dlist(local_list)
             raise
-        idx = np.arange(ranges.num_descriptors)
+        idx = np.arange(len(local_descs))
         try:
             xfer = self._agent.post(op, local_list, idx, remote_list, idx)
         except TransferError:
             self._agent.release_dlist(local_list)
             self._agent.release_dlist(remote_list)
             raise
-        return NixlPost(xfer, (local_list, remote_list), ranges.num_descriptors)
+        return NixlPost(xfer, (local_list, remote_list), len(local_descs))
+
+    def finish(self, post: NixlPost, region_bytes: torch.Tensor) -> None:
+        """After NIXL reports `post` done: a STAGED plan's gather from staging into our pages
+        (`region_bytes`: our KV region as [region_nbytes] uint8). Nothing to do for other posts."""
+        if post.staging is not None:
+            from kvbridge.transfer.layout_gather import apply_gather
+
+            apply_gather(post.staging.gather, post.staging.buffer, region_bytes)
 
     def release(self, post: NixlPost) -> None:
-        """Release a transfer (cancelling it if still in flight) and its per-transfer lists."""
+        """Release a transfer (cancelling it if still in flight), its per-transfer lists and its staging buffer."""
         self._agent.release(post.xfer)
         for dlist in post.dlists:
             self._agent.release_dlist(dlist)
+        if post.staging is not None:
+            self._agent.deregister(post.staging.registration)
 
     def close(self) -> None:
         """Forget the local lists; `NixlAgent.close` releases them."""

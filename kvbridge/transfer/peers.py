@@ -167,7 +167,7 @@ class PeerDirectory:
             resp = client.request(make_request(self._me), audience=audience_of(pong.engine_id, pong.incarnation))
         finally:
             client.close()
-        info = peer_from_response(resp, address, self._me.compat_hash, self._me.layout)
+        info = peer_from_response(resp, address, self._me.compat_hash, self._me.layout, self._me.model_hash)
         if (info.engine_id, info.incarnation) != (pong.engine_id, pong.incarnation):
             raise HandshakeError(f"peer {address} changed between its ping and its handshake (it restarted)")
         return info

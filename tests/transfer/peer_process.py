@@ -9,6 +9,7 @@ Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
 prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then answers one JSON line per command line:
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
     {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
+    {"cmd": "block_digests", "ids": [...]} -> {"alg": ..., "values": [...]}  (the endpoint's lease digests)
     {"cmd": "quit"}                   -> exits 0 after closing the endpoint
 """
 
@@ -120,6 +121,9 @@ def main() -> int:
                     out = {"messages": list(received)}
             case "digest":
                 out = {"digest": blocks_digest(kv, cmd["ids"])}
+            case "block_digests":  # what a lease on those blocks would carry
+                got = ep.digest_blocks(cmd["ids"])
+                out = {"alg": got.alg, "values": list(got.values)}
             case "quit":
                 ep.close()
                 reply({"bye": True})

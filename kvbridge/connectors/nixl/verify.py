@@ -43,7 +43,7 @@ class ReadVerifier:
             return  # an older prefill: digested once its answer names the algorithm
         start = self._clock()
         try:
-            started = self._endpoint.start_digest(job.local_block_ids, alg)
+            started = self._endpoint.start_read_digest(job.remote.address, job.local_block_ids, job.remote_block_ids, alg)
         except DigestError:
             return  # tried again, and refused with a reason, when the answer comes
         self._started[job.request_id] = (started, self._clock() - start)
@@ -55,7 +55,7 @@ class ReadVerifier:
         if not job.local_block_ids:
             return None
         who = f"engine {job.remote.engine_id} at {job.remote.address}"
-        num_read = len(job.local_block_ids)
+        num_read = len(job.remote_block_ids)  # the prefill's blocks (as many as ours unless layouts are translated)
         if digest is None:
             self._stats.num_unverified_reads += 1
             return (
@@ -69,7 +69,9 @@ class ReadVerifier:
         start = self._clock()
         try:
             if started is None or started.alg != digest.alg:
-                started = self._endpoint.start_digest(job.local_block_ids, digest.alg)
+                started = self._endpoint.start_read_digest(
+                    job.remote.address, job.local_block_ids, job.remote_block_ids, digest.alg
+                )
             got = started.result()
         except DigestError as e:
             self._stats.num_unverified_reads += 1
