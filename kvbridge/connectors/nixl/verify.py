@@ -84,7 +84,7 @@ class ReadVerifier:
         i = bad[0]
         return (
             f"KV DIGEST MISMATCH: {len(bad)} of {num_read} blocks read from {who} do not hold the bytes it leased "
-            f"(first: remote block {job.remote_block_ids[i]} -> local block {job.local_block_ids[i]}, {digest.alg}); "
+            f"(first: remote block {job.remote_block_ids[i]}, read into local blocks {list(job.local_block_ids)}, {digest.alg}); "
             "they were corrupted in flight or written after the lease was granted"
         )
 

@@ -303,6 +303,9 @@ class NixlWorker:
             stats["num_quarantined_reads"] = self._endpoint.num_quarantined
             stats["num_quarantined_reads_total"] = self._endpoint.num_quarantined_reads
             stats["num_quarantine_timeouts"] = self._endpoint.num_quarantine_timeouts
+            ep_stats = self._endpoint.get_stats()  # reads from peers whose pages differ, by plan kind (layout_plan.py)
+            for key in ("num_direct_plan_reads", "num_staged_plan_reads", "num_plan_descriptors"):
+                stats[key] = ep_stats[key]
         stats["num_refused_lease_requests"] = self._leases.num_refused
         stats["num_peers"] = len(self._peers)
         if self.side_channel_port:
