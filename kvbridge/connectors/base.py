@@ -100,6 +100,11 @@ class ConnectorRequest(Protocol):
     @property
     def block_hashes(self) -> list[BlockHash]: ...  # chained hashes of every full block so far
 
+    def prompt_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Chained hashes of the prompt's full blocks at another engine's `block_size`, as this engine
+        would hash them (namespace, extra keys): what identifies a prefill's blocks of another size."""
+        ...
+
 
 @dataclass(frozen=True)
 class ConnectorContext:

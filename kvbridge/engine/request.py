@@ -53,6 +53,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def prompt_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Chained hashes of the prompt's full blocks of `block_size` tokens (another engine's blocks)."""
+        if block_size == self.block_size:
+            return self.block_hashes[: self.num_prompt_tokens // block_size]
+        return hash_full_blocks(self.prompt_token_ids, block_size, namespace=self.hash_namespace)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

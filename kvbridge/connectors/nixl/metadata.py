@@ -25,7 +25,8 @@ class RemoteEngine:
 
 @dataclass(frozen=True)
 class RecvJob:
-    """Decode side: read `remote_block_ids` of `remote` into `local_block_ids` (same length, token order).
+    """Decode side: read `remote_block_ids` of `remote` into `local_block_ids` (token order; as many
+    unless the prefill's block size differs from ours, the same tokens either way).
 
     An empty job still tells the prefill engine to release its blocks (everything hit locally).
     """

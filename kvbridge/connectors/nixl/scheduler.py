@@ -12,6 +12,7 @@ worker reads them and tells the prefill engine to release them.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -93,34 +94,46 @@ class NixlScheduler:
         params = self._remote_params(request)
         if params is None or not params.remote_block_ids:
             return MatchResult(0, False)
-        num_remote = self._num_usable_blocks(request, params) * self.block_size
+        num_remote = self._num_usable_tokens(request, params)
+        if num_computed_tokens % self._remote_block_size(params):
+            # Our prefix hit ends inside one of the prefill's (larger) blocks: its digest could not
+            # be checked against a part of it, so nothing is read and the rest is computed here.
+            num_remote = 0
         self._local_hits[request.request_id] = num_computed_tokens
         return MatchResult(max(0, num_remote - num_computed_tokens), True)
 
-    def _num_usable_blocks(self, request: ConnectorRequest, params: RemotePrefillParams) -> int:
-        """The remote blocks that hold this prompt's tokens: all of them, or none when they do not match.
+    def _remote_block_size(self, params: RemotePrefillParams) -> int:
+        return params.remote_block_size or self.block_size  # 0: an older prefill, whose blocks are ours
+
+    def _num_usable_tokens(self, request: ConnectorRequest, params: RemotePrefillParams) -> int:
+        """The prompt tokens the remote blocks hold: all of them, or none when they do not match.
 
         The last block's chained hash names every token before it, so one comparison proves that the
-        blocks the params name (if they hold what the prefill's lease says) are this prompt's.
+        blocks the params name (if they hold what the prefill's lease says) are this prompt's. With
+        another block size on the prefill (read through a plan, transfer/layout_plan.py) the hash is
+        computed at its block size, and the tokens are cut to a multiple of both block sizes: every
+        block read on either side is then whole, and its digest checkable.
         """
         num_blocks = len(params.remote_block_ids)
-        if params.remote_block_size not in (0, self.block_size):
-            reason = (
-                f"the prefill engine holds blocks of {params.remote_block_size} tokens, this engine of "
-                f"{self.block_size}; run both with the same block size"
-            )
-        elif num_blocks > request.num_prompt_tokens // self.block_size:
+        remote_block_size = self._remote_block_size(params)
+        if num_blocks * remote_block_size > request.num_prompt_tokens:
             reason = f"{num_blocks} remote blocks are more than this prompt fills"
-        elif request.block_hashes[num_blocks - 1].hex() != params.remote_block_hash:
+        elif self._prompt_hashes(request, remote_block_size)[num_blocks - 1].hex() != params.remote_block_hash:
             reason = "they hold other tokens (block hash mismatch); send each decode request its prefill's prompt"
         else:
-            return num_blocks
+            step = math.lcm(remote_block_size, self.block_size)
+            return num_blocks * remote_block_size // step * step
         if request.request_id not in self._refused:
             self._refused.add(request.request_id)
             self._refusals[request.request_id] = reason = f"the remote prefill's blocks are not this prompt's: {reason}"
             logger.error("request %s: %s; computing it locally", request.request_id, reason)
             self.num_mismatched_params += 1
         return 0
+
+    def _prompt_hashes(self, request: ConnectorRequest, block_size: int) -> list:
+        if block_size == self.block_size:
+            return request.block_hashes
+        return request.prompt_block_hashes(block_size)
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
@@ -129,15 +142,18 @@ class NixlScheduler:
         if params is None or not params.remote_block_ids:
             return
         self._handled.add(request.request_id)
-        first = self._local_hits.pop(request.request_id, request.num_computed_tokens) // self.block_size
-        count = num_external_tokens // self.block_size
+        num_hits = self._local_hits.pop(request.request_id, request.num_computed_tokens)
+        first, count = num_hits // self.block_size, num_external_tokens // self.block_size
+        remote_block_size = self._remote_block_size(params)
+        remote_first = num_hits // remote_block_size
+        remote_count = -(-num_external_tokens // remote_block_size)  # the same tokens, in the prefill's blocks
         self._new_recvs[request.request_id] = RecvJob(
             request_id=request.request_id,
             remote=RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_incarnation),
             lease=LeaseRef.of(params),
             local_block_ids=tuple(block_ids[first : first + count]),
-            remote_block_ids=tuple(params.remote_block_ids[first : first + count]),
-            lease_offset=first,
+            remote_block_ids=tuple(params.remote_block_ids[remote_first : remote_first + remote_count]),
+            lease_offset=remote_first,
             lease_s=params.lease_s,
         )
 

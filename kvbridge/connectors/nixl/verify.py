@@ -76,7 +76,7 @@ class ReadVerifier:
         except DigestError as e:
             self._stats.num_unverified_reads += 1
             return f"cannot verify the blocks read from {who}: {e}"
-        self._stats.record_digest(spent_s + self._clock() - start, num_read * self._endpoint.layout.block_nbytes)
+        self._stats.record_digest(spent_s + self._clock() - start, len(job.local_block_ids) * self._endpoint.layout.block_nbytes)
         bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got)
         if not bad:
             return None

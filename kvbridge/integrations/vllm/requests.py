@@ -85,20 +85,30 @@ class RequestView:
         """Chained hashes of every full block of the request's tokens so far, computed once each.
         Raises `UnidentifiableRequest` when vLLM's extra keys of a block cannot be had."""
         num_full = self._req.num_tokens // self.block_size
-        if len(self._hashes) >= num_full:
-            return self._hashes
-        tokens = self._req.all_token_ids[: num_full * self.block_size]
-        if self._extra is None:
-            self._hashes = hash_full_blocks(tokens, self.block_size, self._hashes, self.hash_namespace)
-            return self._hashes
-        hashes = list(self._hashes)  # extended only once every new block's keys are known
-        extra = self._extra
-        for start in range(len(hashes) * self.block_size, num_full * self.block_size, self.block_size):
-            parent = hashes[-1] if hashes else root_hash(self.hash_namespace)
-            end = start + self.block_size
-            hashes.append(hash_block(parent, tokens[start:end], extra.of_block(self._req, start, end)))
-        self._hashes = hashes
+        if len(self._hashes) < num_full:
+            self._hashes = self._chain(self._req.num_tokens, self.block_size, self._hashes)
         return self._hashes
+
+    def prompt_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Chained hashes of the prompt's full blocks of `block_size` tokens (another engine's blocks)."""
+        if block_size == self.block_size:
+            return self.block_hashes[: self._req.num_prompt_tokens // block_size]
+        return self._chain(self._req.num_prompt_tokens, block_size, [])
+
+    def _chain(self, num_tokens: int, block_size: int, known: list[BlockHash]) -> list[BlockHash]:
+        """`known` extended to the full blocks of the first `num_tokens` tokens (extended only once
+        every new block's extra keys are known: `UnidentifiableRequest` otherwise)."""
+        num_full = num_tokens // block_size
+        tokens = self._req.all_token_ids[: num_full * block_size]
+        if self._extra is None:
+            return hash_full_blocks(tokens, block_size, known, self.hash_namespace)
+        hashes = list(known)
+        extra = self._extra
+        for start in range(len(hashes) * block_size, num_full * block_size, block_size):
+            parent = hashes[-1] if hashes else root_hash(self.hash_namespace)
+            end = start + block_size
+            hashes.append(hash_block(parent, tokens[start:end], extra.of_block(self._req, start, end)))
+        return hashes
 
     def __repr__(self) -> str:
         return f"RequestView({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

@@ -212,19 +212,22 @@ def test_fail_policy_gives_a_clear_error(reference: LLM):
         assert_all_free_or_cached(dec.get_stats())
 
 
-def test_blocks_of_another_size_are_never_read(reference: LLM, caplog):
-    """A block hash of 32-token blocks says nothing about this prompt's 16-token blocks: never trusted."""
+def test_blocks_of_another_size_are_checked_at_their_size_and_another_prompts_never_read(reference: LLM, caplog):
+    """A block hash of 32-token blocks is compared with this prompt hashed in 32-token blocks (16-token
+    blocks here): the params of another prompt are refused. (Matching ones are read through a read
+    plan: test_pd_block_sizes.py.)"""
     prompts = make_prompts(seed=5)[4:]
+    others = [{"prompt_token_ids": list(reversed(p["prompt_token_ids"]))} for p in prompts]
     want = colocated(reference, prompts)
     with prefill_node(**engine_kwargs("prefill-bs32", "kv_producer", block_size=32)) as n:
-        params = n.prefill(prompts)
+        params = n.prefill(others)
         with decode_engine("decode-bs16", load_failure_policy="fail") as dec:
             with caplog.at_level(logging.ERROR, logger="kvbridge"):
                 outs = dec.generate(prompts, GREEDY, kv_transfer_params=params)
             assert [o.outputs[0].token_ids for o in outs] == want
             assert all(o.num_external_tokens == 0 for o in outs)
             assert dec.get_stats()["connector"]["scheduler"]["num_mismatched_params"] == len(prompts)
-            assert "blocks of 32 tokens" in caplog.text
+            assert "block hash mismatch" in caplog.text
             assert_all_free_or_cached(dec.get_stats())
         n.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=30)  # the decode released what it never read
 
