@@ -17,7 +17,13 @@ Transfer throughput is the NixlConnector's own per-read figure (bytes / time fro
 to its completion; the handshake is done during warm-up and is not inside). Its baseline is a raw
 copy of the same bytes: cuda:0 -> cuda:1 peer copy on GPUs, a memcpy on CPU.
 
+Block sizes: --prefill-block-size and --decode-block-size (default 16 both). When they differ the
+decode reads through a read plan (kvbridge/transfer/layout_plan.py): a STAGED read into a staging
+buffer and one gather pass into its pages, both inside `transfer_ms`; `plan` says which plan kind
+the reads took and their descriptors per read.
+
     python benchmarks/pd_transfer.py --json                                   # CPU, tiny model
+    python benchmarks/pd_transfer.py --json --decode-block-size 32            # CPU, through a staged plan
     python benchmarks/pd_transfer.py --json --model kv8b --dtype bfloat16 \\
         --prefill-device cuda:0 --decode-device cuda:1 --prompt-len 4096       # 2 GPUs, 512 MiB of KV
 """
@@ -36,13 +42,12 @@ from common import exit_if_missing, machine_info, versions
 
 from kvbridge.transfer.progress import Backoff
 
-BLOCK_SIZE = 16
-
 
 def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
-    num_blocks = 2 * (args.prompt_len // BLOCK_SIZE + 2) * (args.reps + 2)
+    block_size = args.prefill_block_size if role == "kv_producer" else args.decode_block_size
+    num_blocks = 2 * (args.prompt_len // block_size + 2) * (args.reps + 2)
     return dict(
-        model=args.model, dtype=args.dtype, device=device, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+        model=args.model, dtype=args.dtype, device=device, num_blocks=num_blocks, block_size=block_size,
         max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
         kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
                                 extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": args.cuda_ipc,
@@ -114,6 +119,14 @@ def _copy_baseline_gbps(nbytes: int, src_device: str, dst_device: str, reps: int
     return nbytes / min(times[2:]) / 1e9
 
 
+def _plan_summary(worker_stats: dict) -> dict:
+    direct, staged = worker_stats.get("num_direct_plan_reads", 0), worker_stats.get("num_staged_plan_reads", 0)
+    if not direct + staged:
+        return {"kind": "none (same pages on both sides)"}
+    kind = "staged" if staged and not direct else "direct" if direct and not staged else "mixed"
+    return {"kind": kind, "descriptors_per_read": worker_stats["num_plan_descriptors"] / (direct + staged)}
+
+
 def run(args) -> dict:
     from kvbridge import LLM
 
@@ -147,7 +160,9 @@ def run(args) -> dict:
             dec.reset_prefix_cache()
             if rep < args.warmup:
                 continue
-            assert nbytes == len(params["remote_block_ids"]) * block_nbytes == num_external // BLOCK_SIZE * block_nbytes
+            assert nbytes == num_external // args.decode_block_size * block_nbytes
+            if args.prefill_block_size == args.decode_block_size:
+                assert nbytes == len(params["remote_block_ids"]) * block_nbytes
             assert admitted <= read.posted <= read.landed <= read.confirmed <= first_token
             rows.append({
                 "colocated_ttft_s": colocated_s, "cached_ttft_s": cached_s, "prefill_s": prefill_s,
@@ -157,6 +172,7 @@ def run(args) -> dict:
                 "until_posted_s": read.posted - admitted, "confirm_s": read.confirmed - read.landed,
                 "after_confirmed_s": first_token - read.confirmed,
             })  # fmt: skip
+        worker_stats = dec.get_stats()["connector"]["worker"]
         dec.shutdown()
     finally:
         conn.send(None)
@@ -178,6 +194,8 @@ def run(args) -> dict:
         "kvbridge_transfer_gbps_best": nbytes / min(r["transfer_s"] for r in rows) / 1e9,
         "transfer_ms": {"median": med("transfer_s") * 1e3, "min": min(r["transfer_s"] for r in rows) * 1e3},
         "bytes_per_request": nbytes,
+        # reads between different block sizes go through a read plan: its kind and descriptors per read
+        "plan": _plan_summary(worker_stats),
         # the decode's digest of the bytes it read (0 with --no-verify-kv-digest), beside the transfer
         "digest_ms": {"median": med("digest_s") * 1e3, "min": min(r["digest_s"] for r in rows) * 1e3},
         "digest_vs_transfer": med("digest_s") / med("transfer_s"),
@@ -210,6 +228,9 @@ def main() -> None:
     parser.add_argument("--prefill-device", default="cpu")
     parser.add_argument("--decode-device", default="cpu")
     parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--prefill-block-size", type=int, default=16, help="tokens per block of the prefill engine")
+    parser.add_argument("--decode-block-size", type=int, default=16,
+                        help="tokens per block of the decode engine; another size than the prefill's reads through a read plan")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

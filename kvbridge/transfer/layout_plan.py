@@ -182,21 +182,44 @@ def _page_strides(layout: KVCacheLayout) -> dict[str, int]:
     return {dim: stride * layout.element_size for dim, stride in zip(layout.page_format, layout.strides[2:])}
 
 
-def _atom_offsets(shard: KVShard, block_ids: np.ndarray, num_tokens: int, heads: range) -> tuple[np.ndarray, np.ndarray]:
-    """(byte offset of each atom, byte offset of its page), both [L, 2, T, len(heads)] int64, for
-    atoms (layer, K|V, token, head) of global `heads` in `shard` with its blocks `block_ids`."""
+def _atom_shape(decode: KVShard, prefills: Sequence[KVShard], owners: list[tuple[int, int, int]], num_tokens: int) -> tuple[int, int]:
+    """(heads, tokens) one atom spans, contiguous on both sides for every source: fewer, larger atoms
+    make planning and the gather cheaper. Heads merge when every page format ends in "HD" (a token's
+    heads are adjacent), tokens too when one source holds exactly the decode's heads and the formats
+    end in "NHD"; tokens merge when every format ends in "ND" (a head's tokens are adjacent). Token
+    chunks of gcd(block sizes, num_tokens) never cross a block on either side."""
+    sources = [prefills[i] for i, _, _ in owners]
+    formats = [s.layout.page_format for s in (decode, *sources)]
+    chunk = math.gcd(num_tokens, decode.layout.block_size, *(s.layout.block_size for s in sources))
+    spans = {h1 - h0 for _, h0, h1 in owners}
+    if all(f.endswith("HD") for f in formats) and len(spans) == 1:
+        (_, h0, h1), exact = owners[0], len(owners) == 1
+        exact = exact and (decode.head_start, decode.head_end) == (h0, h1) == (sources[0].head_start, sources[0].head_end)
+        return spans.pop(), (chunk if exact and all(f.endswith("NHD") for f in formats) else 1)
+    if all(f.endswith("ND") for f in formats):
+        return 1, chunk
+    return 1, 1
+
+
+def _atom_offsets(
+    shard: KVShard, block_ids: np.ndarray, num_tokens: int, heads: range, shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offset of each atom, byte offset of its page), both [L, 2, T / tokens, H / heads] int64, for
+    the atoms of `shape` (heads, tokens) covering (layer, K|V, token, head) of global `heads` in `shard`
+    with its blocks `block_ids`: each offset is that of the atom's first element."""
     lay = shard.layout
     needed = -(-num_tokens // lay.block_size)
     if len(block_ids) < needed:
         raise ValueError(f"{num_tokens} tokens need {needed} blocks of {lay.block_size} tokens, {len(block_ids)} given")
-    tokens = np.arange(num_tokens, dtype=np.int64)
+    heads_per_atom, tokens_per_atom = shape
+    tokens = np.arange(0, num_tokens, tokens_per_atom, dtype=np.int64)
     strides = _page_strides(lay)
     block = lay.block_offsets(block_ids[tokens // lay.block_size])  # [T], IndexError for ids outside the layout
     layer = np.arange(lay.num_layers, dtype=np.int64) * lay.layer_stride_bytes  # [L]
     page = layer[:, None, None, None] + block[None, None, :, None]  # [L, 1, T, 1]
     kv = np.arange(2, dtype=np.int64) * strides["2"]  # [2]
     slot = (tokens % lay.block_size) * strides["N"]  # [T]
-    head = (np.arange(heads.start, heads.stop, dtype=np.int64) - shard.head_start) * strides["H"]  # [H]
+    head = (np.arange(heads.start, heads.stop, heads_per_atom, dtype=np.int64) - shard.head_start) * strides["H"]  # [H]
     atom = page + kv[None, :, None, None] + slot[None, None, :, None] + head[None, None, None, :]
     return atom, np.broadcast_to(page, atom.shape)
 
@@ -208,20 +231,22 @@ class _Atoms(NamedTuple):
     src: np.ndarray  # [A] byte offset in its source region
     src_page: np.ndarray  # [A] byte offset of its source page
     dst: np.ndarray  # [A] byte offset in the destination region
-    nbytes: int  # bytes per atom: head_dim elements
+    nbytes: int  # bytes per atom: head_dim elements of each of its heads and tokens
 
 
 def _collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens) -> _Atoms:
     source, src, src_page, dst = [], [], [], []
-    for i, h0, h1 in _head_owners(decode, prefills):
-        s, p = _atom_offsets(prefills[i], src_ids[i], num_tokens, range(h0, h1))
-        d, _ = _atom_offsets(decode, dst_ids, num_tokens, range(h0, h1))
+    owners = _head_owners(decode, prefills)
+    shape = _atom_shape(decode, prefills, owners, num_tokens)
+    for i, h0, h1 in owners:
+        s, p = _atom_offsets(prefills[i], src_ids[i], num_tokens, range(h0, h1), shape)
+        d, _ = _atom_offsets(decode, dst_ids, num_tokens, range(h0, h1), shape)
         order = np.argsort(s.reshape(-1), kind="stable")
         source.append(np.full(len(order), i, dtype=np.int64))
         src.append(s.reshape(-1)[order])
         src_page.append(p.reshape(-1)[order])
         dst.append(d.reshape(-1)[order])
-    nbytes = decode.layout.head_dim * decode.layout.element_size
+    nbytes = shape[0] * shape[1] * decode.layout.head_dim * decode.layout.element_size
     return _Atoms(*(np.concatenate(a) for a in (source, src, src_page, dst)), nbytes)
 
 

@@ -184,11 +184,12 @@ class PeerDirectory:
             self.forget(info.address)
         self._agent.add_peer(info.agent_name, info.agent_metadata)
         self._peers[info.address] = info
-        if self._cache_block_lists:
+        is_translated = info.layout.geometry_key() != self._me.layout.geometry_key()  # read through plans only
+        if self._cache_block_lists and not is_translated:
             r = info.region
             descs = block_descs(info.layout, r.base_addr, r.device_id, transfer_unit(self._me.layout, info.layout))
             self._block_lists[info.address] = self._agent.prep_remote(info.agent_name, descs, r.mem_type)
-        if self._ipc_device is not None and can_map(info.cuda_ipc):
+        if self._ipc_device is not None and can_map(info.cuda_ipc) and not is_translated:
             self._map(info)
 
     def _map(self, info: PeerInfo) -> None:

@@ -29,8 +29,9 @@ PLACEMENTS = ("block-major", "layer-major", "padded")
 # ---------------------------------------------------------------------------- random cases
 
 
-def _layout(rng: random.Random, num_blocks, num_layers, block_size, heads, head_dim, dtype) -> KVCacheLayout:
-    lay = KVCacheLayout(num_blocks, num_layers, block_size, heads, head_dim, dtype, page_format=rng.choice(FORMATS))
+def _layout(rng: random.Random, num_blocks, num_layers, block_size, heads, head_dim, dtype, page_format=None) -> KVCacheLayout:
+    page_format = page_format or rng.choice(FORMATS)
+    lay = KVCacheLayout(num_blocks, num_layers, block_size, heads, head_dim, dtype, page_format=page_format)
     placement = rng.choice(PLACEMENTS)
     if placement == "layer-major":  # vLLM's CPU placement
         return dataclasses.replace(lay, layer_stride=num_blocks * lay.page_nbytes, block_stride=lay.page_nbytes)
@@ -67,7 +68,8 @@ class Case:
         return f"{self.num_tokens} tokens: [{prefills}] -> [{self.decode.describe()}]"
 
 
-def random_case(seed: int) -> Case:
+def random_case(seed: int, page_format: str | None = None) -> Case:
+    """A random case; `page_format`: every shard's (None: each its own, at random)."""
     rng = random.Random(seed)
     total = rng.choice((2, 4))
     num_layers, head_dim = rng.randint(1, 3), rng.choice((2, 4, 8))
@@ -80,7 +82,7 @@ def random_case(seed: int) -> Case:
         start, heads = _shard_heads(rank, tp, total)
         needed = -(-num_tokens // block_size)
         num_blocks = needed + rng.randint(0, 6)
-        lay = _layout(rng, num_blocks, num_layers, block_size, heads, head_dim, dtype)
+        lay = _layout(rng, num_blocks, num_layers, block_size, heads, head_dim, dtype, page_format)
         return KVShard(lay, start, total), _block_ids(rng, needed, num_blocks)
 
     decode, dst_ids = shard(rng.randrange(m), m, d_size)
@@ -179,6 +181,20 @@ def test_every_plan_moves_what_one_element_at_a_time_moves(seed):
         _check_reads_stay_in_read_pages(case, plan)
         if kind is None and plan.kind is PlanKind.STAGED:
             assert plan.num_staged_descriptors < plan.num_direct_descriptors, "staged only when it saves descriptors"
+
+
+@pytest.mark.parametrize("page_format", FORMATS)
+@pytest.mark.parametrize("seed", range(12))
+def test_one_page_format_everywhere_moves_larger_atoms_and_the_same_bytes(seed, page_format):
+    """Atoms span several heads or tokens when the formats allow (layout_plan._atom_shape)."""
+    case = random_case(2000 + seed, page_format)
+    print(f"seed {seed}: {case}")
+    sources, dst = _buffers(case, seed)
+    expected = reference_read(case, sources, dst)
+    for kind in (None, PlanKind.DIRECT, PlanKind.STAGED):
+        plan = _plan(case, kind)
+        assert np.array_equal(execute(plan, sources, dst), expected), f"seed {seed}, {plan.summary()}"
+        _check_reads_stay_in_read_pages(case, plan)
 
 
 @pytest.mark.parametrize("seed", range(8))
