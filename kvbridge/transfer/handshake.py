@@ -121,14 +121,17 @@ def peer_from_response(
     if len(resp.regions) != 1:
         raise HandshakeError(f"peer {address} sent {len(resp.regions)} KV regions; this build expects exactly one")
     region = resp.regions[0]
-    layout = _peer_layout(resp, address, local_layout)
     if translated and not (model_hash and resp.model_hash == model_hash):
+        theirs = (
+            f"{resp.page_format} pages, {resp.block_size or 'unsaid'}-token blocks of {resp.block_nbytes} B, "
+            f"model hash {resp.model_hash or 'not sent'}"
+        )  # its model geometry is not on the wire: only its hash
         raise IncompatiblePeerError(
-            f"peer {address} (engine {resp.engine_id!r}) has compat hash {resp.compat_hash}, ours is {expected_hash}, "
-            f"and {'another model hash' if resp.model_hash else 'no model hash'}: its KV ({describe_layout(layout)}) "
-            f"and ours ({describe_layout(local_layout)}) are not of one model, dtype and KV geometry; serve the same "
-            "checkpoint and kv dtype on both"
+            f"peer {address} (engine {resp.engine_id!r}) has compat hash {resp.compat_hash}, ours is {expected_hash}: "
+            f"its KV ({theirs}) and ours ({describe_layout(local_layout)}, model hash {model_hash or 'not used'}) are not "
+            "of one model, dtype and KV geometry; serve the same checkpoint and kv dtype on both"
         )
+    layout = _peer_layout(resp, address, local_layout)
     if resp.block_nbytes != layout.block_nbytes:
         raise IncompatiblePeerError(
             f"peer {address} has {resp.block_nbytes}-byte blocks, but its layout ({describe_layout(layout)}) makes "

@@ -76,7 +76,33 @@ def test_invalid_or_mismatched_layouts_in_an_answer_are_named_errors():
         peer_from_response(_response(LAYER_MAJOR, page_format="2NHD"), "tcp://p", hash_, BLOCK_MAJOR)
 
 
-def test_engines_with_other_page_formats_never_pair():
+def test_a_reader_that_does_not_translate_never_pairs_with_other_page_formats():
+    """An older reader (no model hash) reads pages as they are: only the same compat hash will do."""
     vllm_cpu, kvbridge = identity(LAYER_MAJOR), identity(dataclasses.replace(BLOCK_MAJOR, page_format="2NHD"), "r")
     with pytest.raises(IncompatiblePeerError, match="compat hash"):
         answer_handshake(make_request(kvbridge), vllm_cpu)
+
+
+def translating(layout: KVCacheLayout, engine_id: str = "owner", model: str = MODEL) -> LocalIdentity:
+    return dataclasses.replace(identity(layout, engine_id), model_hash=layout.model_hash(model))
+
+
+def test_readers_that_translate_pair_with_another_block_size_and_page_format_of_the_same_model():
+    owner = translating(LAYER_MAJOR)  # H2ND, 4-token blocks, layer-outermost
+    reader = translating(KVCacheLayout(32, 2, 8, 2, 8, "bfloat16"), "reader")  # 2NHD, 8-token blocks
+    assert owner.compat_hash != reader.compat_hash
+    resp = answer_handshake(make_request(reader), owner)
+    peer = peer_from_response(m.decode(m.encode(resp)), "tcp://owner", reader.compat_hash, reader.layout, reader.model_hash)
+    assert peer.layout == LAYER_MAJOR  # its block size, page format and strides, for the read plan
+
+
+def test_another_model_is_refused_by_both_sides_naming_both_layouts():
+    owner = translating(LAYER_MAJOR)
+    reader = translating(KVCacheLayout(32, 2, 8, 2, 16, "bfloat16"), "reader")  # head_dim 16
+    with pytest.raises(IncompatiblePeerError) as err:
+        answer_handshake(make_request(reader), owner)
+    assert "head_dim 16" in str(err.value) and "head_dim 8" in str(err.value)
+    answer = answer_handshake(make_request(translating(LAYER_MAJOR, "twin")), owner)  # an answer to another reader
+    with pytest.raises(IncompatiblePeerError) as err:  # the reader checks every answer too
+        peer_from_response(answer, "tcp://owner", reader.compat_hash, reader.layout, reader.model_hash)
+    assert "H2ND pages, 4-token blocks" in str(err.value) and "head_dim 16" in str(err.value)
