@@ -72,8 +72,8 @@ from kvbridge.transfer.digest import (
 )
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
 from kvbridge.transfer.interfaces import ucx_on_interface_of
-from kvbridge.transfer.layout_gather import apply_gather
-from kvbridge.transfer.layout_plan import KVShard, PlanKind, copy_gather, plan_engine_read
+from kvbridge.transfer.layout_gather import rebuild_blocks
+from kvbridge.transfer.layout_plan import PlanKind, plan_engine_read
 from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
 from kvbridge.transfer.options import DescriptorMode, TransferOp, TransferOptions
 from kvbridge.transfer.peers import PeerDirectory
@@ -452,21 +452,12 @@ class KVEndpoint:
         peer = self.peers.get(address) if address in self.peers else None
         if peer is None or not self.is_translated(peer):
             return self.start_digest(local_block_ids, alg)
-        import torch
-
-        local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
         num_remote = len(np.asarray(remote_block_ids).reshape(-1))
-        num_tokens = num_remote * peer.layout.block_size
-        if len(local) * self.layout.block_size < num_tokens:
-            raise DigestError(
-                f"{len(local)} blocks of {self.layout.block_size} tokens cannot hold the {num_tokens} tokens of the peer's "
-                f"{num_remote} blocks of {peer.layout.block_size}: their digests cannot be checked here"
-            )
-        scratch_layout = peer.layout.block_major(max(num_remote, 1))
-        scratch = torch.zeros(scratch_layout.region_nbytes, dtype=torch.uint8, device=self._region_bytes.device)
-        gather = copy_gather(KVShard(scratch_layout), np.arange(num_remote), KVShard(self.layout), local, num_tokens)
-        apply_gather(gather, self._region_bytes, scratch)
-        return start_block_digests(scratch, scratch_layout, np.arange(num_remote), alg)
+        try:
+            blocks, layout = rebuild_blocks(self._region_bytes, self.layout, local_block_ids, peer.layout, num_remote)
+        except ValueError as e:
+            raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
+        return start_block_digests(blocks, layout, np.arange(num_remote), alg)
 
     def flip_bit(self, block_id: int) -> None:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""

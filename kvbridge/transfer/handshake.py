@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvbridge.errors import ConfigError, HandshakeError, IncompatiblePeerError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.layout_plan import KVShard
+from kvbridge.transfer.kv_shard import KVShard
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ needed rows are selected first.
 
 `GatherIndex` keeps the plan's index arrays on the device, so a plan executed more than once
 (a benchmark, a retried read) pays the host -> device copy of its indices once.
+
+`rebuild_blocks` runs a plan the other way, inside one process: the prefill's blocks rebuilt from
+the decode's pages, so that the decode can digest them as the prefill did (the integrity check of
+a translated read covers the bytes where they landed).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvbridge.transfer.layout_plan import Gather
+import numpy as np
+
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.kv_shard import KVShard
+from kvbridge.transfer.layout_plan import Gather, copy_gather
 
 # widest element that divides a row: fewer, larger elements make the indexed copy cheaper
 _ROW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -65,3 +73,24 @@ def apply_gather(gather: Gather | GatherIndex, staging: torch.Tensor, dst_region
 
 def _rows_as_bytes(buffer: torch.Tensor, row_nbytes: int) -> torch.Tensor:
     return buffer[: buffer.numel() // row_nbytes * row_nbytes].view(-1, row_nbytes)
+
+
+def rebuild_blocks(
+    region: torch.Tensor, layout: KVCacheLayout, block_ids, peer_layout: KVCacheLayout, num_peer_blocks: int
+) -> tuple[torch.Tensor, KVCacheLayout]:
+    """The peer's first `num_peer_blocks` blocks of a prompt, rebuilt from our blocks `block_ids` that
+    hold it (`region`: our KV region's bytes): a [region_nbytes] uint8 buffer on our device laid out
+    as `peer_layout.block_major(num_peer_blocks)`, block i = the peer's i-th block. ValueError when our
+    blocks do not hold every token of the peer's blocks."""
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    num_tokens = num_peer_blocks * peer_layout.block_size
+    if num_peer_blocks <= 0 or len(ids) * layout.block_size < num_tokens:
+        raise ValueError(
+            f"{len(ids)} blocks of {layout.block_size} tokens do not hold the {num_tokens} tokens of "
+            f"{num_peer_blocks} blocks of {peer_layout.block_size}"
+        )
+    rebuilt = peer_layout.block_major(num_peer_blocks)
+    out = torch.zeros(rebuilt.region_nbytes, dtype=torch.uint8, device=region.device)
+    gather = copy_gather(KVShard(rebuilt), np.arange(num_peer_blocks), KVShard(layout), ids, num_tokens)
+    apply_gather(gather, region, out)
+    return out, rebuilt

@@ -7,9 +7,9 @@ prefill and t // D on the decode), and page formats differ ("2NHD", "H2ND", "2HN
 must share is the model: layers, head_dim, the total number of KV heads and the dtype.
 
 Every layout keeps head_dim innermost, so the unit both sides agree on is an *atom*: the
-head_dim elements of one (layer, K|V, token, head). The planner lists every atom the decode
-needs with its byte offset on both sides (vectorized: arrays of shape [L, 2, T, H]), then
-chooses the cheaper of two plans by descriptor count, which is what transfer speed depends on:
+head_dim elements of one (layer, K|V, token, head), or more where every page format allows
+(plan_atoms.py). The planner lists every atom the decode needs with its byte offset on both
+sides, then chooses between two plans by descriptor count, which is what transfer speed depends on:
 
 - DIRECT: read straight into the destination pages. A descriptor is a run of atoms adjacent
   on both sides; sorted by source offset, the maximal runs are the fewest descriptors possible.
@@ -21,8 +21,8 @@ chooses the cheaper of two plans by descriptor count, which is what transfer spe
   descriptor (docs/transfer.md has the figures).
 
 DIRECT wins ties, and wins whenever every direct read is at least a page (the layouts agree page
-for page and differ only in placement or block ids): no staging copy then. Same layouts on both sides give DIRECT with exactly the
-runs of `descriptors.coalesce_blocks`; TP 2 -> 1 gives STAGED with one descriptor per run of
+for page and differ only in placement or block ids): no staging copy then. Same layouts on both
+sides give DIRECT with exactly the runs of `descriptors.coalesce_blocks`; TP 2 -> 1 gives STAGED with one descriptor per run of
 source blocks per prefill rank. What cannot be expressed raises `IncompatiblePeerError` naming
 both layouts (`check_same_model`).
 """
@@ -40,41 +40,10 @@ import numpy as np
 from kvbridge.block_runs import run_lengths, run_starts
 from kvbridge.errors import ConfigError, IncompatiblePeerError
 from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.kv_shard import KVShard
+from kvbridge.transfer.plan_atoms import Atoms, collect_atoms
 
 DEFAULT_MAX_GAP_NBYTES = 256 * 1024  # a gap this size reads in ~1 us at 300 GB/s; a descriptor costs more
-
-
-@dataclass(frozen=True)
-class KVShard:
-    """One rank's KV cache: its layout holds KV heads [head_start, head_start + layout.num_kv_heads)
-    of the model's `num_total_kv_heads` (None: all of them, i.e. tensor parallel 1)."""
-
-    layout: KVCacheLayout
-    head_start: int = 0
-    num_total_kv_heads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.head_start < 0 or self.head_end > self.total_kv_heads:
-            raise ConfigError(
-                f"KVShard heads [{self.head_start}, {self.head_end}) lie outside the model's {self.total_kv_heads} KV heads"
-            )
-
-    @property
-    def total_kv_heads(self) -> int:
-        return self.layout.num_kv_heads if self.num_total_kv_heads is None else self.num_total_kv_heads
-
-    @property
-    def head_end(self) -> int:
-        return self.head_start + self.layout.num_kv_heads
-
-    def describe(self) -> str:
-        """e.g. "2NHD pages, 16-token blocks, KV heads [0, 4) of 8, 2 layers x head_dim 64, bfloat16, block-major"."""
-        lay = self.layout
-        placement = "block-major" if lay.is_contiguous else f"strides layer {lay.layer_stride_bytes} B / block {lay.block_stride_bytes} B"
-        return (
-            f"{lay.page_format} pages, {lay.block_size}-token blocks, KV heads [{self.head_start}, {self.head_end}) of "
-            f"{self.total_kv_heads}, {lay.num_layers} layers x head_dim {lay.head_dim}, {lay.dtype}, {placement}"
-        )
 
 
 class PlanKind(enum.Enum):
@@ -163,97 +132,10 @@ def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
         )
 
 
-def _head_owners(decode: KVShard, prefills: Sequence[KVShard]) -> list[tuple[int, int, int]]:
-    """(source index, first head, end head) per source: each needed head is read from the first rank that holds it."""
-    owner = [next(i for i, s in enumerate(prefills) if s.head_start <= h < s.head_end)
-             for h in range(decode.head_start, decode.head_end)]  # fmt: skip
-    spans = []
-    for i in sorted(set(owner)):
-        heads = [decode.head_start + k for k, o in enumerate(owner) if o == i]
-        spans.append((i, heads[0], heads[-1] + 1))  # a rank's heads are a range, so its share is too
-    return spans
-
-
-# ---------------------------------------------------------------------------- atoms
-
-
-def _page_strides(layout: KVCacheLayout) -> dict[str, int]:
-    """Byte strides of a page's dimensions by name: "2" K|V, "N" token, "H" head, "D" head_dim."""
-    return {dim: stride * layout.element_size for dim, stride in zip(layout.page_format, layout.strides[2:])}
-
-
-def _atom_shape(decode: KVShard, prefills: Sequence[KVShard], owners: list[tuple[int, int, int]], num_tokens: int) -> tuple[int, int]:
-    """(heads, tokens) one atom spans, contiguous on both sides for every source: fewer, larger atoms
-    make planning and the gather cheaper. Heads merge when every page format ends in "HD" (a token's
-    heads are adjacent), tokens too when one source holds exactly the decode's heads and the formats
-    end in "NHD"; tokens merge when every format ends in "ND" (a head's tokens are adjacent). Token
-    chunks of gcd(block sizes, num_tokens) never cross a block on either side."""
-    sources = [prefills[i] for i, _, _ in owners]
-    formats = [s.layout.page_format for s in (decode, *sources)]
-    chunk = math.gcd(num_tokens, decode.layout.block_size, *(s.layout.block_size for s in sources))
-    spans = {h1 - h0 for _, h0, h1 in owners}
-    if all(f.endswith("HD") for f in formats) and len(spans) == 1:
-        (_, h0, h1), exact = owners[0], len(owners) == 1
-        exact = exact and (decode.head_start, decode.head_end) == (h0, h1) == (sources[0].head_start, sources[0].head_end)
-        return spans.pop(), (chunk if exact and all(f.endswith("NHD") for f in formats) else 1)
-    if all(f.endswith("ND") for f in formats):
-        return 1, chunk
-    return 1, 1
-
-
-def _atom_offsets(
-    shard: KVShard, block_ids: np.ndarray, num_tokens: int, heads: range, shape: tuple[int, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """(byte offset of each atom, byte offset of its page), both [L, 2, T / tokens, H / heads] int64, for
-    the atoms of `shape` (heads, tokens) covering (layer, K|V, token, head) of global `heads` in `shard`
-    with its blocks `block_ids`: each offset is that of the atom's first element."""
-    lay = shard.layout
-    needed = -(-num_tokens // lay.block_size)
-    if len(block_ids) < needed:
-        raise ValueError(f"{num_tokens} tokens need {needed} blocks of {lay.block_size} tokens, {len(block_ids)} given")
-    heads_per_atom, tokens_per_atom = shape
-    tokens = np.arange(0, num_tokens, tokens_per_atom, dtype=np.int64)
-    strides = _page_strides(lay)
-    block = lay.block_offsets(block_ids[tokens // lay.block_size])  # [T], IndexError for ids outside the layout
-    layer = np.arange(lay.num_layers, dtype=np.int64) * lay.layer_stride_bytes  # [L]
-    page = layer[:, None, None, None] + block[None, None, :, None]  # [L, 1, T, 1]
-    kv = np.arange(2, dtype=np.int64) * strides["2"]  # [2]
-    slot = (tokens % lay.block_size) * strides["N"]  # [T]
-    head = (np.arange(heads.start, heads.stop, heads_per_atom, dtype=np.int64) - shard.head_start) * strides["H"]  # [H]
-    atom = page + kv[None, :, None, None] + slot[None, None, :, None] + head[None, None, None, :]
-    return atom, np.broadcast_to(page, atom.shape)
-
-
-class _Atoms(NamedTuple):
-    """Every needed atom, sorted by (source, source offset)."""
-
-    source: np.ndarray  # [A] int64
-    src: np.ndarray  # [A] byte offset in its source region
-    src_page: np.ndarray  # [A] byte offset of its source page
-    dst: np.ndarray  # [A] byte offset in the destination region
-    nbytes: int  # bytes per atom: head_dim elements of each of its heads and tokens
-
-
-def _collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens) -> _Atoms:
-    source, src, src_page, dst = [], [], [], []
-    owners = _head_owners(decode, prefills)
-    shape = _atom_shape(decode, prefills, owners, num_tokens)
-    for i, h0, h1 in owners:
-        s, p = _atom_offsets(prefills[i], src_ids[i], num_tokens, range(h0, h1), shape)
-        d, _ = _atom_offsets(decode, dst_ids, num_tokens, range(h0, h1), shape)
-        order = np.argsort(s.reshape(-1), kind="stable")
-        source.append(np.full(len(order), i, dtype=np.int64))
-        src.append(s.reshape(-1)[order])
-        src_page.append(p.reshape(-1)[order])
-        dst.append(d.reshape(-1)[order])
-    nbytes = shape[0] * shape[1] * decode.layout.head_dim * decode.layout.element_size
-    return _Atoms(*(np.concatenate(a) for a in (source, src, src_page, dst)), nbytes)
-
-
 # ---------------------------------------------------------------------------- the two plans
 
 
-def _direct_reads(atoms: _Atoms) -> Reads:
+def _direct_reads(atoms: Atoms) -> Reads:
     """Maximal runs of atoms adjacent on both sides (and of one source)."""
     starts = run_starts(atoms.src, atoms.dst, atoms.nbytes)
     starts = np.union1d(starts, np.flatnonzero(np.diff(atoms.source, prepend=-1)))  # a new source starts a run
@@ -261,7 +143,7 @@ def _direct_reads(atoms: _Atoms) -> Reads:
     return Reads(atoms.source[starts], atoms.src[starts], atoms.dst[starts], lengths * atoms.nbytes)
 
 
-def _staged_reads(atoms: _Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) -> tuple[Reads, Gather, int]:
+def _staged_reads(atoms: Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) -> tuple[Reads, Gather, int]:
     """Runs adjacent (or nearly: a small gap inside the same or the next page) on the source side,
     packed back to back in the staging buffer; and the gather from staging into the pages."""
     end = atoms.src + atoms.nbytes  # [A]
@@ -281,7 +163,7 @@ def _staged_reads(atoms: _Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) -
     return reads, _gather(atoms, staging), int(nbytes.sum())
 
 
-def _gather(atoms: _Atoms, staging: np.ndarray) -> Gather:
+def _gather(atoms: Atoms, staging: np.ndarray) -> Gather:
     """Row indices for the pass: rows of the largest size that divides every offset (usually one atom)."""
     row = math.gcd(atoms.nbytes, *np.unique(staging % atoms.nbytes).tolist(), *np.unique(atoms.dst % atoms.nbytes).tolist())
     per_atom = np.arange(atoms.nbytes // row, dtype=np.int64)  # [k]
@@ -321,7 +203,7 @@ def plan_read(
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     src_ids = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in src_block_ids]
-    atoms = _collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens)
+    atoms = collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens)
     direct = _direct_reads(atoms)
     # prefill shards' pages may differ in size (their head counts): the gap rule takes each atom's
     page_nbytes = np.array([s.layout.page_nbytes for s in prefills], dtype=np.int64)[atoms.source]  # [A]
@@ -354,5 +236,5 @@ def copy_gather(
     check_same_model(dst, [src])
     dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     src_ids = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    atoms = _collect_atoms(dst, dst_ids, [src], [src_ids], num_tokens)
+    atoms = collect_atoms(dst, dst_ids, [src], [src_ids], num_tokens)
     return _gather(atoms, atoms.src)

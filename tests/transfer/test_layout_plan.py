@@ -20,7 +20,8 @@ from kvbridge.errors import IncompatiblePeerError
 from kvbridge.layout import PAGE_FORMATS, KVCacheLayout
 from kvbridge.transfer.descriptors import coalesce_blocks
 from kvbridge.transfer.layout_gather import apply_gather
-from kvbridge.transfer.layout_plan import KVShard, PlanKind, ReadPlan, plan_read
+from kvbridge.transfer.kv_shard import KVShard
+from kvbridge.transfer.layout_plan import PlanKind, ReadPlan, plan_read
 
 FORMATS = sorted(PAGE_FORMATS)
 PLACEMENTS = ("block-major", "layer-major", "padded")
@@ -186,7 +187,7 @@ def test_every_plan_moves_what_one_element_at_a_time_moves(seed):
 @pytest.mark.parametrize("page_format", FORMATS)
 @pytest.mark.parametrize("seed", range(12))
 def test_one_page_format_everywhere_moves_larger_atoms_and_the_same_bytes(seed, page_format):
-    """Atoms span several heads or tokens when the formats allow (layout_plan._atom_shape)."""
+    """Atoms span several heads or tokens when the formats allow (plan_atoms.atom_shape)."""
     case = random_case(2000 + seed, page_format)
     print(f"seed {seed}: {case}")
     sources, dst = _buffers(case, seed)
@@ -264,3 +265,28 @@ def test_heads_no_prefill_rank_holds_are_refused():
     half = KVShard(KVCacheLayout(**{**MODEL, "num_kv_heads": 2}), 0, 4)
     with pytest.raises(IncompatiblePeerError, match=r"KV heads \[2, 3\]"):
         plan_read(decode, [0], [half], [[0]], 16)
+
+
+# ---------------------------------------------------------------------------- rebuilding the prefill's blocks
+
+
+def test_the_prefills_blocks_are_rebuilt_from_the_decodes_pages_byte_for_byte():
+    """What the digest check of a translated read hashes (layout_gather.rebuild_blocks)."""
+    from kvbridge.transfer.layout_gather import rebuild_blocks
+
+    prefill = KVCacheLayout(num_blocks=12, num_layers=3, block_size=16, num_kv_heads=2, head_dim=4, dtype="float16",
+                            page_format="H2ND")  # fmt: skip
+    prefill = dataclasses.replace(prefill, layer_stride=12 * prefill.page_nbytes, block_stride=prefill.page_nbytes)
+    decode = KVCacheLayout(num_blocks=6, num_layers=3, block_size=32, num_kv_heads=2, head_dim=4, dtype="float16")
+    decode = dataclasses.replace(decode, layer_stride=decode.page_nbytes, block_stride=decode.block_nbytes + 6)
+    src_ids, dst_ids = [7, 2, 3, 11], [4, 0]
+    case = Case(KVShard(decode), dst_ids, [KVShard(prefill)], [src_ids], 64)
+    sources, dst = _buffers(case, 3)
+    landed = execute(_plan(case, None), sources, dst)
+    blocks, layout = rebuild_blocks(torch.from_numpy(landed), decode, dst_ids, prefill, len(src_ids))
+    assert layout == prefill.block_major(4)
+    src_view, got = _elements(sources[0], prefill), _elements(blocks.numpy(), layout)
+    for i, block in enumerate(src_ids):
+        assert np.array_equal(got[i], src_view[block]), f"block {block}"
+    with pytest.raises(ValueError, match="do not hold"):
+        rebuild_blocks(torch.from_numpy(landed), decode, dst_ids[:1], prefill, len(src_ids))

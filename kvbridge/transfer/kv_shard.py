@@ -1,0 +1,46 @@
+"""`KVShard`: one tensor-parallel rank's KV cache, as the layout translator sees it. Pure.
+
+A rank's `KVCacheLayout` says how its pages lie; the shard adds which of the model's KV heads
+they hold, so that TP N -> M reads can be planned (transfer/layout_plan.py). A whole engine is
+the shard of every head (`KVShard(layout)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout import KVCacheLayout
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """One rank's KV cache: its layout holds KV heads [head_start, head_start + layout.num_kv_heads)
+    of the model's `num_total_kv_heads` (None: all of them, i.e. tensor parallel 1)."""
+
+    layout: KVCacheLayout
+    head_start: int = 0
+    num_total_kv_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_start < 0 or self.head_end > self.total_kv_heads:
+            raise ConfigError(
+                f"KVShard heads [{self.head_start}, {self.head_end}) lie outside the model's {self.total_kv_heads} KV heads"
+            )
+
+    @property
+    def total_kv_heads(self) -> int:
+        return self.layout.num_kv_heads if self.num_total_kv_heads is None else self.num_total_kv_heads
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.layout.num_kv_heads
+
+    def describe(self) -> str:
+        """e.g. "2NHD pages, 16-token blocks, KV heads [0, 4) of 8, 2 layers x head_dim 64, bfloat16, block-major"."""
+        lay = self.layout
+        placement = "block-major" if lay.is_contiguous else f"strides layer {lay.layer_stride_bytes} B / block {lay.block_stride_bytes} B"
+        return (
+            f"{lay.page_format} pages, {lay.block_size}-token blocks, KV heads [{self.head_start}, {self.head_end}) of "
+            f"{self.total_kv_heads}, {lay.num_layers} layers x head_dim {lay.head_dim}, {lay.dtype}, {placement}"
+        )

@@ -1,0 +1,104 @@
+"""The atoms of a read plan: every piece of KV a decode shard needs, with its byte offset on both sides. Pure numpy.
+
+Every page format keeps head_dim innermost, so the smallest piece both sides hold contiguously is
+the head_dim elements of one (layer, K|V, token, head). Where every page format allows, an atom
+spans more: a token's heads, or a chunk of a head's tokens (`atom_shape`); fewer atoms make
+planning and the gather cheaper. `collect_atoms` lists them per source, sorted by source offset,
+with arrays of shape [L, 2, T, H] built by broadcasting (no loop over layers, tokens or heads).
+Used by transfer/layout_plan.py only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.kv_shard import KVShard
+
+
+def head_owners(decode: KVShard, prefills: Sequence[KVShard]) -> list[tuple[int, int, int]]:
+    """(source index, first head, end head) per source: each needed head is read from the first rank that holds it."""
+    owner = [next(i for i, s in enumerate(prefills) if s.head_start <= h < s.head_end)
+             for h in range(decode.head_start, decode.head_end)]  # fmt: skip
+    spans = []
+    for i in sorted(set(owner)):
+        heads = [decode.head_start + k for k, o in enumerate(owner) if o == i]
+        spans.append((i, heads[0], heads[-1] + 1))  # a rank's heads are a range, so its share is too
+    return spans
+
+
+def _page_strides(layout: KVCacheLayout) -> dict[str, int]:
+    """Byte strides of a page's dimensions by name: "2" K|V, "N" token, "H" head, "D" head_dim."""
+    return {dim: stride * layout.element_size for dim, stride in zip(layout.page_format, layout.strides[2:])}
+
+
+def atom_shape(decode: KVShard, prefills: Sequence[KVShard], owners: list[tuple[int, int, int]], num_tokens: int) -> tuple[int, int]:
+    """(heads, tokens) one atom spans, contiguous on both sides for every source: fewer, larger atoms
+    make planning and the gather cheaper. Heads merge when every page format ends in "HD" (a token's
+    heads are adjacent), tokens too when one source holds exactly the decode's heads and the formats
+    end in "NHD"; tokens merge when every format ends in "ND" (a head's tokens are adjacent). Token
+    chunks of gcd(block sizes, num_tokens) never cross a block on either side."""
+    sources = [prefills[i] for i, _, _ in owners]
+    formats = [s.layout.page_format for s in (decode, *sources)]
+    chunk = math.gcd(num_tokens, decode.layout.block_size, *(s.layout.block_size for s in sources))
+    spans = {h1 - h0 for _, h0, h1 in owners}
+    if all(f.endswith("HD") for f in formats) and len(spans) == 1:
+        (_, h0, h1), exact = owners[0], len(owners) == 1
+        exact = exact and (decode.head_start, decode.head_end) == (h0, h1) == (sources[0].head_start, sources[0].head_end)
+        return spans.pop(), (chunk if exact and all(f.endswith("NHD") for f in formats) else 1)
+    if all(f.endswith("ND") for f in formats):
+        return 1, chunk
+    return 1, 1
+
+
+def _atom_offsets(
+    shard: KVShard, block_ids: np.ndarray, num_tokens: int, heads: range, shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offset of each atom, byte offset of its page), both [L, 2, T / tokens, H / heads] int64, for
+    the atoms of `shape` (heads, tokens) covering (layer, K|V, token, head) of global `heads` in `shard`
+    with its blocks `block_ids`: each offset is that of the atom's first element."""
+    lay = shard.layout
+    needed = -(-num_tokens // lay.block_size)
+    if len(block_ids) < needed:
+        raise ValueError(f"{num_tokens} tokens need {needed} blocks of {lay.block_size} tokens, {len(block_ids)} given")
+    heads_per_atom, tokens_per_atom = shape
+    tokens = np.arange(0, num_tokens, tokens_per_atom, dtype=np.int64)
+    strides = _page_strides(lay)
+    block = lay.block_offsets(block_ids[tokens // lay.block_size])  # [T], IndexError for ids outside the layout
+    layer = np.arange(lay.num_layers, dtype=np.int64) * lay.layer_stride_bytes  # [L]
+    page = layer[:, None, None, None] + block[None, None, :, None]  # [L, 1, T, 1]
+    kv = np.arange(2, dtype=np.int64) * strides["2"]  # [2]
+    slot = (tokens % lay.block_size) * strides["N"]  # [T]
+    head = (np.arange(heads.start, heads.stop, heads_per_atom, dtype=np.int64) - shard.head_start) * strides["H"]  # [H]
+    atom = page + kv[None, :, None, None] + slot[None, None, :, None] + head[None, None, None, :]
+    return atom, np.broadcast_to(page, atom.shape)
+
+
+class Atoms(NamedTuple):
+    """Every needed atom, sorted by (source, source offset)."""
+
+    source: np.ndarray  # [A] int64
+    src: np.ndarray  # [A] byte offset in its source region
+    src_page: np.ndarray  # [A] byte offset of its source page
+    dst: np.ndarray  # [A] byte offset in the destination region
+    nbytes: int  # bytes per atom: head_dim elements of each of its heads and tokens
+
+
+def collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens) -> Atoms:
+    source, src, src_page, dst = [], [], [], []
+    owners = head_owners(decode, prefills)
+    shape = atom_shape(decode, prefills, owners, num_tokens)
+    for i, h0, h1 in owners:
+        s, p = _atom_offsets(prefills[i], src_ids[i], num_tokens, range(h0, h1), shape)
+        d, _ = _atom_offsets(decode, dst_ids, num_tokens, range(h0, h1), shape)
+        order = np.argsort(s.reshape(-1), kind="stable")
+        source.append(np.full(len(order), i, dtype=np.int64))
+        src.append(s.reshape(-1)[order])
+        src_page.append(p.reshape(-1)[order])
+        dst.append(d.reshape(-1)[order])
+    nbytes = shape[0] * shape[1] * decode.layout.head_dim * decode.layout.element_size
+    return Atoms(*(np.concatenate(a) for a in (source, src, src_page, dst)), nbytes)
