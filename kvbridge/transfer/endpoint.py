@@ -292,6 +292,8 @@ class KVEndpoint:
         if len(read.local_ids) == 0 and len(read.remote_ids) == 0:
             return None, 0
         if self.is_translated(peer):
+            if len(read.local_ids) == 0 or len(read.remote_ids) == 0:
+                return None, 0  # no token has room on both sides
             return self._post_plan(read, peer)
         if len(read.local_ids) != len(read.remote_ids):
             raise ValueError(f"{len(read.local_ids)} local block ids but {len(read.remote_ids)} remote block ids")
@@ -337,10 +339,11 @@ class KVEndpoint:
                 state = self._poll(handle)
                 if state is XferState.IN_PROGRESS:
                     continue
-                if state is XferState.DONE and isinstance(handle, NixlPost):
-                    self._nixl.finish(handle, self._region_bytes)  # a staged plan's gather into our pages
+                gather_error = self._finish(handle) if state is XferState.DONE else None
                 self._release(rec)
-                if state is XferState.DONE:
+                if gather_error is not None:  # this read's fault only: its blocks are a load error
+                    self.tracker.mark_failed(rec.req_id, f"the staged read from {rec.peer} could not be gathered: {gather_error}")
+                elif state is XferState.DONE:
                     self.tracker.mark_done(rec.req_id)
                 else:
                     self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
@@ -374,6 +377,17 @@ class KVEndpoint:
                     f"{rec.peer} is engine {info.engine_id} incarnation {info.incarnation}, not the instance "
                     f"{rec.payload.expect} the transfer was meant for: it restarted, or the params are stale or forged",
                 )
+
+    def _finish(self, handle: NixlPost | IpcCopy) -> str | None:
+        """A staged plan's gather into our pages once its read is done; why it failed, if it did."""
+        if not isinstance(handle, NixlPost):
+            return None
+        try:
+            self._nixl.finish(handle, self._region_bytes)
+        except (RuntimeError, ValueError, IndexError) as e:
+            logger.error("a staged read's gather failed: %s: %s", type(e).__name__, e)
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _quarantine_read(self, rec: TransferRecord) -> None:
         self._quarantine[rec.req_id] = (rec, self.tracker.clock(), self._peer_instance(rec.peer))
