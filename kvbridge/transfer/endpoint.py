@@ -267,6 +267,12 @@ class KVEndpoint:
         except IndexError as e:  # the caller's ids are wrong, not the peer: keep it
             self.tracker.mark_failed(rec.req_id, f"IndexError: {e} (the peer has {peer.layout.num_blocks} blocks)")
             return
+        if len(read.local_ids) != len(read.remote_ids) and not self.is_translated(peer):  # the caller's, again
+            self.tracker.mark_failed(
+                rec.req_id, f"ValueError: {len(read.local_ids)} local block ids but {len(read.remote_ids)} remote block "
+                "ids, and the peer's pages are ours: pair them one to one"
+            )  # fmt: skip
+            return
         try:
             posted, num_descs = self._post_read(read, peer)
         except (KVBridgeError, IndexError, ValueError) as e:
@@ -295,8 +301,6 @@ class KVEndpoint:
             if len(read.local_ids) == 0 or len(read.remote_ids) == 0:
                 return None, 0  # no token has room on both sides
             return self._post_plan(read, peer)
-        if len(read.local_ids) != len(read.remote_ids):
-            raise ValueError(f"{len(read.local_ids)} local block ids but {len(read.remote_ids)} remote block ids")
         mapping = self.peers.mapping(peer.address) if self._ipc is not None else None
         copy = (
             self._ipc.start(TransferOp.READ, mapping, peer.layout, read.local_ids, read.remote_ids)

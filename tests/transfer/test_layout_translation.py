@@ -97,3 +97,16 @@ def test_a_peer_of_another_model_is_refused_at_the_handshake_naming_both_layouts
         assert "head_dim 8" in str(err.value) and "head_dim 16" in str(err.value)
     finally:
         ep.close()
+
+
+def test_unpaired_ids_for_a_peer_of_our_own_pages_fail_the_read_and_keep_the_peer(owner):
+    """Lists of different lengths are for translated peers; for the others they are the caller's mistake."""
+    ep, _ = _reader("decode-same-pages", OWNER)
+    try:
+        rec = _wait_final(ep, ep.read_blocks("unpaired", owner.address, [1, 2], [3]).req_id)  # peer not known yet
+        assert rec.state is TransferState.FAILED and "pair them one to one" in rec.error
+        assert owner.address in ep.peers  # the peer did nothing wrong
+        with pytest.raises(ValueError, match="2 local block ids but 1"):  # now that it is known: at once
+            ep.read_blocks("unpaired-again", owner.address, [1, 2], [3])
+    finally:
+        ep.close()
