@@ -30,6 +30,7 @@ from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefil
 from kvbridge.transfer.messages import LeaseRef
 
 if TYPE_CHECKING:
+    from kvbridge.block_hash import BlockHash
     from kvbridge.config import KVTransferConfig
     from kvbridge.connectors.nixl.peer_policy import PeerPolicy
 
@@ -130,7 +131,8 @@ class NixlScheduler:
             self.num_mismatched_params += 1
         return 0
 
-    def _prompt_hashes(self, request: ConnectorRequest, block_size: int) -> list:
+    def _prompt_hashes(self, request: ConnectorRequest, block_size: int) -> list[BlockHash]:
+        """The prompt's chained block hashes at `block_size` tokens per block (the prefill's)."""
         if block_size == self.block_size:
             return request.block_hashes
         return request.prompt_block_hashes(block_size)
