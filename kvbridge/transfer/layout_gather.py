@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 import numpy as np
+import torch
 
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.kv_shard import KVShard
