@@ -1,0 +1,132 @@
+"""Ranks 1..N-1 of a tensor-parallel engine, as rank 0 sees them: started with its model runner,
+fed one broadcast per step, stopped with it.
+
+Each worker is `python -m kvbridge.engine.tp_worker_main`, a plain subprocess (not multiprocessing:
+nothing re-imports the user's `__main__`, and nothing is pickled). Its `WorkerSpec` travels as
+msgspec JSON on its stdin, a pipe only rank 0 writes. Rank 0 hosts the rendezvous `TCPStore` on
+loopback, port chosen by the kernel.
+
+A worker never outlives rank 0: it exits when rank 0 sends SHUTDOWN, when a collective fails
+because rank 0's sockets closed, and, whatever it is doing (loading weights, blocked in NCCL), when
+its watchdog sees its parent process gone (tp_worker_main.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import msgspec
+import torch.distributed as dist
+
+from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.engine.step_inputs import StepInputs
+from kvbridge.engine.tp_group import STORE_HOST, ControlOp, TPGroup, encode_step, rank_device
+from kvbridge.errors import TensorParallelError
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0  # for every worker to start Python, import torch and reach the rendezvous
+STOP_TIMEOUT_S = 10.0  # for the workers to exit after SHUTDOWN before they are killed
+WORKER_MODULE = "kvbridge.engine.tp_worker_main"
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """What a worker rank is started with (rank 0 -> worker stdin, msgspec JSON)."""
+
+    rank: int
+    world_size: int
+    store_port: int
+    parent_pid: int
+    model: ModelConfig
+    cache: CacheConfig
+
+
+def joined_key(rank: int) -> str:
+    """The store key a worker sets once it is about to join the process group."""
+    return f"joined/{rank}"
+
+
+class TPWorkers:
+    """Rank 0's handle on the other ranks' processes and its own membership (`group`)."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        """Start ranks 1..N-1 and join the group with them. Raises TensorParallelError when a worker
+        exits or does not arrive within JOIN_TIMEOUT_S (its stderr, inherited, says why)."""
+        world_size = model_config.tensor_parallel_size
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        self._procs: list[subprocess.Popen] = []
+        self.group: TPGroup | None = None
+        try:
+            for rank in range(1, world_size):
+                spec = WorkerSpec(rank, world_size, self._store.port, os.getpid(), model_config, cache_config)
+                self._procs.append(_spawn(spec))
+            self._wait_joined(world_size)
+            self.group = TPGroup(self._store, 0, world_size, rank_device(model_config.device, 0))
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("tensor parallel: %d ranks, worker pids %s", world_size, self.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _wait_joined(self, world_size: int) -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        keys = [joined_key(rank) for rank in range(1, world_size)]
+        while not self._store.check(keys):
+            self.raise_if_dead()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel workers did not start within {JOIN_TIMEOUT_S:g} s; see their log lines above"
+                )
+            time.sleep(0.02)
+
+    def raise_if_dead(self) -> None:
+        """Raise TensorParallelError naming the first worker rank whose process has exited."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.poll() is not None:
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}; "
+                    "see its log lines above"
+                )
+
+    def broadcast_step(self, inputs: StepInputs) -> None:
+        """Hand the step's inputs to every worker; they then run the forward with rank 0."""
+        self.raise_if_dead()  # a cheap waitpid: fail the step at once rather than in a collective
+        self.group.send(ControlOp.STEP, encode_step(inputs))
+
+    def stop(self) -> None:
+        """Tell the workers to exit, wait for them (killing any that outstay STOP_TIMEOUT_S), close
+        the group and the store. Idempotent; safe after a worker died."""
+        if self.group is not None and all(p.poll() is None for p in self._procs):
+            try:
+                self.group.send(ControlOp.SHUTDOWN)
+            except Exception:  # noqa: BLE001 - a worker died meanwhile: the waits below handle it
+                logger.warning("tensor parallel: SHUTDOWN did not reach every worker", exc_info=True)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor parallel: worker pid %d did not exit in %g s; killing it", proc.pid, STOP_TIMEOUT_S)
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._store = None
+
+
+def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE)
+    proc.stdin.write(msgspec.json.encode(spec))
+    proc.stdin.close()
+    return proc
