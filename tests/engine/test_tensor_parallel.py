@@ -1,0 +1,217 @@
+"""Tensor parallelism in the reference engine: TP 2 gives TP 1's tokens (float32, CPU, gloo), each
+rank holds only its KV heads, and worker ranks never outlive rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from test_weights import LLAMA, write_checkpoint, write_word_tokenizer
+
+from kvbridge import LLM, SamplingParams
+from kvbridge.cli_errors import flag_names
+from kvbridge.config import EngineConfig, KVTransferConfig, ModelConfig
+from kvbridge.engine.presets import get_preset, with_overrides
+from kvbridge.engine.tp_group import check_devices, decode_step, encode_step
+from kvbridge.engine.attention import SeqSpan
+from kvbridge.engine.step_inputs import StepInputs
+from kvbridge.errors import TensorParallelError
+from kvbridge.serve import server
+from kvbridge.tp_layout import TPShard
+
+PROMPTS = [
+    "Hello, world",
+    "The quick brown fox jumps over the lazy dog, twice over, and then once more for luck.",
+    "kvbridge",
+    "P/D disaggregation moves the KV cache",
+]
+WORKER_EXIT_DEADLINE_S = 10.0
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _is_running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
+    """The pids still running after `deadline_s` (empty: all gone)."""
+    deadline = time.monotonic() + deadline_s
+    while (alive := [p for p in pids if _is_running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+# ---------------------------------------------------------------------- the split, without processes
+
+
+def test_shards_split_heads_and_replicate_kv_heads_when_fewer_than_ranks():
+    tiny = get_preset("tiny")  # 4 query heads, 2 KV heads, MLP 256
+    two = [TPShard(r, 2, tiny.num_heads, tiny.num_kv_heads, tiny.intermediate_size) for r in range(2)]
+    assert [s.head_range for s in two] == [(0, 2), (2, 4)]
+    assert [s.kv_head_range for s in two] == [(0, 1), (1, 2)]
+    assert [s.intermediate_range for s in two] == [(0, 128), (128, 256)]
+    four = [TPShard(r, 4, tiny.num_heads, tiny.num_kv_heads, tiny.intermediate_size) for r in range(4)]
+    assert [s.kv_head_range for s in four] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # each rank: the head its queries read
+    assert all(s.is_kv_replicated and s.num_local_kv_heads == 1 for s in four)
+
+
+@pytest.mark.parametrize("size", [3, 8, 0])
+def test_a_tp_size_the_model_cannot_split_is_refused_before_any_process_starts(size):
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size"):
+        LLM(tensor_parallel_size=size)  # tiny: 4 heads
+
+
+def test_tp_on_cuda_needs_one_gpu_per_rank():
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(TensorParallelError, match=f"this machine has {available}"):
+        check_devices("cuda", available + 1)
+
+
+def test_tp_with_a_kv_connector_is_refused_naming_both():
+    with pytest.raises(TensorParallelError) as info:
+        EngineConfig(model=ModelConfig(tensor_parallel_size=2), kv_transfer=KVTransferConfig("NixlConnector"))
+    assert "--tensor-parallel-size 2" in flag_names(str(info.value))
+    assert "--kv-connector NixlConnector" in flag_names(str(info.value))
+
+
+def test_serve_refuses_tp_with_its_default_connector_and_takes_it_without():
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    with pytest.raises(TensorParallelError, match="--tensor-parallel-size 2 with --kv-connector .*--no-connector"):
+        server.build_engine_config(parser.parse_args(["--tensor-parallel-size", "2"]))
+    config = server.build_engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--no-connector"]))
+    assert config.model.tensor_parallel_size == 2 and config.kv_transfer is None
+
+
+def test_step_inputs_round_trip_through_the_broadcast_encoding():
+    inputs = StepInputs([5, 6, 7, 9], [SeqSpan(0, 0, 3, (4, 2)), SeqSpan(3, 20, 1, (1, 3))], [2, 3], ["a", "b"])
+    assert decode_step(encode_step(inputs)) == StepInputs(inputs.token_ids, inputs.spans, [], [])
+
+
+# ---------------------------------------------------------------------- TP 2 against TP 1
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """TP 1 and TP 2 engines of the tiny preset, fed the same calls in the same order (so their block
+    pools evolve alike and block b holds the same tokens in both)."""
+    tp1, tp2 = LLM(num_blocks=64), LLM(num_blocks=64, tensor_parallel_size=2)
+    yield tp1, tp2
+    tp2.shutdown()
+    tp1.shutdown()
+
+
+def test_tp2_greedy_tokens_equal_tp1_for_a_batch_of_concurrent_requests(engines):
+    tp1, tp2 = engines
+    params = SamplingParams(max_tokens=16, temperature=0)
+    assert tp1.engine.runner.worker_pids == [] and len(tp2.engine.runner.worker_pids) == 1
+    assert _tokens(tp2.generate(PROMPTS, params)) == _tokens(tp1.generate(PROMPTS, params))
+
+
+def test_tp2_seeded_sampling_equals_tp1(engines):
+    tp1, tp2 = engines
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=s) for s in range(len(PROMPTS))]
+    assert _tokens(tp2.generate(PROMPTS, params)) == _tokens(tp1.generate(PROMPTS, params))
+
+
+def test_prefix_caching_hits_under_tp2(engines):
+    tp1, tp2 = engines
+    shared = "A shared system prompt that spans several blocks of sixteen tokens each. "
+    params = SamplingParams(max_tokens=8, temperature=0)
+    firsts = [llm.generate(shared + "First question?", params)[0] for llm in (tp1, tp2)]
+    seconds = [llm.generate(shared + "Second one!", params)[0] for llm in (tp1, tp2)]
+    assert seconds[1].num_cached_tokens >= 64 and seconds[1].num_cached_tokens == seconds[0].num_cached_tokens
+    assert _tokens(firsts[1:]) == _tokens(firsts[:1]) and _tokens(seconds[1:]) == _tokens(seconds[:1])
+
+
+def test_rank0_cache_holds_only_its_kv_heads_with_tp1s_values(engines):
+    tp1, tp2 = engines
+    tp1.generate("Fill some blocks of both caches alike.", SamplingParams(max_tokens=4, temperature=0))
+    tp2.generate("Fill some blocks of both caches alike.", SamplingParams(max_tokens=4, temperature=0))
+    whole, mine = tp1.engine.runner, tp2.engine.runner
+    assert [r.kv_head_range for r in mine.kv_layouts] == [(0, 1), (1, 2)]
+    assert mine.layout.num_kv_heads == 1 and mine.kv_cache.shape[-2] == 1
+    assert mine.layout.num_blocks == whole.layout.num_blocks
+    start, stop = mine.kv_layouts[0].kv_head_range
+    torch.testing.assert_close(mine.kv_cache, whole.kv_cache[..., start:stop, :], rtol=1e-4, atol=1e-4)
+    assert mine.kv_cache.abs().sum() > 0
+
+
+def test_tp2_tokens_equal_tp1_on_a_hf_checkpoint_with_qkv_biases(tmp_path):
+    write_checkpoint(tmp_path, with_overrides(LLAMA, qkv_bias=True), "Qwen2ForCausalLM")
+    write_word_tokenizer(tmp_path)
+    prompts = [{"prompt_token_ids": [3, 4, 17, 250, 99, 12, 7]}, {"prompt_token_ids": list(range(5, 45))}]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(str(tmp_path), num_blocks=32) as tp1:
+        want = _tokens(tp1.generate(prompts, params))
+    with LLM(str(tmp_path), num_blocks=32, tensor_parallel_size=2) as tp2:
+        assert _tokens(tp2.generate(prompts, params)) == want
+
+
+@pytest.mark.slow
+def test_tp4_replicates_kv_heads_and_gives_tp1s_tokens():
+    params = SamplingParams(max_tokens=12, temperature=0)
+    with LLM(num_blocks=32) as tp1:
+        want = _tokens(tp1.generate(PROMPTS, params))
+    with LLM(num_blocks=32, tensor_parallel_size=4) as tp4:  # 2 KV heads over 4 ranks
+        assert [r.kv_head_range for r in tp4.engine.runner.kv_layouts] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+        assert _tokens(tp4.generate(PROMPTS, params)) == want
+
+
+# ---------------------------------------------------------------------- processes
+
+
+@pytest.mark.slow
+def test_engines_built_and_shut_down_in_a_loop_leave_no_process_behind():
+    params = SamplingParams(max_tokens=4, temperature=0)
+    for _ in range(3):
+        llm = LLM(num_blocks=16, tensor_parallel_size=2)
+        pids = llm.engine.runner.worker_pids
+        llm.generate("hello", params)
+        llm.shutdown()
+        assert llm.engine.runner.worker_pids == []
+        assert _wait_gone(pids, 0.0) == []  # shutdown waited for them
+    children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+    assert children == []
+
+
+RANK0_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from kvbridge import LLM, SamplingParams
+    llm = LLM(num_blocks=16, tensor_parallel_size=2)
+    llm.generate("hello", SamplingParams(max_tokens=2, temperature=0))
+    print(json.dumps(llm.engine.runner.worker_pids), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_workers_exit_when_rank0_is_killed():
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pids = json.loads(rank0.stdout.readline())
+        assert worker_pids and all(_is_running(p) for p in worker_pids)
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait(timeout=10)
+        assert _wait_gone(worker_pids, WORKER_EXIT_DEADLINE_S) == []
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
