@@ -24,6 +24,7 @@ import msgspec
 import torch.distributed as dist
 
 from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.step_inputs import StepInputs
 from kvbridge.engine.tp_group import STORE_HOST, ControlOp, TPGroup, encode_step, rank_device
 from kvbridge.errors import TensorParallelError
@@ -31,7 +32,8 @@ from kvbridge.errors import TensorParallelError
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 300.0  # for every worker to start Python, import torch and reach the rendezvous
-STOP_TIMEOUT_S = 10.0  # for the workers to exit after SHUTDOWN before they are killed
+STOP_TIMEOUT_S = 10.0
+DEATH_GRACE_S = 1.0  # after a failed broadcast, for the worker that broke it to finish exiting  # for the workers to exit after SHUTDOWN before they are killed
 WORKER_MODULE = "kvbridge.engine.tp_worker_main"
 
 
@@ -81,26 +83,37 @@ class TPWorkers:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         keys = [joined_key(rank) for rank in range(1, world_size)]
         while not self._store.check(keys):
-            self.raise_if_dead()
+            if (dead := self.dead_worker()) is not None:
+                raise TensorParallelError(f"{dead} while starting; see its log lines above")
             if time.monotonic() > deadline:
                 raise TensorParallelError(
                     f"tensor-parallel workers did not start within {JOIN_TIMEOUT_S:g} s; see their log lines above"
                 )
             time.sleep(0.02)
 
-    def raise_if_dead(self) -> None:
-        """Raise TensorParallelError naming the first worker rank whose process has exited."""
+    def dead_worker(self) -> str | None:
+        """Which worker rank's process has exited, with its exit code; None while all run (a waitpid each)."""
         for rank, proc in enumerate(self._procs, start=1):
             if proc.poll() is not None:
-                raise TensorParallelError(
-                    f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}; "
-                    "see its log lines above"
-                )
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+        return None
 
     def broadcast_step(self, inputs: StepInputs) -> None:
-        """Hand the step's inputs to every worker; they then run the forward with rank 0."""
-        self.raise_if_dead()  # a cheap waitpid: fail the step at once rather than in a collective
-        self.group.send(ControlOp.STEP, encode_step(inputs))
+        """Hand the step's inputs to every worker; they then run the forward with rank 0. Raises
+        EngineFaultError when a worker has died: the engine cannot compute without it."""
+        if (dead := self.dead_worker()) is not None:  # at once, rather than from inside a collective
+            raise EngineFaultError(f"{dead}; the engine cannot go on without it, restart it")
+        try:
+            self.group.send(ControlOp.STEP, encode_step(inputs))
+        except EngineFaultError as exc:  # a worker dying as we sent: name it once it has exited
+            dead = self._wait_for_dead_worker(DEATH_GRACE_S) or "a tensor-parallel worker stopped answering"
+            raise EngineFaultError(f"{dead}; the engine cannot go on without it, restart it") from exc
+
+    def _wait_for_dead_worker(self, timeout_s: float) -> str | None:
+        deadline = time.monotonic() + timeout_s
+        while (dead := self.dead_worker()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return dead
 
     def stop(self) -> None:
         """Tell the workers to exit, wait for them (killing any that outstay STOP_TIMEOUT_S), close

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from memory_snapshot import take_snapshot
 from test_weights import LLAMA, write_checkpoint, write_word_tokenizer
 
 from kvbridge import LLM, SamplingParams
@@ -23,6 +24,7 @@ from kvbridge.engine.presets import get_preset, with_overrides
 from kvbridge.engine.tp_group import check_devices, decode_step, encode_step
 from kvbridge.engine.attention import SeqSpan
 from kvbridge.engine.step_inputs import StepInputs
+from kvbridge.engine.faults import EngineFaultError
 from kvbridge.errors import TensorParallelError
 from kvbridge.serve import server
 from kvbridge.tp_layout import TPShard
@@ -177,18 +179,37 @@ def test_tp4_replicates_kv_heads_and_gives_tp1s_tokens():
 # ---------------------------------------------------------------------- processes
 
 
+def _run_and_shut_down_tp2() -> None:
+    llm = LLM(num_blocks=16, tensor_parallel_size=2)
+    pids = llm.engine.runner.worker_pids
+    llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))
+    llm.shutdown()
+    assert llm.engine.runner.worker_pids == []
+    assert _wait_gone(pids, 0.0) == []  # shutdown waited for them
+
+
 @pytest.mark.slow
-def test_engines_built_and_shut_down_in_a_loop_leave_no_process_behind():
-    params = SamplingParams(max_tokens=4, temperature=0)
+def test_engines_built_and_shut_down_in_a_loop_leave_no_process_or_memory_behind():
+    _run_and_shut_down_tp2()  # warm-up: torch's and gloo's one-time allocations
+    baseline = take_snapshot()
     for _ in range(3):
-        llm = LLM(num_blocks=16, tensor_parallel_size=2)
-        pids = llm.engine.runner.worker_pids
-        llm.generate("hello", params)
+        _run_and_shut_down_tp2()
+    after = take_snapshot()
+    assert open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split() == []
+    assert after.num_live_tensors == baseline.num_live_tensors
+    assert after.rss_bytes - baseline.rss_bytes < 32 * 2**20, (baseline, after)
+
+
+def test_a_dead_worker_is_an_engine_fault_not_a_hang():
+    llm = LLM(num_blocks=16, tensor_parallel_size=2)
+    try:
+        (pid,) = llm.engine.runner.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_gone([pid], WORKER_EXIT_DEADLINE_S) == []
+        with pytest.raises(EngineFaultError, match="rank 1 .* exited"):
+            llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))
+    finally:
         llm.shutdown()
-        assert llm.engine.runner.worker_pids == []
-        assert _wait_gone(pids, 0.0) == []  # shutdown waited for them
-    children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
-    assert children == []
 
 
 RANK0_SCRIPT = textwrap.dedent(
