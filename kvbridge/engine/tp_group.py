@@ -15,6 +15,7 @@ all-reduces run through NCCL on the rank's GPU, the control broadcast through gl
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
@@ -96,7 +97,9 @@ class TPGroup:
         self._compute = self._control
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            self._compute = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            self._compute = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it (the row-parallel layers' AllReduce)."""
@@ -111,7 +114,7 @@ class TPGroup:
         self._wait(self._control.allreduce([tensor], options), "start-up agreement")
         return int(tensor.item())
 
-    def send(self, op: ControlOp, payload: list[int] = ()) -> None:
+    def send(self, op: ControlOp, payload: Sequence[int] = ()) -> None:
         """Rank 0: tell every rank `op`, with `payload`."""
         header = torch.tensor([op, len(payload)], dtype=torch.int64)
         self._wait(self._control.broadcast(header, 0), "step broadcast")
