@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache precision")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: 8192 tokens' worth)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting the model, one process each")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting the model, a process each")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

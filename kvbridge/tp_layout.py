@@ -106,9 +106,10 @@ def check_tp_size(world_size: int, num_heads: int, num_kv_heads: int, intermedia
             f"{field} must divide the model's {num_heads} attention heads; use one of {_divisors(num_heads)}"
         )
     if num_kv_heads % world_size and world_size % num_kv_heads:
+        sizes = [n for n in _divisors(num_heads) if not num_kv_heads % n or not n % num_kv_heads]
         raise TensorParallelError(
             f"{field} must divide the model's {num_kv_heads} KV heads or be a multiple of them (then each KV "
-            f"head is replicated); use one of {[n for n in _divisors(num_heads) if not num_kv_heads % n or not n % num_kv_heads]}"
+            f"head is replicated); use one of {sizes}"
         )
     if intermediate_size % world_size:
         raise TensorParallelError(f"{field} must divide the model's MLP width {intermediate_size}")

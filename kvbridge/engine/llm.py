@@ -50,7 +50,12 @@ class LLM:
             kv_transfer_config = KVTransferConfig(**kv_transfer_config)
         self.config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                model=model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
                 tensor_parallel_size=tensor_parallel_size,
             ),
             cache=CacheConfig(

@@ -32,8 +32,8 @@ from kvbridge.errors import TensorParallelError
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 300.0  # for every worker to start Python, import torch and reach the rendezvous
-STOP_TIMEOUT_S = 10.0
-DEATH_GRACE_S = 1.0  # after a failed broadcast, for the worker that broke it to finish exiting  # for the workers to exit after SHUTDOWN before they are killed
+STOP_TIMEOUT_S = 10.0  # for the workers to exit after SHUTDOWN before they are killed
+DEATH_GRACE_S = 1.0  # after a failed broadcast, for the worker that broke it to finish exiting
 WORKER_MODULE = "kvbridge.engine.tp_worker_main"
 
 
@@ -128,7 +128,7 @@ class TPWorkers:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("tensor parallel: worker pid %d did not exit in %g s; killing it", proc.pid, STOP_TIMEOUT_S)
+                logger.warning("tensor parallel: worker pid %d outstayed %g s; killing it", proc.pid, STOP_TIMEOUT_S)
                 proc.kill()
                 proc.wait()
         self._procs.clear()

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 from memory_snapshot import take_snapshot
-from test_weights import LLAMA, write_checkpoint, write_word_tokenizer
+from safetensors.torch import load_file, save_file
+from test_weights import LLAMA, write_checkpoint
 
 from kvbridge import LLM, SamplingParams
 from kvbridge.cli_errors import flag_names
@@ -155,12 +156,26 @@ def test_rank0_cache_holds_only_its_kv_heads_with_tp1s_values(engines):
     assert mine.kv_cache.abs().sum() > 0
 
 
-def test_tp2_tokens_equal_tp1_on_a_hf_checkpoint_with_qkv_biases(tmp_path):
-    write_checkpoint(tmp_path, with_overrides(LLAMA, qkv_bias=True), "Qwen2ForCausalLM")
-    write_word_tokenizer(tmp_path)
+def _add_mlp_biases(path, args) -> None:
+    """Give a written checkpoint MLP biases (config.json's `mlp_bias`): down_proj's is row-parallel's bias."""
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for i in range(args.num_layers):
+        for name, size in (("gate", args.intermediate_size), ("up", args.intermediate_size), ("down", args.hidden_size)):
+            tensors[f"model.layers.{i}.mlp.{name}_proj.bias"] = torch.randn(size, generator=gen) * 0.1
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "mlp_bias": True}))
+
+
+def test_tp2_tokens_equal_tp1_on_a_hf_checkpoint_with_qkv_and_mlp_biases(tmp_path):
+    args = with_overrides(LLAMA, qkv_bias=True)
+    write_checkpoint(tmp_path, args, "Qwen2ForCausalLM")
+    _add_mlp_biases(tmp_path, args)
     prompts = [{"prompt_token_ids": [3, 4, 17, 250, 99, 12, 7]}, {"prompt_token_ids": list(range(5, 45))}]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     with LLM(str(tmp_path), num_blocks=32) as tp1:
+        assert tp1.engine.runner.model.model.layers[0].mlp.down_proj.bias is not None
         want = _tokens(tp1.generate(prompts, params))
     with LLM(str(tmp_path), num_blocks=32, tensor_parallel_size=2) as tp2:
         assert _tokens(tp2.generate(prompts, params)) == want
