@@ -18,11 +18,12 @@ import time
 import msgspec
 import torch.distributed as dist
 
+from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.tp_group import STORE_HOST, ControlOp, TPGroup, decode_step, rank_device
 from kvbridge.engine.tp_workers import JOIN_TIMEOUT_S, WorkerSpec, joined_key
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvbridge.engine.tp_worker_main")  # also when run as __main__
 
 WATCHDOG_PERIOD_S = 0.2
 EXIT_ORPHANED = 3  # exit code of a worker whose rank 0 vanished
@@ -65,6 +66,9 @@ def main() -> int:
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
     try:
         run(spec)
+    except EngineFaultError as exc:  # rank 0 (or another rank) went away: expected, no traceback
+        logger.warning("%s; rank %d exits", exc, spec.rank)
+        return 1
     except Exception:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         return 1
