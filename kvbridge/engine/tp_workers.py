@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 
 import msgspec
 import torch.distributed as dist
@@ -63,6 +64,10 @@ class TPWorkers:
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         self._procs: list[subprocess.Popen] = []
+        # An engine dropped without shutdown() (or one whose construction failed above this runner)
+        # must not leave its workers running until this process exits: they are killed when this
+        # handle is collected. stop() detaches it.
+        self._finalizer = weakref.finalize(self, _kill, self._procs)
         self.group: TPGroup | None = None
         try:
             for rank in range(1, world_size):
@@ -132,10 +137,18 @@ class TPWorkers:
                 proc.kill()
                 proc.wait()
         self._procs.clear()
+        self._finalizer.detach()
         if self.group is not None:
             self.group.close()
             self.group = None
         self._store = None
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _spawn(spec: WorkerSpec) -> subprocess.Popen:

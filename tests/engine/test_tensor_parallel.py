@@ -4,6 +4,7 @@ rank holds only its KV heads, and worker ranks never outlive rank 0."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -231,6 +232,14 @@ def test_a_dead_worker_is_an_engine_fault_not_a_hang():
             llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))
     finally:
         llm.shutdown()
+
+
+def test_an_engine_dropped_without_shutdown_takes_its_workers_along():
+    llm = LLM(num_blocks=16, tensor_parallel_size=2)
+    pids = llm.engine.runner.worker_pids
+    del llm
+    gc.collect()
+    assert _wait_gone(pids, WORKER_EXIT_DEADLINE_S) == []
 
 
 RANK0_SCRIPT = textwrap.dedent(
