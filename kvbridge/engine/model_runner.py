@@ -25,16 +25,16 @@ from kvbridge.connectors.base import KVConnectorBase, KVConnectorOutput, Schedul
 from kvbridge.engine import sampler
 from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata
 from kvbridge.engine.cuda_graphs import DecodeGraphs
+from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvbridge.engine.request import Request
-from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.step_inputs import StepInputs, to_device
+from kvbridge.engine.tensor_parallel import make_shard
 from kvbridge.engine.tp_group import TPGroup, check_devices, rank_device
 from kvbridge.engine.tp_workers import TPWorkers
 from kvbridge.engine.weights import load_model, model_args
-from kvbridge.engine.tensor_parallel import make_shard
 from kvbridge.errors import ConfigError
 from kvbridge.tp_layout import RankKVLayout, rank_kv_layouts
 

@@ -24,8 +24,8 @@ import torch
 from kvbridge.config import ModelConfig
 from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model import LlamaForCausalLM
-from kvbridge.engine.tensor_parallel import AllReduce, local_args, make_shard, shard_parameter
 from kvbridge.engine.presets import ModelArgs, check_model_source, get_preset, is_preset
+from kvbridge.engine.tensor_parallel import AllReduce, local_args, make_shard, shard_parameter
 from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvbridge.errors import ConfigError, ModelLoadError
 from kvbridge.tp_layout import TPShard

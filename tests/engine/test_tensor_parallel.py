@@ -22,11 +22,11 @@ from test_weights import LLAMA, write_checkpoint
 from kvbridge import LLM, SamplingParams
 from kvbridge.cli_errors import flag_names
 from kvbridge.config import EngineConfig, KVTransferConfig, ModelConfig
-from kvbridge.engine.presets import get_preset, with_overrides
-from kvbridge.engine.tp_group import check_devices, decode_step, encode_step
 from kvbridge.engine.attention import SeqSpan
-from kvbridge.engine.step_inputs import StepInputs
 from kvbridge.engine.faults import EngineFaultError
+from kvbridge.engine.presets import get_preset, with_overrides
+from kvbridge.engine.step_inputs import StepInputs
+from kvbridge.engine.tp_group import check_devices, decode_step, encode_step
 from kvbridge.errors import TensorParallelError
 from kvbridge.serve import server
 from kvbridge.tp_layout import TPShard
