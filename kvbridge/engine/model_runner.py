@@ -25,7 +25,6 @@ from kvbridge.connectors.base import KVConnectorBase, KVConnectorOutput, Schedul
 from kvbridge.engine import sampler
 from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata
 from kvbridge.engine.cuda_graphs import DecodeGraphs
-from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import ModelRunnerOutput, TokenLogprobs
@@ -243,18 +242,8 @@ class ModelRunner:
         )
         if self._workers is None:
             hidden = forward(before_layer, after_layer)
-        else:
-            self._workers.broadcast_step(inputs)
-            try:
-                hidden = forward(before_layer, after_layer)
-            except EngineFaultError:
-                raise
-            except Exception as exc:
-                # The other ranks are inside this step's collectives and cannot be told to leave them.
-                raise EngineFaultError(
-                    f"a tensor-parallel step failed on rank 0 after the other ranks had started it "
-                    f"({type(exc).__name__}: {exc}); the ranks are out of step, restart the engine"
-                ) from exc
+        else:  # the workers run the same step on their shards
+            hidden = self._workers.run_step(inputs, lambda: forward(before_layer, after_layer))
         return self.model.compute_logits(hidden[dev.sample_rows])  # [S, vocab]
 
     def run_shard_step(self, inputs: StepInputs) -> None:

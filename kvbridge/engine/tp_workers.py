@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from kvbridge.engine.tp_group import STORE_HOST, ControlOp, TPGroup, encode_step
 from kvbridge.errors import TensorParallelError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 JOIN_TIMEOUT_S = 300.0  # for every worker to start Python, import torch and reach the rendezvous
 STOP_TIMEOUT_S = 10.0  # for the workers to exit after SHUTDOWN before they are killed
@@ -69,6 +72,7 @@ class TPWorkers:
         # handle is collected. stop() detaches it.
         self._finalizer = weakref.finalize(self, _kill, self._procs)
         self.group: TPGroup | None = None
+        self._is_out_of_step = False  # a step failed midway: the workers cannot be told anything more
         try:
             for rank in range(1, world_size):
                 spec = WorkerSpec(rank, world_size, self._store.port, os.getpid(), model_config, cache_config)
@@ -103,16 +107,33 @@ class TPWorkers:
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
         return None
 
-    def broadcast_step(self, inputs: StepInputs) -> None:
-        """Hand the step's inputs to every worker; they then run the forward with rank 0. Raises
-        EngineFaultError when a worker has died: the engine cannot compute without it."""
+    def run_step(self, inputs: StepInputs, forward: Callable[[], T]) -> T:
+        """Hand the step's inputs to every worker, then run rank 0's part of it (`forward`, whose
+        collectives the workers join) and return what it returns.
+
+        Any failure is an EngineFaultError, since the ranks can no longer agree on a next step: a
+        worker that has died (named, with its exit code), or rank 0 failing midway while the others
+        wait inside the step's collectives. After one, every step raises and `stop` kills the workers.
+        """
         if (dead := self.dead_worker()) is not None:  # at once, rather than from inside a collective
             raise EngineFaultError(f"{dead}; the engine cannot go on without it, restart it")
+        if self._is_out_of_step:
+            raise EngineFaultError("an earlier tensor-parallel step failed midway; restart the engine")
         try:
             self.group.send(ControlOp.STEP, encode_step(inputs))
-        except EngineFaultError as exc:  # a worker dying as we sent: name it once it has exited
+            return forward()
+        except EngineFaultError as exc:  # a collective failed: name the worker once it has exited
+            self._is_out_of_step = True
             dead = self._wait_for_dead_worker(DEATH_GRACE_S) or "a tensor-parallel worker stopped answering"
             raise EngineFaultError(f"{dead}; the engine cannot go on without it, restart it") from exc
+        except BaseException as exc:
+            self._is_out_of_step = True
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: as they are
+            raise EngineFaultError(
+                f"a tensor-parallel step failed on rank 0 after the other ranks had started it "
+                f"({type(exc).__name__}: {exc}); the ranks are out of step, restart the engine"
+            ) from exc
 
     def _wait_for_dead_worker(self, timeout_s: float) -> str | None:
         deadline = time.monotonic() + timeout_s
@@ -123,7 +144,9 @@ class TPWorkers:
     def stop(self) -> None:
         """Tell the workers to exit, wait for them (killing any that outstay STOP_TIMEOUT_S), close
         the group and the store. Idempotent; safe after a worker died."""
-        if self.group is not None and all(p.poll() is None for p in self._procs):
+        if self._is_out_of_step:
+            _kill(self._procs)  # they wait inside a collective that will never complete
+        elif self.group is not None and all(p.poll() is None for p in self._procs):
             try:
                 self.group.send(ControlOp.SHUTDOWN)
             except Exception:  # noqa: BLE001 - a worker died meanwhile: the waits below handle it

@@ -22,11 +22,14 @@ from test_weights import LLAMA, write_checkpoint
 from kvbridge import LLM, SamplingParams
 from kvbridge.cli_errors import flag_names
 from kvbridge.config import EngineConfig, KVTransferConfig, ModelConfig
+from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.attention import SeqSpan
 from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.presets import get_preset, with_overrides
+from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs
 from kvbridge.engine.tp_group import check_devices, decode_step, encode_step
+from kvbridge.engine.tp_workers import STOP_TIMEOUT_S
 from kvbridge.errors import TensorParallelError
 from kvbridge.serve import server
 from kvbridge.tp_layout import TPShard
@@ -240,6 +243,26 @@ def test_an_engine_dropped_without_shutdown_takes_its_workers_along():
     del llm
     gc.collect()
     assert _wait_gone(pids, WORKER_EXIT_DEADLINE_S) == []
+
+
+def test_rank0_failing_midway_through_a_step_is_an_engine_fault_and_shutdown_does_not_hang():
+    llm = LLM(num_blocks=16, tensor_parallel_size=2)
+    runner = llm.engine.runner
+    pids = runner.worker_pids
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0), 16)
+
+    def fail_at_layer_2(layer: int) -> None:
+        if layer == 2:  # the worker has joined layers 0 and 1's all-reduces and waits in layer 2's
+            raise ValueError("boom")
+
+    with pytest.raises(EngineFaultError, match="out of step"):
+        runner.forward(SchedulerOutput([ScheduledRequest(request, 0, 3, [0])]), before_layer=fail_at_layer_2)
+    with pytest.raises(EngineFaultError, match="earlier tensor-parallel step failed"):
+        runner.forward(SchedulerOutput([ScheduledRequest(request, 0, 3, [0])]))
+    started = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - started < STOP_TIMEOUT_S  # killed, not waited for
+    assert _wait_gone(pids, 0.0) == []
 
 
 RANK0_SCRIPT = textwrap.dedent(
