@@ -114,7 +114,7 @@ class ModelRunner:
         try:
             self._build(rank, group)
         except BaseException:
-            self._stop_workers()
+            self._stop_workers(kill=True)  # they may wait in a start-up collective this rank never joins
             raise
 
     def _build(self, rank: int, group: TPGroup | None) -> None:
@@ -328,10 +328,10 @@ class ModelRunner:
         """Process ids of tensor-parallel ranks 1..N-1 (empty at TP 1, and after shutdown)."""
         return self._workers.pids if self._workers is not None else []
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, kill: bool = False) -> None:
         workers, self._workers = self._workers, None
         if workers is not None:
-            workers.stop()
+            workers.stop(kill)
 
     def _check_alive(self) -> None:
         if self._is_shut_down:

@@ -80,7 +80,7 @@ class TPWorkers:
             self._wait_joined(world_size)
             self.group = TPGroup(self._store, 0, world_size, rank_device(model_config.device, 0))
         except BaseException:
-            self.stop()
+            self.stop(kill=True)
             raise
         logger.info("tensor parallel: %d ranks, worker pids %s", world_size, self.pids)
 
@@ -141,11 +141,13 @@ class TPWorkers:
             time.sleep(0.01)
         return dead
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
         """Tell the workers to exit, wait for them (killing any that outstay STOP_TIMEOUT_S), close
-        the group and the store. Idempotent; safe after a worker died."""
-        if self._is_out_of_step:
-            _kill(self._procs)  # they wait inside a collective that will never complete
+        the group and the store. Idempotent; safe after a worker died. With `kill`, or when no group
+        was formed or a step failed midway, the workers are killed at once: they may be inside a
+        collective (loading, agreeing on the cache size, a step) that will never complete."""
+        if kill or self.group is None or self._is_out_of_step:
+            _kill(self._procs)
         elif self.group is not None and all(p.poll() is None for p in self._procs):
             try:
                 self.group.send(ControlOp.SHUTDOWN)
@@ -175,7 +177,11 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def _spawn(spec: WorkerSpec) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE)
+    # The workers import this very kvbridge, wherever this process found it.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": python_path}
+    proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE, env=env)
     proc.stdin.write(msgspec.json.encode(spec))
     proc.stdin.close()
     return proc
