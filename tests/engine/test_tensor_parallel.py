@@ -30,7 +30,7 @@ from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs
 from kvbridge.engine.tp_group import check_devices, decode_step, encode_step
 from kvbridge.engine.tp_workers import STOP_TIMEOUT_S
-from kvbridge.errors import TensorParallelError
+from kvbridge.errors import ConfigError, TensorParallelError
 from kvbridge.serve import server
 from kvbridge.tp_layout import TPShard
 
@@ -263,6 +263,15 @@ def test_rank0_failing_midway_through_a_step_is_an_engine_fault_and_shutdown_doe
     llm.shutdown()
     assert time.monotonic() - started < STOP_TIMEOUT_S  # killed, not waited for
     assert _wait_gone(pids, 0.0) == []
+
+
+def test_an_engine_whose_start_fails_after_its_workers_started_leaves_none_behind():
+    children = _children()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="max_model_len=100000 exceeds"):
+        LLM(num_blocks=16, tensor_parallel_size=2, max_model_len=100_000)  # refused once the weights are loaded
+    assert time.monotonic() - started < 60
+    assert _wait_gone(list(_children() - children), WORKER_EXIT_DEADLINE_S) == []
 
 
 RANK0_SCRIPT = textwrap.dedent(
