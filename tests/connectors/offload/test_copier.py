@@ -41,9 +41,9 @@ def shares(monkeypatch):
     seen: list[tuple[str, list]] = []
     copy_share = copier_module._copy_share
 
-    def spy(src, dst, share):
+    def spy(src, dst, share, *digest_args):
         seen.append((threading.current_thread().name, share))
-        copy_share(src, dst, share)
+        return copy_share(src, dst, share, *digest_args)
 
     monkeypatch.setattr(copier_module, "_copy_share", spy)
     return seen

@@ -70,7 +70,7 @@ def test_corrupt_truncated_and_old_version_files_are_rejected(tmp_path):
         byte = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(DiskBlockError, match="checksum"):
+    with pytest.raises(DiskBlockError, match="digest mismatch"):
         tier.read_into(HASH, out)
     tier.write(HASH, _block(2))
     os.truncate(path, os.path.getsize(path) - 10)
