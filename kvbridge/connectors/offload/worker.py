@@ -13,23 +13,17 @@ blocking:
 A host slot is never rewritten while the disk thread still reads it for a write-through: the
 copy that overwrites it first waits for that write (a barrier per slot).
 
-Integrity (`verify_kv_digest`, on by default): the copier digests every block a store reads, and the
-host tier keeps that digest with the slot (a disk file carries it too); every block a load writes
-into the KV cache is digested by the same copy and compared with its slot's digest. A block whose
-bytes differ — a bit flipped in host memory, a rotten or torn file — is a load error: the engine
-recomputes it, the scheduler side drops it from the tiers, `host_digest_mismatches` or
-`disk_digest_mismatches` counts it, and the log names it (at most once per 30 s and tier).
+Integrity (`verify_kv_digest`, on by default): every block a load brings back is checked against
+the digest taken when it was stored (`verify.py`); a block whose bytes differ is a load error.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -42,12 +36,9 @@ from kvbridge.connectors.offload.copier import BlockCopier, CopyHandle, make_cop
 from kvbridge.connectors.offload.disk_tier import DiskTier
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
+from kvbridge.connectors.offload.verify import LoadVerifier
 from kvbridge.errors import TransferTimeoutError
 from kvbridge.layout import KVCacheLayout
-from kvbridge.repeated_log import RepeatedWarnings
-from kvbridge.transfer.digest import BlockDigest, DigestError, algorithm_for, block_digests, region_bytes, start_block_digests
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,11 +72,8 @@ class OffloadWorker:
         self._recving_done: set[str] = set()
         self._load_errors: set[int] = set()
         self._slot_barriers: dict[int, Future] = {}  # slot -> disk write reading it
-        self._stats = Counter({"host_digest_mismatches": 0, "disk_digest_mismatches": 0})  # on /metrics from the start
-        self._warnings = RepeatedWarnings(logger)
-        self._digest_alg: str | None = None  # the copier's digests (verify_kv_digest), None: not verified
-        self._kv_region: torch.Tensor | None = None  # [region_nbytes] uint8: the KV cache's bytes, for digests
-        self._layout: KVCacheLayout | None = None
+        self._stats = Counter()
+        self._verifier: LoadVerifier | None = None  # verify_kv_digest
         self._fault_flip_host_bit = env.fault_flip_host_block_bit()
         self._store_latency, self._load_latency = LatencyStats(), LatencyStats()
 
@@ -96,16 +84,16 @@ class OffloadWorker:
         pin = self.config.pin_memory if self.config.pin_memory is not None else kv_cache.is_cuda
         self.block_nbytes = layout.block_nbytes
         self.host = HostTier(layout, num_slots, pin_memory=pin)
-        digest = None
-        if self.config.verify_kv_digest:
-            self._digest_alg, self._kv_region, self._layout = algorithm_for(kv_cache), region_bytes(kv_cache, layout), layout
-            digest = partial(start_block_digests, self._kv_region, layout, alg=self._digest_alg)
-        self.copier = make_copier(
-            kv_cache, self.host.pool, self.config.staging_blocks, self.config.copy_threads, digest=digest
-        )
         if self.config.has_disk:
             self.disk = DiskTier(self.config.disk_dir, layout.compat_hash(self.model_id), layout.block_nbytes,
                                  fault=env.fault_corrupt_disk_file())  # fmt: skip
+        if self.config.verify_kv_digest:
+            file_of = self.disk.path if self.disk is not None else None
+            self._verifier = LoadVerifier(kv_cache, layout, self.host, self._stats, file_of)
+        digest = self._verifier.digest_fn if self._verifier is not None else None
+        self.copier = make_copier(
+            kv_cache, self.host.pool, self.config.staging_blocks, self.config.copy_threads, digest=digest
+        )
 
     # ------------------------------------------------------------------ per step
 
@@ -149,7 +137,7 @@ class OffloadWorker:
         barrier = self._before_write([s for _, s in disk_reads], self.config.debug_load_delay_s)
         disk, host = self.disk, self.host
         # verified here, after the copy into the KV cache, or else by the disk thread as it reads
-        check_payload = self._digest_alg is None
+        check_payload = self._verifier is None
 
         def before() -> None:
             barrier()
@@ -211,7 +199,10 @@ class OffloadWorker:
                     self.host.digests.pop(slot, None)
                 return
             self.host.poisoned_slots.difference_update(job.slots)
-            self._record_digests(job, op.handle)
+            if self._verifier is not None:
+                self._verifier.record(job, op.handle)
+            if self._fault_flip_host_bit:  # fault injection (tests): host memory rots after the store
+                self.host.slot_bytes(job.slots[0])[self.block_nbytes // 2] ^= 0x10
             self._stats["bytes_stored"] += nbytes
             self._stats["blocks_stored"] += len(job.slots)
             self._store_latency.add(elapsed)
@@ -227,56 +218,12 @@ class OffloadWorker:
                 self._load_errors.update(job.gpu_block_ids)
             else:
                 self.host.poisoned_slots.difference_update(s for s, d in zip(job.slots, job.from_disk) if d)
-                if self._digest_alg is not None:
-                    self._load_errors |= self._verify_load(job, op.handle)
+                if self._verifier is not None:
+                    self._load_errors |= self._verifier.check(job, op.handle)
                 self._stats["bytes_loaded"] += nbytes
                 self._stats["blocks_loaded"] += len(job.gpu_block_ids)
                 self._load_latency.add(elapsed)
             self._end_load(job.req_id)
-
-    def _record_digests(self, job: StoreJob, handle: CopyHandle) -> None:
-        """A store completed: each slot keeps the digest of the block it now holds."""
-        if self._digest_alg is not None:
-            digests = handle.digests()
-            for gpu_block, slot in zip(job.gpu_block_ids, job.slots):
-                self.host.digests[slot] = BlockDigest(self._digest_alg, digests[gpu_block])
-        if self._fault_flip_host_bit:  # fault injection (tests): host memory rots after the store
-            self.host.slot_bytes(job.slots[0])[self.block_nbytes // 2] ^= 0x10
-
-    def _verify_load(self, job: LoadJob, handle: CopyHandle) -> set[int]:
-        """The GPU blocks of a completed load whose bytes differ from their slot's digest: counted per
-        tier, named in the log, returned as load errors (never used as KV)."""
-        digests = handle.digests()  # gpu block -> digest of the bytes the load wrote into it
-        bad: dict[str, list[tuple[int, int]]] = {"host": [], "disk": []}
-        for gpu_block, slot, from_disk in zip(job.gpu_block_ids, job.slots, job.from_disk):
-            if gpu_block not in digests:
-                continue  # not copied (its slot was poisoned): a load error already
-            expected = self.host.digests.get(slot)
-            if expected is None or self._digest_of(gpu_block, expected.alg, digests) != expected.value:
-                bad["disk" if from_disk else "host"].append((gpu_block, slot))
-        for tier, blocks in bad.items():
-            if not blocks:
-                continue
-            self._stats[f"{tier}_digest_mismatches"] += len(blocks)
-            gpu_block, slot = blocks[0]
-            self._warnings.warning(
-                tier, "OFFLOAD DIGEST MISMATCH: %d of %d blocks loaded from the %s tier do not hold the bytes that "
-                "were stored (first: %s -> KV block %d, %s); recomputed instead and dropped from the tier",
-                len(blocks), len(job.gpu_block_ids), tier,
-                f"file {self.disk.path(job.hashes[job.slots.index(slot)])}" if tier == "disk" else f"host slot {slot}",
-                gpu_block, self._digest_alg,
-            )  # fmt: skip
-        return {gpu_block for blocks in bad.values() for gpu_block, _ in blocks}
-
-    def _digest_of(self, gpu_block: int, alg: str, digests: dict[int, int]) -> int | None:
-        """The digest with `alg` of a KV block a load wrote: the copy's own, or (a file another engine
-        wrote with the other algorithm) computed now."""
-        if alg == self._digest_alg:
-            return digests[gpu_block]
-        try:
-            return block_digests(self._kv_region, self._layout, [gpu_block], alg).values[0]
-        except DigestError:
-            return None
 
     def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         self._finished |= finished_req_ids & self._seen
