@@ -165,3 +165,37 @@ def test_thread_copier_round_trip_with_a_strided_layer_major_cache():
 @pytest.mark.gpu
 def test_cuda_copier_round_trip_with_a_strided_layer_major_cache():
     _check_strided_round_trip("cuda")
+
+
+def test_a_copier_with_a_digest_digests_the_kv_side_of_every_copy_as_it_copies():
+    """Store: the KV blocks it read; load: the KV blocks it wrote (after the copy), keyed by KV block id,
+    equal to transfer/digest.py's digests of those blocks; runs longer than a piece are hashed piece by piece."""
+    from functools import partial
+
+    from kvbridge.transfer.digest import XXH3, block_digests, region_bytes, start_block_digests
+
+    layout = KVCacheLayout(num_blocks=40, num_layers=3, block_size=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    kv = torch.randn(layout.shape, generator=torch.Generator().manual_seed(5))
+    host = HostTier(layout, 30, pin_memory=False)
+    region = region_bytes(kv, layout)
+    copier = make_copier(kv, host.pool, copy_threads=2, digest=partial(start_block_digests, region, layout, alg=XXH3))
+    copier.MIN_SHARE_BYTES = 1
+    copier_module._DIGEST_PIECE_BYTES, piece = 2 * layout.block_nbytes, copier_module._DIGEST_PIECE_BYTES
+    try:
+        gpu_ids, slots = [5, 6, 7, 8, 9, 20, 3, 31], list(range(8))
+        handle = copier.store(gpu_ids, slots)
+        assert handle.wait(10) and handle.error is None
+        assert handle.digests() == dict(zip(gpu_ids, block_digests(region, layout, gpu_ids, XXH3).values))
+        target = [10, 11, 12, 13, 14, 15, 16, 39]
+        handle = copier.load(slots, target)
+        assert handle.wait(10) and handle.error is None
+        digests = handle.digests()
+        assert list(digests) != [] and sorted(digests) == sorted(target)
+        assert [digests[t] for t in target] == block_digests(region, layout, gpu_ids, XXH3).values  # the stored bytes
+    finally:
+        copier_module._DIGEST_PIECE_BYTES = piece
+        copier.close()
+    plain = make_copier(kv, host.pool)
+    handle = plain.store([1], [0])
+    assert handle.wait(10) and handle.digests() == {}
+    plain.close()
