@@ -184,7 +184,8 @@ class ThreadCopier(BlockCopier):
             first, *others = split_runs(runs, num_shares) or [[]]
             futures = [self._copy_threads.submit(_copy_share, src, dst, share, *digest_args) for share in others]
             try:
-                digests = _copy_share(src, dst, first, *digest_args)  # one wake-up fewer on the way: this thread copies too
+                # one wake-up fewer on the way: this thread copies too
+                digests = _copy_share(src, dst, first, *digest_args)
             finally:
                 wait(futures)  # all of them, even when one failed: none may still write once the copy is done
             for future in futures:

@@ -31,7 +31,14 @@ from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.connectors.offload.metadata import LoadJob, StoreJob
 from kvbridge.layout import KVCacheLayout
 from kvbridge.repeated_log import RepeatedWarnings
-from kvbridge.transfer.digest import BlockDigest, DigestError, algorithm_for, block_digests, region_bytes, start_block_digests
+from kvbridge.transfer.digest import (
+    BlockDigest,
+    DigestError,
+    algorithm_for,
+    block_digests,
+    region_bytes,
+    start_block_digests,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -141,7 +141,8 @@ class OffloadWorker:
 
         def before() -> None:
             barrier()
-            futures = [disk.submit_read(h, host.slot_bytes(s), check_payload) for h, s in disk_reads]  # FIFO after writes
+            # FIFO after the writes queued before
+            futures = [disk.submit_read(h, host.slot_bytes(s), check_payload) for h, s in disk_reads]
             for (_, slot), future in zip(disk_reads, futures):
                 host.digests[slot] = future.result()  # DiskBlockError fails the whole job; its blocks are recomputed
 
