@@ -20,7 +20,6 @@ load that reads the slot starts its copy).
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
@@ -44,16 +43,16 @@ logger = logging.getLogger(__name__)
 
 
 class LoadVerifier:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout, host: HostTier, stats: Counter,
+    """Digests of the host tier's slots, and the check of every completed load against them."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout, host: HostTier,
                  file_of: Callable[[bytes], str] | None = None) -> None:  # fmt: skip
-        """`stats`: the worker's counters (this adds the two mismatch counts, at 0 from the start so
-        /metrics shows them); `file_of`: a block hash's disk file, for the log."""
+        """`file_of`: a block hash's disk file, named in the log."""
         self.alg = algorithm_for(kv_cache)
         self._region = region_bytes(kv_cache, layout)  # [region_nbytes] uint8
-        self._layout, self._host, self._stats, self._file_of = layout, host, stats, file_of
+        self._layout, self._host, self._file_of = layout, host, file_of
         self._warnings = RepeatedWarnings(logger)
-        for tier in ("host", "disk"):
-            stats[f"{tier}_digest_mismatches"] += 0
+        self._num_mismatches = {"host": 0, "disk": 0}  # blocks refused, by the tier they came from
 
     @property
     def digest_fn(self) -> DigestFn:
@@ -93,7 +92,7 @@ class LoadVerifier:
             return None
 
     def _report(self, tier: str, blocks: list[tuple[int, bytes]], job: LoadJob) -> None:
-        self._stats[f"{tier}_digest_mismatches"] += len(blocks)
+        self._num_mismatches[tier] += len(blocks)
         gpu_block, block_hash = blocks[0]
         where = f"file {self._file_of(block_hash)}" if tier == "disk" and self._file_of else f"block {block_hash.hex()}"
         self._warnings.warning(
@@ -101,3 +100,7 @@ class LoadVerifier:
             "bytes that were stored (first: %s -> KV block %d, %s); recomputed instead and dropped from the tier",
             len(blocks), len(job.gpu_block_ids), tier, job.req_id, where, gpu_block, self.alg,
         )  # fmt: skip
+
+    def get_stats(self) -> dict[str, int]:
+        """On /metrics from the start, at 0 (kvbridge_engine_connector_worker_host_digest_mismatches)."""
+        return {f"{tier}_digest_mismatches": n for tier, n in self._num_mismatches.items()}

@@ -89,7 +89,7 @@ class OffloadWorker:
                                  fault=env.fault_corrupt_disk_file())  # fmt: skip
         if self.config.verify_kv_digest:
             file_of = self.disk.path if self.disk is not None else None
-            self._verifier = LoadVerifier(kv_cache, layout, self.host, self._stats, file_of)
+            self._verifier = LoadVerifier(kv_cache, layout, self.host, file_of)
         digest = self._verifier.digest_fn if self._verifier is not None else None
         self.copier = make_copier(
             kv_cache, self.host.pool, self.config.staging_blocks, self.config.copy_threads, digest=digest
@@ -284,6 +284,8 @@ class OffloadWorker:
             stats["host_pool_pinned"] = self.host.is_pinned
         if self.disk is not None:
             stats.update(self.disk.get_stats())
+        if self._verifier is not None:
+            stats.update(self._verifier.get_stats())
         return stats
 
     def check_integrity(self) -> None:
