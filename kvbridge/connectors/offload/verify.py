@@ -8,7 +8,7 @@ it was stored with.
 The digests are transfer/digest.py's, with the algorithm of the device that holds the KV cache
 (XXH3-64 on CPU, wsum64 on CUDA), computed by the copier as part of each copy (`digest_fn`): of the
 blocks a store read, and of the blocks a load wrote, so what is checked is exactly what the engine
-will use. A mismatch (a bit flipped in host memory, a rotten or torn file) is counted per tier
+will use. A mismatch (a bit flipped in host memory, a file that rotted on disk) is counted per tier
 (`host_digest_mismatches`, `disk_digest_mismatches`), named in the log at most once per 30 s and
 tier, and returned as a load error: the engine recomputes those tokens and the scheduler side drops
 the block from the tiers.
