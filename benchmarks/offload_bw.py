@@ -17,6 +17,11 @@ uses as many copy threads); for comparison, on CPU, the store as the copier did 
 repetitions; the repetitions of all cases are interleaved (store, load, both, baselines, store,
 ...), so a shared machine's load changes hit every case alike. GB/s = 1e9 bytes per second.
 Index preparation is inside the timing.
+
+Verification (the OffloadingConnector's `verify_kv_digest`, on by default): `store_verified` and
+`load_verified` are the same copies by a copier that also digests the KV-cache side of each copy
+(as the connector's worker does: fused into the copy on CPU, queued behind it on the GPU);
+`verify_cost` is the fraction of the plain copy's bandwidth that costs, same run, interleaved.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ import torch
 
 from common import exit_if_missing, machine_info, versions
 
+from functools import partial
+
 from kvbridge.block_runs import paired_runs
 from kvbridge.connectors.offload.copier import make_copier
 from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.digest import algorithm_for, region_bytes, start_block_digests
 
 
 def sync(device: str) -> None:
@@ -96,6 +104,8 @@ def main() -> int:
     ids = rng.sample(range(kv_blocks), 2 * n)
     store_ids, load_ids = ids[:n], ids[n:]
     copier = make_copier(kv, host, args.staging_blocks)
+    digest = partial(start_block_digests, region_bytes(kv, layout), layout, alg=algorithm_for(kv))
+    verifying = make_copier(kv, host, args.staging_blocks, digest=digest)
     nbytes = n * layout.block_nbytes
 
     def store() -> None:
@@ -103,6 +113,14 @@ def main() -> int:
 
     def load() -> None:
         assert copier.load(list(range(n, 2 * n)), load_ids).wait(600)
+
+    def store_verified() -> None:
+        handle = verifying.store(store_ids, list(range(n)))
+        assert handle.wait(600) and len(handle.digests()) == n
+
+    def load_verified() -> None:
+        handle = verifying.load(list(range(n, 2 * n)), load_ids)
+        assert handle.wait(600) and len(handle.digests()) == n
 
     def bidir() -> None:
         handles = [copier.store(store_ids, list(range(n))), copier.load(list(range(n, 2 * n)), load_ids)]
@@ -118,7 +136,8 @@ def main() -> int:
         flat_dev.copy_(flat_host, non_blocking=is_cuda)
 
     load_before = os.getloadavg()
-    cases = {"store": store, "load": load, "bidir": bidir, "baseline": baseline, "baseline_load": baseline_load}
+    cases = {"store": store, "load": load, "bidir": bidir, "baseline": baseline, "baseline_load": baseline_load,
+             "store_verified": store_verified, "load_verified": load_verified}  # fmt: skip
     if not is_cuda:  # the copier's CPU path before 2026-12-01: one torch copy_ per run, on one thread
         one_thread = ThreadPoolExecutor(1)
         store_runs = paired_runs(store_ids, list(range(n)))
@@ -145,6 +164,7 @@ def main() -> int:
     times = time_interleaved(cases, args.device, args.reps, args.warmup)
     results = {name: summarize(t, 2 * nbytes if "bidir" in name else nbytes) for name, t in times.items()}
     copier.close()
+    verifying.close()
     base, base_load = results["baseline"]["gbps"], results["baseline_load"]["gbps"]
     report = {
         "benchmark": "offload_bw",
@@ -156,6 +176,10 @@ def main() -> int:
         "store_ratio": results["store"]["gbps"] / base,
         "load_ratio": results["load"]["gbps"] / base_load,
         "bidir_ratio": results["bidir"]["gbps"] / max(base, base_load),
+        "store_verified_gbps": results["store_verified"]["gbps"],
+        "load_verified_gbps": results["load_verified"]["gbps"],
+        # what digesting every block costs the copy (verify_kv_digest): 1 - verified / plain, same run
+        "verify_cost": {d: 1 - results[f"{d}_verified"]["gbps"] / results[d]["gbps"] for d in ("store", "load")},
         "store_torch_copy_per_run_ratio": (
             None if is_cuda else results["store_torch_copy_per_run"]["gbps"] / base
         ),  # the old CPU path, same run

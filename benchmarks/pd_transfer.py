@@ -11,7 +11,11 @@ A prefill engine runs in a child process (on --prefill-device), the decode engin
 Digest cost: with verify_kv_digest (the default; --no-verify-kv-digest turns it off on both engines)
 the decode engine digests every block it read before using it (transfer/digest.py); `digest_ms` is
 that time per read, beside `transfer_ms`, and `digest_vs_transfer` their ratio. The prefill digests
-the same bytes with the same function when it grants the lease (inside `prefill_s`).
+the same bytes with the same function when it grants the lease (inside `prefill_s`). To tell the hash
+from the read path apart, `digest_alone_gbps` is the same digest of as many blocks of a KV cache of
+the decode's layout, on the decode device, with nothing else running in this process (caches
+flushed first on CPU: the bytes of a read arrive from another process); `digest_vs_transfer` cannot
+fall below `kvbridge_transfer_gbps / digest_alone_gbps` on this machine.
 
 Transfer throughput is the NixlConnector's own per-read figure (bytes / time from posting the read
 to its completion; the handshake is done during warm-up and is not inside). Its baseline is a raw
@@ -127,6 +131,29 @@ def _plan_summary(worker_stats: dict) -> dict:
     return {"kind": kind, "descriptors_per_read": worker_stats["num_plan_descriptors"] / (direct + staged)}
 
 
+def _digest_alone_gbps(layout, num_blocks: int, device: str, reps: int) -> float:
+    """transfer/digest.py's digest of `num_blocks` adjacent blocks, alone: bytes / median time."""
+    import numpy as np
+    import torch
+
+    from kvbridge.transfer.digest import algorithm_for, block_digests, region_bytes
+
+    kv = torch.ones(layout.shape, dtype=getattr(torch, layout.dtype), device=device)
+    region, alg = region_bytes(kv, layout), algorithm_for(kv)
+    flush = None if kv.is_cuda else np.ones(256 << 20, dtype=np.uint8)  # larger than any CPU cache
+    times = []
+    for rep in range(reps + 2):
+        first = rep * num_blocks % max(1, layout.num_blocks - num_blocks)
+        if flush is not None:
+            flush[:] = rep
+        else:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        block_digests(region, layout, range(first, first + num_blocks), alg)  # waits for the device
+        times.append(time.perf_counter() - start)
+    return num_blocks * layout.block_nbytes / statistics.median(times[2:]) / 1e9
+
+
 def run(args) -> dict:
     from kvbridge import LLM
 
@@ -173,6 +200,7 @@ def run(args) -> dict:
                 "after_confirmed_s": first_token - read.confirmed,
             })  # fmt: skip
         worker_stats = dec.get_stats()["connector"]["worker"]
+        layout = dec.engine.layout
         dec.shutdown()
     finally:
         conn.send(None)
@@ -182,6 +210,7 @@ def run(args) -> dict:
 
     nbytes = rows[0]["nbytes"]
     baseline = _copy_baseline_gbps(nbytes, args.prefill_device, args.decode_device, args.reps)
+    digest_alone = _digest_alone_gbps(layout, nbytes // layout.block_nbytes, args.decode_device, args.reps)
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     transfer_gbps = nbytes / med("transfer_s") / 1e9
     pd_ttft = [r["prefill_s"] + r["decode_ttft_s"] for r in rows]
@@ -200,6 +229,7 @@ def run(args) -> dict:
         "digest_ms": {"median": med("digest_s") * 1e3, "min": min(r["digest_s"] for r in rows) * 1e3},
         "digest_vs_transfer": med("digest_s") / med("transfer_s"),
         "digest_gbps": nbytes / med("digest_s") / 1e9 if med("digest_s") > 0 else 0.0,
+        "digest_alone_gbps": digest_alone,  # the same digest with nothing else running (see the docstring)
         "pd_ttft_s": {"median": statistics.median(pd_ttft), "min": min(pd_ttft)},
         "prefill_s": {"median": med("prefill_s"), "min": min(r["prefill_s"] for r in rows)},
         "decode_ttft_s": {"median": med("decode_ttft_s"), "min": min(r["decode_ttft_s"] for r in rows)},

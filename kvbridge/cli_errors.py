@@ -15,6 +15,7 @@ CONFIG_FLAGS = {
     "ModelConfig.device": "--device",
     "ModelConfig.seed": "--seed",
     "ModelConfig.max_model_len": "--max-model-len",
+    "ModelConfig.tensor_parallel_size": "--tensor-parallel-size",
     "CacheConfig.block_size": "--block-size",
     "CacheConfig.num_blocks": "--num-blocks",
     "CacheConfig.memory_fraction": "--memory-fraction",

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache precision")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: 8192 tokens' worth)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks splitting the model, a process each")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -53,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         start = time.perf_counter()
-        with LLM(args.model, args.dtype, args.device, seed=args.seed, num_blocks=args.num_blocks) as llm:
+        with LLM(
+            args.model, args.dtype, args.device, seed=args.seed, num_blocks=args.num_blocks,
+            tensor_parallel_size=args.tensor_parallel_size,
+        ) as llm:
             load_s = time.perf_counter() - start
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, TensorParallelError
 
 DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_KV_TOKENS = 8192  # KV cache size when CacheConfig gives neither num_blocks nor memory_fraction
@@ -24,6 +24,8 @@ class ModelConfig:
     seed: int = 0  # seeds the random weights of built-in presets
     max_model_len: int | None = None  # defaults to the model's own limit
     enforce_eager: bool = False  # on CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    # Ranks (one process each) that split the attention heads and the MLP; 1 runs in this process alone.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -32,6 +34,10 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.device={self.device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"ModelConfig.max_model_len must be positive, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise TensorParallelError(
+                f"ModelConfig.tensor_parallel_size={self.tensor_parallel_size} must be at least 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -121,3 +127,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.model.tensor_parallel_size > 1 and self.kv_transfer is not None:
+            # The connectors register one KV tensor and lease blocks of one process; with TP every
+            # rank holds its own heads, and a lease must cover all of them. Refused until that exists.
+            raise TensorParallelError(
+                f"ModelConfig.tensor_parallel_size={self.model.tensor_parallel_size} with a KV connector "
+                f"(KVTransferConfig.connector={self.kv_transfer.connector!r}) is not supported yet: KV transfer and "
+                "offload run with tensor_parallel_size 1 only; run without a connector, or with "
+                "tensor_parallel_size 1"
+            )

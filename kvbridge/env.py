@@ -102,8 +102,32 @@ def fault_flip_read_bit() -> bool:
     return _get_bool("KVBRIDGE_FAULT_FLIP_READ_BIT", False)
 
 
+def fault_flip_host_block_bit() -> bool:
+    """KVBRIDGE_FAULT_FLIP_HOST_BIT: fault injection for tests. The OffloadingConnector flips one bit
+    of the first host-tier slot of every store once the store completed and its digest was recorded,
+    as a flaky DIMM would; verification must refuse those blocks when they are loaded back. Never set
+    it in production."""
+    return _get_bool("KVBRIDGE_FAULT_FLIP_HOST_BIT", False)
+
+
+DISK_FAULTS = ("flip", "truncate")
+
+
+def fault_corrupt_disk_file() -> str | None:
+    """KVBRIDGE_FAULT_CORRUPT_DISK_FILE: fault injection for tests. `flip`: the disk tier flips one bit
+    of every block file's payload after writing it (bit rot); `truncate`: it cuts the file's last byte
+    off (a torn write). A load from such a file must be a miss. Never set it in production."""
+    value = (_get_str("KVBRIDGE_FAULT_CORRUPT_DISK_FILE", "") or "").strip().lower()
+    if value and value not in DISK_FAULTS:
+        raise ConfigError(
+            f"environment variable KVBRIDGE_FAULT_CORRUPT_DISK_FILE={value!r}; expected one of {', '.join(DISK_FAULTS)}"
+        )
+    return value or None
+
+
 def validate() -> None:
     """Read every numeric variable once: a malformed value is a ConfigError at start, not a
     traceback from deep inside an engine's start-up."""
     flush_timeout_s()
     nixl_progress_delay_us()
+    fault_corrupt_disk_file()

@@ -101,3 +101,8 @@ class EngineShutdownError(KVBridgeError, RuntimeError):
 
 class EngineStalledError(KVBridgeError, TimeoutError):
     """Requests made no progress for longer than the deadline (e.g. waiting on KV that never arrives)."""
+
+
+class TensorParallelError(ConfigError):
+    """A tensor_parallel_size the model or the machine cannot run (it must divide the attention heads;
+    on CUDA, N ranks need N GPUs), or a combination TP does not support yet (a KV connector)."""

@@ -67,6 +67,15 @@ class EngineCore:
         self.config = config
         self._is_shut_down = False
         self.runner = ModelRunner(config.model, config.cache)
+        try:
+            self._build(config)
+        except BaseException:
+            self.runner.shutdown()  # its weights, KV cache and tensor-parallel workers go at once
+            raise
+        _LIVE_ENGINES.add(self)
+
+    def _build(self, config: EngineConfig) -> None:
+        """Everything above the model runner: connectors, scheduler, limits."""
         self.tokenizer = self.runner.tokenizer
         self.model_id = self.runner.model_id
         self.layout = self.runner.layout
@@ -98,7 +107,6 @@ class EngineCore:
             gc.collect()
             gc.freeze()
             self._froze_gc = True
-        _LIVE_ENGINES.add(self)
 
     def _build_connectors(self, config: EngineConfig) -> tuple[KVConnectorBase | None, KVConnectorBase | None]:
         """Both halves; on failure, whatever was built is shut down and the runner released."""

@@ -43,13 +43,20 @@ class LLM:
         enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
         kv_transfer_config: KVTransferConfig | dict | None = None,
     ) -> None:
         if isinstance(kv_transfer_config, dict):
             kv_transfer_config = KVTransferConfig(**kv_transfer_config)
         self.config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager
+                model=model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                tensor_parallel_size=tensor_parallel_size,
             ),
             cache=CacheConfig(
                 block_size=block_size,

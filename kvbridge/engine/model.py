@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.presets import ModelArgs
+from kvbridge.engine.tensor_parallel import AllReduce, row_linear
 from kvbridge.errors import ModelLoadError
 
 LayerHook = Callable[[int], None]
@@ -160,14 +161,14 @@ class RotaryEmbedding:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+        self.o_proj = row_linear(args.num_heads * args.head_dim, args.hidden_size, False, all_reduce)
 
     def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -179,23 +180,23 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = row_linear(args.intermediate_size, args.hidden_size, args.mlp_bias, all_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = SelfAttention(args, layer)
+        self.self_attn = SelfAttention(args, layer, all_reduce)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, all_reduce)
 
     def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, attention)
@@ -205,20 +206,24 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """HF's `model.*`: embeddings, layers, final norm."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, all_reduce) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus its LM head. `rotary` is attached by the builder (`attach_rotary`)."""
+    """The decoder plus its LM head. `rotary` is attached by the builder (`attach_rotary`).
 
-    def __init__(self, args: ModelArgs) -> None:
+    Under tensor parallelism `args` is one rank's geometry (tensor_parallel.local_args: its heads and
+    MLP columns) and `all_reduce` sums the row-parallel layers' partial outputs over the ranks.
+    """
+
+    def __init__(self, args: ModelArgs, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.args = args
-        self.model = DecoderStack(args)
+        self.model = DecoderStack(args, all_reduce)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.tie_weights()

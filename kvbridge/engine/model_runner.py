@@ -3,6 +3,12 @@
 `EngineCore` builds one `ModelRunner` and calls `execute(scheduler_output)` once per step. The
 runner also hosts the worker side of the KV connector (`attach_connector`) and drives it at the
 points that `connectors/base.py` lists. `shutdown()` drops every tensor it holds.
+
+Tensor parallelism (`ModelConfig.tensor_parallel_size` N > 1): the runner EngineCore builds is rank 0.
+It starts ranks 1..N-1 (tp_workers.py), each a process holding a `ModelRunner` of its own rank, and
+broadcasts each step's inputs to them before its forward; every rank computes its heads and MLP
+columns and writes its KV heads into its own cache, the row-parallel layers all-reduce, and rank 0
+alone computes logits and samples. At TP 1 none of this exists: no extra process, the same code path.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs, to_device
-from kvbridge.engine.weights import load_model
+from kvbridge.engine.tensor_parallel import make_shard
+from kvbridge.engine.tp_group import TPGroup, check_devices, rank_device
+from kvbridge.engine.tp_workers import TPWorkers
+from kvbridge.engine.weights import load_model, model_args
 from kvbridge.errors import ConfigError
+from kvbridge.tp_layout import RankKVLayout, rank_kv_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -79,29 +89,57 @@ class Sampled(NamedTuple):
 class ModelRunner:
     """Weights, tokenizer and the one KV cache tensor of an engine.
 
-    Attributes others read: `layout` (KVCacheLayout), `kv_cache` ([*layout.shape] tensor),
-    `tokenizer`, `model_id`, `max_model_len`, `device`, `model` (LlamaForCausalLM).
+    Attributes others read: `layout` (KVCacheLayout of this rank's cache), `kv_cache` ([*layout.shape]
+    tensor), `kv_layouts` (every rank's layout and KV head range), `tokenizer`, `model_id`,
+    `max_model_len`, `device`, `model` (LlamaForCausalLM, this rank's shard), `worker_pids`.
+
+    `rank` and `group` are given only to the runners of ranks > 0 (tp_worker_main.py).
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, rank: int = 0, group: TPGroup | None = None
+    ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
-        self.device = torch.device(model_config.device)
+        self.device = rank_device(model_config.device, rank)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"ModelConfig.device={model_config.device!r} but CUDA is not available; use 'cpu'")
+        self._workers: TPWorkers | None = None
+        world_size = model_config.tensor_parallel_size
+        if world_size > 1 and rank == 0:
+            make_shard(model_args(model_config), 0, world_size)  # a bad size is refused before any process starts
+            check_devices(model_config.device, world_size)
+            self._workers = TPWorkers(model_config, cache_config)
+            group = self._workers.group
+        try:
+            self._build(rank, group)
+        except BaseException:
+            self._stop_workers(kill=True)  # they may wait in a start-up collective this rank never joins
+            raise
+
+    def _build(self, rank: int, group: TPGroup | None) -> None:
+        model_config, cache_config = self.model_config, self.cache_config
         started = time.monotonic()
-        loaded = load_model(model_config)
+        loaded = load_model(model_config, self.device, rank, group.all_reduce if group else None)
         logger.info("weights loaded: %s (%s, %s on %s) in %.1f s", model_config.model, loaded.model_id,
                     model_config.dtype, self.device, time.monotonic() - started)  # fmt: skip
         self.model: LlamaForCausalLM | None = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
         self.layout = make_layout(loaded.model.args, cache_config, model_config.dtype, self.device)
+        if group is not None:  # block ids are shared by every rank: the cache is as large as the smallest fits
+            self.layout = self.layout.with_num_blocks(group.min_int(self.layout.num_blocks))
+        shard = loaded.shard
+        self.kv_layouts: list[RankKVLayout] = (
+            [RankKVLayout(0, 1, self.layout, (0, self.layout.num_kv_heads))] if shard is None else
+            rank_kv_layouts(shard.world_size, shard.num_heads, shard.num_kv_heads, shard.intermediate_size, self.layout)
+        )  # fmt: skip
         self.max_model_len = self._resolve_max_model_len(loaded.max_position)
         self.kv_cache: torch.Tensor | None = allocate_kv_cache(self.layout, self.device)
         loaded.model.attach_rotary(self.max_model_len)
         self._graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_config.enforce_eager:
+        # Under TP every rank runs each step eagerly: a graph would need every rank to replay in lockstep.
+        if self.device.type == "cuda" and not model_config.enforce_eager and group is None:
             logits_fn = functools.partial(paged_logits, loaded.model, self.kv_cache, self.layout.block_size)
             self._graphs = DecodeGraphs(logits_fn, self.layout.block_size, self.max_model_len, self.device)
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
@@ -199,10 +237,22 @@ class ModelRunner:
         self, inputs: StepInputs, before_layer: LayerHook | None, after_layer: LayerHook | None
     ) -> torch.Tensor:
         dev = to_device(inputs, self.layout.block_size, self.device)
-        hidden = paged_forward(
-            self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests, before_layer, after_layer
+        forward = functools.partial(
+            paged_forward, self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests
         )
+        if self._workers is None:
+            hidden = forward(before_layer, after_layer)
+        else:  # the workers run the same step on their shards
+            hidden = self._workers.run_step(inputs, lambda: forward(before_layer, after_layer))
         return self.model.compute_logits(hidden[dev.sample_rows])  # [S, vocab]
+
+    def run_shard_step(self, inputs: StepInputs) -> None:
+        """Ranks > 0: rank 0's step on this rank's shard. Writes this rank's KV heads of the step's
+        tokens into its cache and joins the step's all-reduces; computes no logits."""
+        self._check_alive()
+        dev = to_device(inputs, self.layout.block_size, self.device)
+        with torch.inference_mode():
+            paged_forward(self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
@@ -273,6 +323,16 @@ class ModelRunner:
     def is_shut_down(self) -> bool:
         return self._is_shut_down
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of tensor-parallel ranks 1..N-1 (empty at TP 1, and after shutdown)."""
+        return self._workers.pids if self._workers is not None else []
+
+    def _stop_workers(self, kill: bool = False) -> None:
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.stop(kill)
+
     def _check_alive(self) -> None:
         if self._is_shut_down:
             raise RuntimeError("ModelRunner was shut down; build a new engine")
@@ -286,6 +346,7 @@ class ModelRunner:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        self._stop_workers()  # first: they wait on this rank, and hold nothing it needs
         self._connector = None
         self._generators.clear()
         if self._graphs is not None:

@@ -5,6 +5,11 @@ a built-in preset name (see presets.py), or a local Hugging Face checkpoint dire
 config.json and *.safetensors (one file, or shards listed by model.safetensors.index.json).
 Nothing is downloaded. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM. Every problem with the directory raises `ModelLoadError`.
+
+Under tensor parallelism each rank loads only its shard (tensor_parallel.py): a preset's weights are
+drawn whole, in the same order and from the same seed as at TP 1, and sliced; a checkpoint's tensors
+are checked against the whole model's shapes, then sliced. Either way every rank holds exactly the
+numbers TP 1 would, split.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from kvbridge.config import ModelConfig
 from kvbridge.engine.checkpoint_id import checkpoint_id
 from kvbridge.engine.model import LlamaForCausalLM
 from kvbridge.engine.presets import ModelArgs, check_model_source, get_preset, is_preset
+from kvbridge.engine.tensor_parallel import AllReduce, local_args, make_shard, shard_parameter
 from kvbridge.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvbridge.errors import ConfigError, ModelLoadError
+from kvbridge.tp_layout import TPShard
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -31,26 +38,63 @@ class LoadedModel(NamedTuple):
     tokenizer: Tokenizer
     model_id: str  # identity of the weights: "tiny:seed=0", or "<architecture>:<content hash>" (checkpoint_id.py)
     max_position: int  # the model's own context limit
+    shard: TPShard | None  # this rank's share under tensor parallelism; None at TP 1
 
 
-def load_model(model_config: ModelConfig) -> LoadedModel:
-    """The model, tokenizer and identity that `model_config.model` names."""
-    device, dtype = torch.device(model_config.device), getattr(torch, model_config.dtype)
+def model_args(model_config: ModelConfig) -> ModelArgs:
+    """The whole model's geometry, without loading any weight (to validate a TP size before starting ranks)."""
+    if is_preset(model_config.model):
+        return get_preset(model_config.model)
+    check_model_source(model_config.model)
+    return read_hf_config(model_config.model)[0]
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device | None = None,
+    rank: int = 0,
+    all_reduce: AllReduce | None = None,
+) -> LoadedModel:
+    """The model, tokenizer and identity that `model_config.model` names, on `device` (default:
+    `model_config.device`). With `model_config.tensor_parallel_size` N > 1: rank `rank`'s shard, its
+    row-parallel layers summing through `all_reduce`."""
+    device = device or torch.device(model_config.device)
+    dtype = getattr(torch, model_config.dtype)
+    world_size = model_config.tensor_parallel_size
     if is_preset(model_config.model):
         args = get_preset(model_config.model)
-        model = random_model(args, model_config.seed, device, dtype)
+        shard = make_shard(args, rank, world_size) if world_size > 1 else None
+        model = random_model(args, model_config.seed, device, dtype, shard, all_reduce)
         tokenizer = ByteTokenizer(args.vocab_size, args.bos_token_id, (args.eos_token_id,))
-        return LoadedModel(model.eval(), tokenizer, f"{model_config.model}:seed={model_config.seed}", args.max_position)
+        model_id = f"{model_config.model}:seed={model_config.seed}"
+        return LoadedModel(model.eval(), tokenizer, model_id, args.max_position, shard)
     path = model_config.model
     check_model_source(path)
     args, max_position = read_hf_config(path)
-    model = load_checkpoint(path, args, device, dtype)
+    shard = make_shard(args, rank, world_size) if world_size > 1 else None
+    model = load_checkpoint(path, args, device, dtype, shard, all_reduce)
     model_id = checkpoint_id(os.path.join(path, "config.json"), safetensors_files(path))  # pages cached by the load
-    return LoadedModel(model.eval(), load_tokenizer(path), model_id, max_position)
+    return LoadedModel(model.eval(), load_tokenizer(path), model_id, max_position, shard)
+
+
+def _build_on_meta(args: ModelArgs, shard: TPShard | None, all_reduce: AllReduce | None) -> LlamaForCausalLM:
+    """The module tree (TP 1's, or one rank's) with parameters on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(args if shard is None else local_args(args, shard), all_reduce)
+
+
+def _whole_model(args: ModelArgs, model: LlamaForCausalLM, shard: TPShard | None) -> LlamaForCausalLM:
+    """The whole (TP 1) model's module tree, for its parameter names and shapes: `model` itself at TP 1."""
+    return model if shard is None else _build_on_meta(args, None, None)
 
 
 def random_model(
-    args: ModelArgs, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    args: ModelArgs,
+    seed: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    shard: TPShard | None = None,
+    all_reduce: AllReduce | None = None,
 ) -> LlamaForCausalLM:
     """A model with weights drawn from a CPU generator seeded with `seed`, on `device` in `dtype`.
 
@@ -59,27 +103,31 @@ def random_model(
     Every tensor is drawn in float32 on the CPU, shaped (`shape_byte_level_head`), then cast into
     its place on `device`: the same seed gives the same weights on every device and dtype, and
     the host never holds more than one float32 tensor (an 8B preset never needs 32 GB of RAM).
+    With a `shard`, each whole tensor is drawn as above and this rank's part of it kept: the
+    same seed gives the same model at every TP size.
     """
     gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
+    model = _build_on_meta(args, shard, all_reduce)
+    # Drawn in the whole model's order and shapes (tied parameters once), before `model` is materialised.
+    whole_shapes = {name: param.shape for name, param in _whole_model(args, model, shard).named_parameters()}
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives tied parameters separate storage
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, shape in whole_shapes.items():
+            param = model.get_parameter(name)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            drawn = torch.empty(param.shape, dtype=torch.float32)
-            if param.dim() == 1:  # biases
+            drawn = torch.empty(shape, dtype=torch.float32)
+            if len(shape) == 1:  # biases
                 drawn.normal_(0.0, 0.02, generator=gen)
             elif "embed_tokens" in name:
                 drawn.normal_(0.0, 1.0, generator=gen)
             else:
-                drawn.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+                drawn.normal_(0.0, 1.0 / math.sqrt(shape[1]), generator=gen)
             if name == "lm_head.weight":
                 shape_byte_level_head(drawn)
-            param.copy_(drawn)
+            param.copy_(drawn if shard is None else shard_parameter(name, drawn, shard, args.head_dim))
     return model
 
 
@@ -206,18 +254,31 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def load_checkpoint(path: str, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model on the meta device and assign the checkpoint's tensors, cast and moved."""
+def load_checkpoint(
+    path: str,
+    args: ModelArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: TPShard | None = None,
+    all_reduce: AllReduce | None = None,
+) -> LlamaForCausalLM:
+    """Build the model on the meta device and assign the checkpoint's tensors (this rank's part of
+    them under TP), cast and moved."""
     from safetensors.torch import load_file
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
-    expected = set(model.state_dict())
+    model = _build_on_meta(args, shard, all_reduce)
+    whole_shapes = {name: tensor.shape for name, tensor in _whole_model(args, model, shard).state_dict().items()}
+    expected = set(whole_shapes)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in safetensors_files(path):
         for name, tensor in load_file(file, device="cpu").items():
             if name in expected:
+                want = tuple(whole_shapes[name])
+                if tuple(tensor.shape) != want:
+                    raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {want}")
+                if shard is not None:
+                    tensor = shard_parameter(name, tensor, shard, args.head_dim)
                 state[name] = tensor.to(device=device, dtype=dtype)
             elif not name.endswith("rotary_emb.inv_freq"):  # old exports saved this derived buffer
                 unexpected.append(name)
@@ -233,10 +294,6 @@ def load_checkpoint(path: str, args: ModelArgs, device: torch.device, dtype: tor
     missing = sorted(expected - set(state))
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, tensor in state.items():
-        want = tuple(model.get_parameter(name).shape)
-        if tuple(tensor.shape) != want:
-            raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {want}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return model

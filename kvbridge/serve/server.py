@@ -24,7 +24,7 @@ import sys
 from kvbridge import env
 from kvbridge.cli_errors import error_line
 from kvbridge.config import DEFAULT_KV_TOKENS, DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, TensorParallelError
 from kvbridge.transfer.interfaces import advertised_host
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of this process (default: torch's)")
+    model.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="ranks that split the attention heads and the MLP, one process each (on CUDA one GPU each, from "
+        "--device on); must divide the attention heads; needs --no-connector for now",
+    )  # fmt: skip
     model.add_argument(
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (slower; for debugging)",
@@ -131,6 +136,11 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     `--side-channel-host`, which looks up the default route's address). Raises ConfigError naming
     the bad flag."""
     kv_transfer = None
+    if args.tensor_parallel_size > 1 and not args.no_connector:
+        raise TensorParallelError(
+            f"--tensor-parallel-size {args.tensor_parallel_size} with --kv-connector {args.kv_connector}: KV transfer "
+            "and offload run with tensor parallel size 1 only for now; pass --no-connector, or --tensor-parallel-size 1"
+        )
     if args.no_connector:
         given = [flag for flag, is_given in CONNECTOR_FLAGS.items() if is_given(args)]
         if given:
@@ -161,7 +171,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
             model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -28,7 +28,7 @@ decides who can write at all (docs/pd-disaggregation.md, "Threat model").
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -45,6 +45,13 @@ WSUM = "wsum64"
 ALGORITHMS = (XXH3, WSUM)
 _MASK64 = (1 << 64) - 1
 _WSUM_CHUNK_NBYTES = 64 << 20  # int64 temporaries of one reduction: bounded, whatever the request size
+
+
+class BlockDigest(NamedTuple):
+    """One block's digest and the algorithm that made it (what an offload tier keeps per block)."""
+
+    alg: str
+    value: int
 
 
 class DigestError(ValueError):
@@ -96,6 +103,24 @@ def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, 
 def block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> KVDigest:
     """The digest of each block of `block_ids` (in their order), computed on `region`'s device."""
     return start_block_digests(region, layout, block_ids, alg).result()
+
+
+def digest_of_bytes(data: torch.Tensor, alg: str) -> int:
+    """The digest of one block given as its bytes in logical order ([block_nbytes] uint8, contiguous,
+    on any device): equal to `block_digests` of that block wherever it lies. For the offload tiers,
+    whose slots and files hold a block as one byte range."""
+    import torch
+
+    if alg == XXH3:
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(data.cpu().numpy())
+    if alg == WSUM:
+        if data.numel() % 4:
+            raise DigestError(f"{WSUM} needs whole 32-bit words; this block has {data.numel()} bytes")
+        words = data.view(torch.int32)  # [n]
+        return int((words * _multipliers(words.numel(), data.device)).sum()) & _MASK64  # int64, wraps mod 2^64
+    raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
 
 
 def mismatches(expected: KVDigest, got: KVDigest) -> list[int]:

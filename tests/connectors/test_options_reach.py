@@ -59,7 +59,7 @@ NIXL_VALUES = {
 OFFLOAD_VALUES = {
     "host_num_blocks": 33, "host_capacity_bytes": 1 << 22, "eviction_policy": "arc", "disk_dir": "/nonexistent/kv",
     "disk_num_blocks": 44, "disk_capacity_bytes": 1 << 24, "staging_blocks": 8, "pin_memory": False,
-    "copy_threads": 1, "debug_store_delay_s": 0.01, "debug_load_delay_s": 0.02,
+    "copy_threads": 1, "debug_store_delay_s": 0.01, "debug_load_delay_s": 0.02, "verify_kv_digest": False,
 }  # fmt: skip
 OPTIONS = {"NixlConnector": (NixlOptions, NIXL_VALUES), "OffloadingConnector": (OffloadConfig, OFFLOAD_VALUES)}
 CASES = [(name, key) for name, (_, values) in OPTIONS.items() for key in values]

@@ -110,3 +110,24 @@ def test_wsum64_on_cuda_equals_cpu():
     assert block_digests(region_bytes(kv.cuda(), layout), layout, ids, XXH3) == block_digests(
         region_bytes(kv, layout), layout, ids, XXH3
     )  # a GPU reader of a host owner's blocks
+
+
+@pytest.mark.parametrize("alg", [XXH3, WSUM])
+def test_digest_of_a_blocks_bytes_equals_its_block_digest_wherever_it_lies(alg):
+    """What the offload tiers rely on: a host slot or a file holds a block as one byte range, and its
+    digest must equal the one taken on the KV cache, block-major or layer-outermost."""
+    from kvbridge.transfer.digest import digest_of_bytes
+
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=5)
+    kv = _kv(layout, seed=7)
+    strided, strided_layout = _strided_copy(kv, layout)
+    for block in range(layout.num_blocks):
+        flat = kv[block].contiguous().reshape(-1).view(torch.uint8)  # [block_nbytes], logical order
+        expected = block_digests(region_bytes(kv, layout), layout, [block], alg).values[0]
+        assert digest_of_bytes(flat, alg) == expected
+        assert block_digests(region_bytes(strided, strided_layout), strided_layout, [block], alg).values[0] == expected
+        flipped = flat.clone()
+        flipped[block * 7 % flat.numel()] ^= 1
+        assert digest_of_bytes(flipped, alg) != expected
+    with pytest.raises(DigestError, match="unknown"):
+        digest_of_bytes(flat, "md5")

@@ -5,6 +5,7 @@
         "eviction_policy": "arc",         # "lru" (default) or "arc"
         "disk_dir": "/var/cache/kvbridge", # optional disk tier under the host tier
         "disk_capacity_bytes": 100 << 30,  # or "disk_num_blocks"; default: unbounded
+        "verify_kv_digest": True,          # default: a loaded block is used only when its bytes match
     })
 """
 
@@ -31,6 +32,8 @@ class OffloadConfig:
     staging_blocks: int = 64  # CUDA: blocks gathered per DMA through the device staging buffer
     pin_memory: bool | None = None  # None: pin the host pool when the KV cache is on CUDA
     copy_threads: int | None = None  # CPU KV cache: threads that copy blocks (None: one per core it may run on)
+    # Digest every block as it is stored and check it as it is loaded back; a mismatch is a miss.
+    verify_kv_digest: bool = True
     debug_store_delay_s: float = 0.0  # test hook: each store sleeps this long on the copy thread
     debug_load_delay_s: float = 0.0  # test hook: each load sleeps this long
 

@@ -21,6 +21,12 @@ the KV cache is contiguous.
 
 `before`, when given, runs on a helper thread of the copy's direction ahead of the copy (disk reads,
 barriers, test delays).
+
+Digests (the offload tiers verify what they load, docs/offload.md "Integrity"): a copier made with
+a `digest` function also digests the KV-cache side of every copy as part of it — the blocks a store
+read, the blocks a load wrote — on the device that holds them: on CPU each copy thread hashes the
+blocks it just copied, a piece at a time while they are still in its cache; on CUDA the digest is
+queued on the copy's kernel stream behind the copy. `CopyHandle.digests()` returns them once done.
 """
 
 from __future__ import annotations
@@ -36,13 +42,24 @@ import numpy as np
 import torch
 
 from kvbridge.block_runs import Run, capped_runs, is_one_run, paired_runs
+from kvbridge.transfer.digest import DigestJob
 from kvbridge.transfer.progress import drive_until
+
+# KV block ids -> their digests, started on the calling thread (CPU: computed there; CUDA: queued on
+# the current stream). transfer/digest.py's `start_block_digests` bound to a region and a layout.
+DigestFn = Callable[[list[int]], DigestJob]
+_DIGEST_PIECE_BYTES = 1 << 20  # CPU: copy this much, then hash it while it is in the copy thread's cache
 
 
 class CopyHandle(ABC):
     """One asynchronous copy. `error` is set when it failed."""
 
     error: BaseException | None = None
+
+    def digests(self) -> dict[int, int]:
+        """KV block id -> the digest of its bytes as copied; empty for a copier without `digest`.
+        Called once the copy is done and did not fail."""
+        return {}
 
     @abstractmethod
     def is_done(self) -> bool: ...
@@ -63,6 +80,9 @@ class _FutureHandle(CopyHandle):
     def on_done(self, callback: Callable[[], object]) -> None:
         self._future.add_done_callback(lambda _: callback())
 
+    def digests(self) -> dict[int, int]:
+        return self._future.result() or {}
+
     def is_done(self) -> bool:
         if self._future.done() and self.error is None and self._future.exception() is not None:
             self.error = self._future.exception()
@@ -81,9 +101,10 @@ class _FutureHandle(CopyHandle):
 class BlockCopier(ABC):
     """Copies blocks `kv[gpu_ids] <-> host[slots]` off the engine thread."""
 
-    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, digest: DigestFn | None = None) -> None:
         self.kv_cache = kv_cache  # [num_blocks, L, *page_shape], possibly a strided view
         self.host_pool = host_pool  # [num_slots, L, *page_shape], contiguous
+        self.digest = digest  # digests of the KV-cache side of each copy, or None
 
     @abstractmethod
     def store(self, gpu_ids: list[int], slots: list[int], before: Callable[[], None] | None = None) -> CopyHandle:
@@ -142,8 +163,9 @@ class ThreadCopier(BlockCopier):
 
     MIN_SHARE_BYTES = 1 << 20  # below this, another thread costs more than it copies
 
-    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, num_threads: int | None = None) -> None:
-        super().__init__(kv_cache, host_pool)
+    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, num_threads: int | None = None,
+                 digest: DigestFn | None = None) -> None:  # fmt: skip
+        super().__init__(kv_cache, host_pool, digest)
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
         self.block_nbytes = host_pool[0].nbytes
         self._kv_bytes, self._host_bytes = _byte_array(kv_cache), _byte_array(host_pool)
@@ -152,19 +174,23 @@ class ThreadCopier(BlockCopier):
         self._copy_threads = ThreadPoolExecutor(max(1, self.num_threads - 1), thread_name_prefix="kvbridge-offload-copy")
 
     def _run(self, direction: str, before, src, src_ids, dst, dst_ids) -> CopyHandle:
-        def job() -> None:
+        digest_args = (self.digest, direction == "load", max(1, _DIGEST_PIECE_BYTES // self.block_nbytes))
+
+        def job() -> dict[int, int]:
             if before is not None:
                 before()
             runs = paired_runs(src_ids, dst_ids)
             num_shares = min(self.num_threads, len(src_ids) * self.block_nbytes // self.MIN_SHARE_BYTES)
             first, *others = split_runs(runs, num_shares) or [[]]
-            futures = [self._copy_threads.submit(_copy_share, src, dst, share) for share in others]
+            futures = [self._copy_threads.submit(_copy_share, src, dst, share, *digest_args) for share in others]
             try:
-                _copy_share(src, dst, first)  # one wake-up fewer on the way: this thread copies too
+                # one wake-up fewer on the way: this thread copies too
+                digests = _copy_share(src, dst, first, *digest_args)
             finally:
                 wait(futures)  # all of them, even when one failed: none may still write once the copy is done
             for future in futures:
-                future.result()
+                digests.update(future.result())
+            return digests
 
         return _FutureHandle(self._dispatch[direction].submit(job))
 
@@ -181,10 +207,24 @@ class ThreadCopier(BlockCopier):
         super().close()
 
 
-def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run]) -> None:
-    """dst[d : d + n] = src[s : s + n] for each run, on the calling thread."""
+def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run], digest: DigestFn | None = None,
+                kv_is_dst: bool = False, piece_blocks: int = 1) -> dict[int, int]:  # fmt: skip
+    """dst[d : d + n] = src[s : s + n] for each run, on the calling thread. With `digest`, a piece of
+    at most `piece_blocks` blocks at a time, each piece's KV-side blocks (`dst`'s for a load, `src`'s
+    for a store) hashed right after it was copied, while its bytes are in this thread's cache.
+    Returns KV block id -> digest (empty without `digest`)."""
+    digests: dict[int, int] = {}
     for s, d, n in share:
-        np.copyto(dst[d : d + n], src[s : s + n])
+        if digest is None:
+            np.copyto(dst[d : d + n], src[s : s + n])
+            continue
+        kv_first = d if kv_is_dst else s
+        for k in range(0, n, piece_blocks):
+            m = min(piece_blocks, n - k)
+            np.copyto(dst[d + k : d + k + m], src[s + k : s + k + m])
+            kv_ids = list(range(kv_first + k, kv_first + k + m))
+            digests.update(zip(kv_ids, digest(kv_ids).result().values))
+    return digests
 
 
 class _CudaHandle(CopyHandle):
@@ -194,6 +234,13 @@ class _CudaHandle(CopyHandle):
         self.future: Future | None = None
         self.event: torch.cuda.Event | None = None
         self._ready = threading.Event()  # set once `event` is recorded (or the job failed)
+        self.digest_job: DigestJob | None = None  # of `digest_ids`, queued before `event`
+        self.digest_ids: list[int] = []
+
+    def digests(self) -> dict[int, int]:
+        if self.digest_job is None:
+            return {}
+        return dict(zip(self.digest_ids, self.digest_job.result().values))
 
     def is_done(self) -> bool:
         if self.future is not None and self.future.done() and self.future.exception() is not None:
@@ -220,8 +267,9 @@ class CudaCopier(BlockCopier):
     store, nor the other way round.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int) -> None:
-        super().__init__(kv_cache, host_pool)
+    def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int,
+                 digest: DigestFn | None = None) -> None:  # fmt: skip
+        super().__init__(kv_cache, host_pool, digest)
         device = kv_cache.device
         self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
                          for d in ("store", "load")}  # fmt: skip  (DMA stream, kernel stream)
@@ -244,15 +292,17 @@ class CudaCopier(BlockCopier):
         with torch.cuda.device(device):
             caller = torch.cuda.current_stream()
             try:
-                handle.event = self._launch(direction, segments, after, dma, kernels, staging)
+                handle.event = self._launch(direction, segments, after, dma, kernels, staging, handle)
             finally:
                 torch.cuda.set_stream(caller)  # set_stream: less CPU per switch than `with torch.cuda.stream`
         handle._ready.set()
 
     def _launch(self, direction: str, segments: list[tuple[list[int], int]], after: torch.cuda.Event,
-                dma: torch.cuda.Stream, kernels: torch.cuda.Stream, staging: torch.Tensor) -> torch.cuda.Event:  # fmt: skip
-        """Enqueue every segment's gather/scatter and DMA; returns the event that ends them all.
-        Switches this thread's current stream: the caller restores it."""
+                dma: torch.cuda.Stream, kernels: torch.cuda.Stream, staging: torch.Tensor,
+                handle: _CudaHandle) -> torch.cuda.Event:  # fmt: skip
+        """Enqueue every segment's gather/scatter and DMA, then the digest of the KV-side blocks (with a
+        `digest`); returns the event that ends them all. Switches this thread's current stream: the
+        caller restores it."""
         device = self.kv_cache.device
         dma.wait_event(after)  # the compute stream's work on these blocks comes first
         kernels.wait_event(after)
@@ -296,6 +346,11 @@ class CudaCopier(BlockCopier):
                 self.kv_cache.index_copy_(0, seg_index, buf)  # scatter on the device
                 half_free[k % 2] = torch.cuda.Event()
                 half_free[k % 2].record(kernels)
+        if self.digest is not None:  # a store: the blocks it read; a load: the blocks it wrote, once written
+            kernels.wait_stream(dma)
+            torch.cuda.set_stream(kernels)
+            handle.digest_ids = [b for ids, _ in segments for b in ids]
+            handle.digest_job = self.digest(handle.digest_ids)
         dma.wait_stream(kernels)
         done = torch.cuda.Event()
         done.record(dma)
@@ -334,9 +389,11 @@ class CudaCopier(BlockCopier):
 
 
 def make_copier(
-    kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int = 64, copy_threads: int | None = None
+    kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int = 64, copy_threads: int | None = None,
+    digest: DigestFn | None = None,
 ) -> BlockCopier:
-    """`staging_blocks`: CUDA's staging buffer; `copy_threads`: the CPU copy threads (None: one per core)."""
+    """`staging_blocks`: CUDA's staging buffer; `copy_threads`: the CPU copy threads (None: one per core);
+    `digest`: digest the KV-cache side of every copy (None: do not)."""
     if kv_cache.is_cuda:
-        return CudaCopier(kv_cache, host_pool, staging_blocks)
-    return ThreadCopier(kv_cache, host_pool, copy_threads)
+        return CudaCopier(kv_cache, host_pool, staging_blocks, digest)
+    return ThreadCopier(kv_cache, host_pool, copy_threads, digest)

@@ -7,11 +7,16 @@ File format (little endian):
     compat     32 bytes  KVCacheLayout.compat_hash(model_id): model identity + block geometry
     hash       16 bytes  the block hash (must match the file name)
     nbytes     u64       payload size (must equal the layout's block size in bytes)
-    crc32      u32       zlib.crc32 of the payload
+    alg        8 bytes   digest algorithm, ASCII, NUL-padded (transfer/digest.py: "xxh3-64", "wsum64")
+    digest     u64       the block's digest, recorded when the block was stored in the host tier
     payload    nbytes    the block, in the block-major layout
 
-A file from another model, dtype or geometry, an older format or a torn/corrupt write is rejected
-on read (`DiskBlockError`); the load then fails like any other and the block is recomputed.
+A file from another model, dtype or geometry, an older format or a torn write is rejected on read
+(`DiskBlockError`); the load then fails like any other and the block is recomputed. Bit rot is
+caught by the digest, the same one that guards the host tier (docs/offload.md, "Integrity"): with
+`check_payload` the read checks it here, on the I/O thread; without, the read returns the digest
+and the worker checks the bytes it finally copied into the KV cache (one pass, fused into that
+copy) — either way a corrupt file is a miss, never KV.
 Writes go to a temporary name and are renamed into place, so a crash never leaves a half file
 under a valid name. The writer holds an exclusive `flock` on its temporary file until the rename:
 the kernel drops the lock when the process dies, so a temporary file nobody holds a lock on is an
@@ -27,7 +32,6 @@ import logging
 import os
 import struct
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -35,10 +39,11 @@ import torch
 from kvbridge.block_hash import BlockHash
 from kvbridge.connectors.offload.disk_index import block_file_name, is_temp_file_name, temp_file_name
 from kvbridge.errors import KVBridgeError
+from kvbridge.transfer.digest import ALGORITHMS, XXH3, BlockDigest, DigestError, digest_of_bytes
 
 MAGIC = b"KVBBLOCK"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sI32s16sQI")
+FORMAT_VERSION = 2  # 1: a CRC-32 of the payload instead of (alg, digest)
+_HEADER = struct.Struct("<8sI32s16sQ8sQ")
 # A writer creates its temporary file and locks it a moment later; a younger unlocked file may be in
 # that gap, so it is left alone (the next open removes it if it is an orphan).
 ORPHAN_MIN_AGE_S = 10.0
@@ -50,15 +55,15 @@ class DiskBlockError(KVBridgeError):
     """A block file is missing, stale, foreign or corrupt; the block is recomputed instead."""
 
 
-def encode_header(compat_hash: str, block_hash: BlockHash, payload: memoryview) -> bytes:
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, compat_hash.encode(), block_hash, payload.nbytes, zlib.crc32(payload))
+def encode_header(compat_hash: str, block_hash: BlockHash, nbytes: int, digest: BlockDigest) -> bytes:
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, compat_hash.encode(), block_hash, nbytes, digest.alg.encode(), digest.value)
 
 
-def check_header(header: bytes, compat_hash: str, block_hash: BlockHash, nbytes: int) -> int:
-    """Validate a header; returns the expected crc32 of the payload."""
+def check_header(header: bytes, compat_hash: str, block_hash: BlockHash, nbytes: int) -> BlockDigest:
+    """Validate a header; returns the digest the payload must have."""
     if len(header) != _HEADER.size:
         raise DiskBlockError("truncated header")
-    magic, version, compat, stored_hash, stored_nbytes, crc = _HEADER.unpack(header)
+    magic, version, compat, stored_hash, stored_nbytes, alg, value = _HEADER.unpack(header)
     if magic != MAGIC:
         raise DiskBlockError("not a kvbridge block file (bad magic)")
     if version != FORMAT_VERSION:
@@ -69,14 +74,20 @@ def check_header(header: bytes, compat_hash: str, block_hash: BlockHash, nbytes:
         raise DiskBlockError("block hash in the header does not match the file name")
     if stored_nbytes != nbytes:
         raise DiskBlockError(f"payload of {stored_nbytes} B, expected {nbytes} B")
-    return crc
+    alg = alg.rstrip(b"\0").decode("ascii", errors="replace")
+    if alg not in ALGORITHMS:
+        raise DiskBlockError(f"digest algorithm {alg!r} unknown to this build ({', '.join(ALGORITHMS)})")
+    return BlockDigest(alg, value)
 
 
 class DiskTier:
     """Reads and writes block files for the worker side, on one I/O thread."""
 
-    def __init__(self, directory: str, compat_hash: str, block_nbytes: int) -> None:
+    def __init__(self, directory: str, compat_hash: str, block_nbytes: int, fault: str | None = None) -> None:
+        """`fault` (tests only, env.fault_corrupt_disk_file): "flip" a payload bit or "truncate" every
+        file after writing it."""
         os.makedirs(directory, exist_ok=True)
+        self._fault = fault
         self.directory = directory
         self.compat_hash = compat_hash
         self.block_nbytes = block_nbytes
@@ -90,16 +101,21 @@ class DiskTier:
 
     # ------------------------------------------------------------------ synchronous (I/O thread)
 
-    def write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
-        """Write one block ([block_nbytes] uint8, CPU) to its file, atomically."""
+    def write(self, block_hash: BlockHash, block: torch.Tensor, digest: BlockDigest | None = None) -> None:
+        """Write one block ([block_nbytes] uint8, CPU) to its file, atomically. `digest`: the one the
+        host tier recorded when the block was stored (None: XXH3 of `block`, computed here)."""
         payload = memoryview(block.numpy())
+        if digest is None:
+            digest = BlockDigest(XXH3, digest_of_bytes(block, XXH3))
         tmp = os.path.join(self.directory, temp_file_name(block_hash, os.getpid()))
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "w+b") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)  # held until after the rename: "not an orphan"
-                f.write(encode_header(self.compat_hash, block_hash, payload))
+                f.write(encode_header(self.compat_hash, block_hash, payload.nbytes, digest))
                 f.write(payload)
                 os.replace(tmp, self.path(block_hash))
+                if self._fault is not None:
+                    self._inject_fault(f)
         except OSError:
             self.num_write_failures += 1
             if os.path.exists(tmp):
@@ -107,11 +123,24 @@ class DiskTier:
             raise
         self.bytes_written += payload.nbytes
 
-    def read_into(self, block_hash: BlockHash, out: torch.Tensor) -> None:
-        """Read one block into `out` ([block_nbytes] uint8, CPU); DiskBlockError when invalid."""
+    def _inject_fault(self, f) -> None:
+        """Test hook: corrupt the file just written (`f`, open for update, now under its final name)."""
+        if self._fault == "truncate":
+            f.truncate(_HEADER.size + self.block_nbytes - 1)
+        else:  # "flip": one bit in the middle of the payload
+            at = _HEADER.size + self.block_nbytes // 2
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+    def read_into(self, block_hash: BlockHash, out: torch.Tensor, check_payload: bool = True) -> BlockDigest:
+        """Read one block into `out` ([block_nbytes] uint8, CPU) and return the digest its file names.
+        DiskBlockError when the file is missing, stale, foreign or torn, and, with `check_payload`,
+        when the payload's digest differs (without, the caller must check it before using the bytes)."""
         try:
             with open(self.path(block_hash), "rb") as f:
-                crc = check_header(f.read(_HEADER.size), self.compat_hash, block_hash, self.block_nbytes)
+                digest = check_header(f.read(_HEADER.size), self.compat_hash, block_hash, self.block_nbytes)
                 view = memoryview(out.numpy())
                 if f.readinto(view) != self.block_nbytes or f.read(1):
                     raise DiskBlockError("payload size differs from the header")
@@ -121,10 +150,18 @@ class DiskTier:
         except DiskBlockError:
             self.num_read_failures += 1
             raise
-        if zlib.crc32(view) != crc:
+        if check_payload and not self._has_digest(out, digest):
             self.num_read_failures += 1
-            raise DiskBlockError("checksum mismatch (corrupt file)")
+            raise DiskBlockError(f"{digest.alg} digest mismatch (corrupt file)")
         self.bytes_read += self.block_nbytes
+        return digest
+
+    @staticmethod
+    def _has_digest(block: torch.Tensor, digest: BlockDigest) -> bool:
+        try:
+            return digest_of_bytes(block, digest.alg) == digest.value
+        except DigestError:
+            return False
 
     def delete(self, block_hash: BlockHash) -> None:
         try:
@@ -140,11 +177,12 @@ class DiskTier:
         future.add_done_callback(self._queued.discard)
         return future
 
-    def submit_write(self, block_hash: BlockHash, block: torch.Tensor) -> Future:
-        return self._submit(self.write, block_hash, block)
+    def submit_write(self, block_hash: BlockHash, block: torch.Tensor, digest: BlockDigest | None = None) -> Future:
+        return self._submit(self.write, block_hash, block, digest)
 
-    def submit_read(self, block_hash: BlockHash, out: torch.Tensor) -> Future:
-        return self._submit(self.read_into, block_hash, out)
+    def submit_read(self, block_hash: BlockHash, out: torch.Tensor, check_payload: bool = True) -> Future:
+        """A future of `read_into`'s BlockDigest."""
+        return self._submit(self.read_into, block_hash, out, check_payload)
 
     def submit_delete(self, block_hash: BlockHash) -> Future:
         return self._submit(self.delete, block_hash)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.digest import BlockDigest
 
 
 class HostTier:
@@ -28,6 +29,9 @@ class HostTier:
             self.layout.shape, dtype=getattr(torch, layout.dtype), device="cpu", pin_memory=pin_memory
         )
         self.poisoned_slots: set[int] = set()  # a store into them failed; loads from them fail
+        # slot -> the digest of the block stored in it (a store's, or the file's it was read from):
+        # what a load out of the slot must find in the bytes it copied (verify_kv_digest)
+        self.digests: dict[int, BlockDigest] = {}
 
     @property
     def nbytes(self) -> int:
@@ -42,6 +46,7 @@ class HostTier:
         """Drop the pool (after every transfer that touches it has finished)."""
         self.pool = None
         self.poisoned_slots.clear()
+        self.digests.clear()
 
     def check_integrity(self) -> None:
         if self.pool is not None:
@@ -49,3 +54,5 @@ class HostTier:
                 raise AssertionError("host tier: pool shape differs from its layout")
             if not all(0 <= s < self.num_slots for s in self.poisoned_slots):
                 raise AssertionError("host tier: a poisoned slot is out of range")
+            if not all(0 <= s < self.num_slots for s in self.digests):
+                raise AssertionError("host tier: a digest of a slot out of range")

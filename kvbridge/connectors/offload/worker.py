@@ -12,6 +12,9 @@ blocking:
 
 A host slot is never rewritten while the disk thread still reads it for a write-through: the
 copy that overwrites it first waits for that write (a barrier per slot).
+
+Integrity (`verify_kv_digest`, on by default): every block a load brings back is checked against
+the digest taken when it was stored (`verify.py`); a block whose bytes differ is a load error.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvbridge import env
 from kvbridge.connectors.base import CompletedTransfers, FlushReport
 from kvbridge.connectors.latency import LatencyStats
 from kvbridge.connectors.offload.config import OffloadConfig
@@ -32,6 +36,7 @@ from kvbridge.connectors.offload.copier import BlockCopier, CopyHandle, make_cop
 from kvbridge.connectors.offload.disk_tier import DiskTier
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
+from kvbridge.connectors.offload.verify import LoadVerifier
 from kvbridge.errors import TransferTimeoutError
 from kvbridge.layout import KVCacheLayout
 
@@ -68,6 +73,8 @@ class OffloadWorker:
         self._load_errors: set[int] = set()
         self._slot_barriers: dict[int, Future] = {}  # slot -> disk write reading it
         self._stats = Counter()
+        self._verifier: LoadVerifier | None = None  # verify_kv_digest
+        self._fault_flip_host_bit = env.fault_flip_host_block_bit()
         self._store_latency, self._load_latency = LatencyStats(), LatencyStats()
 
     # ------------------------------------------------------------------ set-up
@@ -77,9 +84,16 @@ class OffloadWorker:
         pin = self.config.pin_memory if self.config.pin_memory is not None else kv_cache.is_cuda
         self.block_nbytes = layout.block_nbytes
         self.host = HostTier(layout, num_slots, pin_memory=pin)
-        self.copier = make_copier(kv_cache, self.host.pool, self.config.staging_blocks, self.config.copy_threads)
         if self.config.has_disk:
-            self.disk = DiskTier(self.config.disk_dir, layout.compat_hash(self.model_id), layout.block_nbytes)
+            self.disk = DiskTier(self.config.disk_dir, layout.compat_hash(self.model_id), layout.block_nbytes,
+                                 fault=env.fault_corrupt_disk_file())  # fmt: skip
+        if self.config.verify_kv_digest:
+            file_of = self.disk.path if self.disk is not None else None
+            self._verifier = LoadVerifier(kv_cache, layout, self.host, file_of)
+        digest = self._verifier.digest_fn if self._verifier is not None else None
+        self.copier = make_copier(
+            kv_cache, self.host.pool, self.config.staging_blocks, self.config.copy_threads, digest=digest
+        )
 
     # ------------------------------------------------------------------ per step
 
@@ -122,12 +136,15 @@ class OffloadWorker:
         disk_reads = [(h, s) for _, s, h, d in blocks if d]
         barrier = self._before_write([s for _, s in disk_reads], self.config.debug_load_delay_s)
         disk, host = self.disk, self.host
+        # verified here, after the copy into the KV cache, or else by the disk thread as it reads
+        check_payload = self._verifier is None
 
         def before() -> None:
             barrier()
-            futures = [disk.submit_read(h, host.slot_bytes(s)) for h, s in disk_reads]  # FIFO after writes
-            for future in futures:
-                future.result()  # DiskBlockError fails the whole job; its blocks are recomputed
+            # FIFO after the writes queued before
+            futures = [disk.submit_read(h, host.slot_bytes(s), check_payload) for h, s in disk_reads]
+            for (_, slot), future in zip(disk_reads, futures):
+                host.digests[slot] = future.result()  # DiskBlockError fails the whole job; its blocks are recomputed
 
         self._pending[job.req_id] += 1
         gpu_ids, slots = [b[0] for b in blocks], [b[1] for b in blocks]
@@ -179,21 +196,31 @@ class OffloadWorker:
             if failed:
                 self._stats["store_failures"] += 1
                 self.host.poisoned_slots.update(job.slots)
+                for slot in job.slots:
+                    self.host.digests.pop(slot, None)
                 return
             self.host.poisoned_slots.difference_update(job.slots)
+            if self._verifier is not None:
+                self._verifier.record(job, op.handle)
+            if self._fault_flip_host_bit:  # fault injection (tests): host memory rots after the store
+                self.host.slot_bytes(job.slots[0])[self.block_nbytes // 2] ^= 0x10
             self._stats["bytes_stored"] += nbytes
             self._stats["blocks_stored"] += len(job.slots)
             self._store_latency.add(elapsed)
             if self.disk is not None:
                 for block_hash, slot, write in zip(job.hashes, job.slots, job.write_to_disk):
                     if write:
-                        self._slot_barriers[slot] = self.disk.submit_write(block_hash, self.host.slot_bytes(slot))
+                        self._slot_barriers[slot] = self.disk.submit_write(
+                            block_hash, self.host.slot_bytes(slot), self.host.digests.get(slot)
+                        )
         else:
             if failed:
                 self._stats["load_failures"] += 1
                 self._load_errors.update(job.gpu_block_ids)
             else:
                 self.host.poisoned_slots.difference_update(s for s, d in zip(job.slots, job.from_disk) if d)
+                if self._verifier is not None:
+                    self._load_errors |= self._verifier.check(job, op.handle)
                 self._stats["bytes_loaded"] += nbytes
                 self._stats["blocks_loaded"] += len(job.gpu_block_ids)
                 self._load_latency.add(elapsed)
@@ -257,6 +284,8 @@ class OffloadWorker:
             stats["host_pool_pinned"] = self.host.is_pinned
         if self.disk is not None:
             stats.update(self.disk.get_stats())
+        if self._verifier is not None:
+            stats.update(self._verifier.get_stats())
         return stats
 
     def check_integrity(self) -> None:

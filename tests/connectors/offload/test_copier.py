@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from kvbridge.connectors.offload import copier as copier_module
 from kvbridge.connectors.offload.copier import make_copier, split_runs
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.digest import XXH3, algorithm_for, block_digests, region_bytes, start_block_digests
 
 SHAPE = (3, 2, 4, 2, 8)  # [L, 2, block_size, H, D]
 
@@ -41,9 +43,9 @@ def shares(monkeypatch):
     seen: list[tuple[str, list]] = []
     copy_share = copier_module._copy_share
 
-    def spy(src, dst, share):
+    def spy(src, dst, share, *digest_args):
         seen.append((threading.current_thread().name, share))
-        copy_share(src, dst, share)
+        return copy_share(src, dst, share, *digest_args)
 
     monkeypatch.setattr(copier_module, "_copy_share", spy)
     return seen
@@ -135,9 +137,14 @@ def _check_strided_round_trip(device: str) -> None:
     assert not kv.is_contiguous()
     host = HostTier(layout, num_slots=6, pin_memory=device != "cpu")
     assert host.layout.is_contiguous and host.pool.is_contiguous() and tuple(host.pool.shape) == (6, *layout.block_shape)
-    copier = make_copier(kv, host.pool, staging_blocks=2)
+    region = region_bytes(kv, layout)
+    digest = partial(start_block_digests, region, layout, alg=algorithm_for(kv))  # xxh3-64 on CPU, wsum64 on CUDA
+    copier = make_copier(kv, host.pool, staging_blocks=2, digest=digest)
     gpu_ids, slots = [7, 2, 3, 4, 9], [0, 1, 2, 3, 5]  # scattered and consecutive parts
-    assert copier.store(gpu_ids, slots).wait(10)
+    handle = copier.store(gpu_ids, slots)
+    assert handle.wait(10) and handle.error is None
+    stored = block_digests(region, layout, gpu_ids, algorithm_for(kv)).values
+    assert handle.digests() == dict(zip(gpu_ids, stored))  # the blocks the store read
     for g, s in zip(gpu_ids, slots):
         for layer in range(layout.num_layers):  # page by page, against the buffer's bytes at the layout's offsets
             start = (layout.page_offsets([g])[0, layer]) // 4
@@ -148,6 +155,7 @@ def _check_strided_round_trip(device: str) -> None:
     target = [0, 1, 5, 6, 8]
     handle = copier.load(slots, target)
     assert handle.wait(10) and handle.error is None
+    assert [handle.digests()[g] for g in target] == stored  # the blocks the load wrote: the same bytes
     for g, s in zip(target, slots):
         assert torch.equal(kv[g].cpu(), host.pool[s])
     changed = (buffer != before).cpu().numpy()
@@ -165,3 +173,33 @@ def test_thread_copier_round_trip_with_a_strided_layer_major_cache():
 @pytest.mark.gpu
 def test_cuda_copier_round_trip_with_a_strided_layer_major_cache():
     _check_strided_round_trip("cuda")
+
+
+def test_a_copier_with_a_digest_digests_the_kv_side_of_every_copy_as_it_copies():
+    """Store: the KV blocks it read; load: the KV blocks it wrote (after the copy), keyed by KV block id,
+    equal to transfer/digest.py's digests of those blocks; runs longer than a piece are hashed piece by piece."""
+    layout = KVCacheLayout(num_blocks=40, num_layers=3, block_size=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    kv = torch.randn(layout.shape, generator=torch.Generator().manual_seed(5))
+    host = HostTier(layout, 30, pin_memory=False)
+    region = region_bytes(kv, layout)
+    copier = make_copier(kv, host.pool, copy_threads=2, digest=partial(start_block_digests, region, layout, alg=XXH3))
+    copier.MIN_SHARE_BYTES = 1
+    copier_module._DIGEST_PIECE_BYTES, piece = 2 * layout.block_nbytes, copier_module._DIGEST_PIECE_BYTES
+    try:
+        gpu_ids, slots = [5, 6, 7, 8, 9, 20, 3, 31], list(range(8))
+        handle = copier.store(gpu_ids, slots)
+        assert handle.wait(10) and handle.error is None
+        assert handle.digests() == dict(zip(gpu_ids, block_digests(region, layout, gpu_ids, XXH3).values))
+        target = [10, 11, 12, 13, 14, 15, 16, 39]
+        handle = copier.load(slots, target)
+        assert handle.wait(10) and handle.error is None
+        digests = handle.digests()
+        assert list(digests) != [] and sorted(digests) == sorted(target)
+        assert [digests[t] for t in target] == block_digests(region, layout, gpu_ids, XXH3).values  # the stored bytes
+    finally:
+        copier_module._DIGEST_PIECE_BYTES = piece
+        copier.close()
+    plain = make_copier(kv, host.pool)
+    handle = plain.store([1], [0])
+    assert handle.wait(10) and handle.digests() == {}
+    plain.close()

@@ -70,7 +70,7 @@ def test_corrupt_truncated_and_old_version_files_are_rejected(tmp_path):
         byte = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(DiskBlockError, match="checksum"):
+    with pytest.raises(DiskBlockError, match="digest mismatch"):
         tier.read_into(HASH, out)
     tier.write(HASH, _block(2))
     os.truncate(path, os.path.getsize(path) - 10)
@@ -150,3 +150,38 @@ def test_opening_the_tier_removes_temporary_files_a_crash_left(tmp_path):
     assert torch.equal(out, block) and scan_block_files(str(tmp_path)) == [HASH]
     assert not any(is_temp_file_name(n) for n in os.listdir(tmp_path) if n.startswith(HASH.hex()))
     tier.close()
+
+
+def test_a_file_carries_the_digest_it_was_written_with_and_a_deferred_check_returns_it(tmp_path):
+    """The host tier's digest goes into the header; a read without `check_payload` hands it back for
+    the caller to check on the bytes it finally uses, and does not hash the payload itself."""
+    from kvbridge.transfer.digest import WSUM, XXH3, BlockDigest, digest_of_bytes
+
+    tier, block, out = _tier(tmp_path), _block(3), torch.zeros(LAYOUT.block_nbytes, dtype=torch.uint8)
+    recorded = BlockDigest(WSUM, digest_of_bytes(block, WSUM))
+    tier.write(HASH, block, recorded)
+    assert tier.read_into(HASH, out) == recorded and torch.equal(out, block)  # checked with the header's algorithm
+    tier.write(HASH, block)  # no digest given: XXH3 of the payload
+    assert tier.read_into(HASH, out) == BlockDigest(XXH3, digest_of_bytes(block, XXH3))
+    tier.write(HASH, block, BlockDigest(XXH3, 12345))  # a digest the payload does not have
+    assert tier.read_into(HASH, out, check_payload=False) == BlockDigest(XXH3, 12345)
+    with pytest.raises(DiskBlockError, match="digest mismatch"):
+        tier.read_into(HASH, out)
+
+
+@pytest.mark.parametrize(("fault", "error"), [("flip", "digest mismatch"), ("truncate", "size")])
+def test_the_fault_hooks_corrupt_every_file_they_write(tmp_path, fault, error):
+    faulty = DiskTier(str(tmp_path), LAYOUT.compat_hash("tiny"), LAYOUT.block_nbytes, fault=fault)
+    faulty.write(HASH, _block(4))
+    with pytest.raises(DiskBlockError, match=error):
+        _tier(tmp_path).read_into(HASH, torch.zeros(LAYOUT.block_nbytes, dtype=torch.uint8))
+
+
+def test_format_1_files_with_a_crc_are_rejected(tmp_path):
+    tier = _tier(tmp_path)
+    tier.write(HASH, _block(5))
+    with open(tier.path(HASH), "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 1))
+    with pytest.raises(DiskBlockError, match="format version 1, expected 2"):
+        tier.read_into(HASH, torch.zeros(LAYOUT.block_nbytes, dtype=torch.uint8))

@@ -150,7 +150,7 @@ def test_corrupt_disk_files_are_recomputed_and_dropped(tmp_path):
         sched, worker = _tier_stats(llm)
         check_integrity(llm)
     assert stats["num_failed_load_blocks"] > 0 and sched["load_failed_blocks"] > 0
-    assert worker["disk_read_failures"] > 0
+    assert worker["disk_digest_mismatches"] > 0  # the flipped bytes reached no KV that was used
 
 
 def test_preemption_while_stores_are_in_flight():
