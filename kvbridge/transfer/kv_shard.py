@@ -1,8 +1,9 @@
 """`KVShard`: one tensor-parallel rank's KV cache, as the layout translator sees it. Pure.
 
 A rank's `KVCacheLayout` says how its pages lie; the shard adds which of the model's KV heads
-they hold, so that TP N -> M reads can be planned (transfer/layout_plan.py). A whole engine is
-the shard of every head (`KVShard(layout)`).
+they hold and how many the model has, so that TP N -> M reads can be planned and another model
+refused (transfer/layout_plan.py). A whole engine is the shard of every head (`KVShard(layout)`);
+an engine rank's `tp_layout.RankKVLayout` becomes one with `KVShard.of_rank`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVCacheLayout
+from kvbridge.tp_layout import RankKVLayout
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,12 @@ class KVShard:
             raise ConfigError(
                 f"KVShard heads [{self.head_start}, {self.head_end}) lie outside the model's {self.total_kv_heads} KV heads"
             )
+
+    @classmethod
+    def of_rank(cls, rank: RankKVLayout, num_total_kv_heads: int) -> KVShard:
+        """The shard of a TP rank's KV (tp_layout.py), with the model's KV head count, which the rank's
+        layout alone cannot tell (a replicated head is one of how many?)."""
+        return cls(rank.layout, rank.kv_head_range[0], num_total_kv_heads)
 
     @property
     def total_kv_heads(self) -> int:

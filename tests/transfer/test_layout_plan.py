@@ -290,3 +290,27 @@ def test_the_prefills_blocks_are_rebuilt_from_the_decodes_pages_byte_for_byte():
         assert np.array_equal(got[i], src_view[block]), f"block {block}"
     with pytest.raises(ValueError, match="do not hold"):
         rebuild_blocks(torch.from_numpy(landed), decode, dst_ids[:1], prefill, len(src_ids))
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2), (4, 1), (1, 4)])
+def test_engine_ranks_of_tp_layout_plan_and_move_the_same_bytes(prefill_tp, decode_tp):
+    """The shards of tp_layout.rank_kv_layouts (2 KV heads: TP 4 replicates each on two ranks)."""
+    from kvbridge.tp_layout import rank_kv_layouts
+
+    model = dict(num_layers=2, head_dim=4, dtype="bfloat16")
+    total, num_tokens = 2, 40
+
+    def ranks(tp, block_size, page_format):
+        one = KVCacheLayout(num_blocks=8, block_size=block_size, num_kv_heads=max(1, total // tp),
+                            page_format=page_format, **model)  # fmt: skip
+        return [KVShard.of_rank(r, total) for r in rank_kv_layouts(tp, 4, total, 8, one)]
+
+    prefills = ranks(prefill_tp, 16, "2NHD")
+    for decode in ranks(decode_tp, 32, "H2ND"):
+        case = Case(decode, [5, 1], prefills, [[0, 3, 4]] * len(prefills), num_tokens)
+        sources, dst = _buffers(case, prefill_tp * 10 + decode_tp)
+        plan = _plan(case, None)
+        first_holders = {next(i for i, p in enumerate(prefills) if p.head_start <= h < p.head_end)
+                         for h in range(decode.head_start, decode.head_end)}  # fmt: skip
+        assert set(plan.reads.source.tolist()) == first_holders  # a replicated head is read from one rank
+        assert np.array_equal(execute(plan, sources, dst), reference_read(case, sources, dst)), str(case)
