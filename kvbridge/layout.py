@@ -220,11 +220,13 @@ class KVCacheLayout:
         """
         return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.page_format)
 
-    def model_hash(self, model_id: str) -> str:
-        """Hex digest over what a layout translator cannot change: the model identity, layers, KV
-        heads, head_dim and dtype. Two engines with equal model hashes exchange KV through a read
-        plan (transfer/layout_plan.py) whatever their block sizes, page formats and placements."""
-        text = repr(("kvbridge-model-v1", model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype))
+    def model_hash(self, model_id: str, num_total_kv_heads: int | None = None) -> str:
+        """Hex digest over what a layout translator cannot change: the model identity, layers, the
+        model's KV heads (`num_total_kv_heads`; None: this layout's, i.e. tensor parallel 1), head_dim
+        and dtype. Two engines with equal model hashes exchange KV through a read plan
+        (transfer/layout_plan.py) whatever their block sizes, page formats, placements and TP sizes."""
+        heads = self.num_kv_heads if num_total_kv_heads is None else num_total_kv_heads
+        text = repr(("kvbridge-model-v1", model_id, self.num_layers, heads, self.head_dim, self.dtype))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def compat_hash(self, model_id: str) -> str:

@@ -47,6 +47,7 @@ ceil(T / D) of ours). The kind is logged once per peer and counted in `get_stats
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -73,8 +74,9 @@ from kvbridge.transfer.digest import (
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.layout_gather import rebuild_blocks
-from kvbridge.transfer.layout_plan import PlanKind, plan_engine_read
-from kvbridge.transfer.nixl_post import NixlPost, NixlPoster
+from kvbridge.transfer.kv_shard import KVShard
+from kvbridge.transfer.layout_plan import PlanKind, plan_read
+from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, poll_post
 from kvbridge.transfer.options import DescriptorMode, TransferOp, TransferOptions
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
@@ -128,12 +130,15 @@ class KVEndpoint:
         options: TransferOptions | None = None,  # backend, timeouts, descriptor mode, CUDA IPC; default: defaults
         clock: Callable[[], float] = time.monotonic,
         incarnation: str | None = None,  # default: a fresh random one
+        kv_head_start: int = 0,  # tensor parallelism: the first of the model's KV heads our pages hold
+        num_total_kv_heads: int | None = None,  # the model's KV heads (None: layout.num_kv_heads, TP 1)
     ) -> None:
         check_kv_view(kv_cache, layout)
         opts = options or TransferOptions()  # validated when built: before anything is registered
         self.engine_id = engine_id
         self.incarnation = incarnation or secrets.token_hex(16)
         self.layout = layout
+        self.shard = KVShard(layout, kv_head_start, num_total_kv_heads)
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
@@ -159,7 +164,8 @@ class KVEndpoint:
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
             cuda_ipc=cuda_ipc_export(region) if use_ipc else None, digest_alg=self.digest_alg,
-            model_hash=layout.model_hash(model_id),
+            model_hash=layout.model_hash(model_id, self.shard.total_kv_heads),
+            kv_head_start=kv_head_start, num_total_kv_heads=num_total_kv_heads or 0,
         )
         self.num_plans = {kind: 0 for kind in PlanKind}  # translated reads posted, by plan kind
         self.num_plan_descriptors = 0  # descriptors those reads posted
@@ -182,6 +188,18 @@ class KVEndpoint:
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
             if serve else None
         )  # fmt: skip
+
+    def rank_shard(self, rank: int) -> m.RankShard:
+        """This endpoint as rank `rank` of a tensor-parallel node, for its rank 0's handshake answers."""
+        return m.RankShard(
+            rank=rank, agent_name=self._me.agent_name, agent_metadata=self._me.agent_metadata, region=self._region,
+            kv_head_start=self.shard.head_start, num_kv_heads=self.layout.num_kv_heads,
+        )  # fmt: skip
+
+    def set_node_ranks(self, ranks: list[m.RankShard]) -> None:
+        """Rank 0 of a tensor-parallel node: answer handshakes with the node's other ranks too (their
+        agents, regions and KV heads), so that readers read every rank's heads under this node's leases."""
+        self._me = dataclasses.replace(self._me, ranks=tuple(ranks))
 
     @property
     def address(self) -> str | None:
@@ -291,8 +309,9 @@ class KVEndpoint:
         return address not in self.peers or self.is_translated(self.peers.get(address))
 
     def is_translated(self, peer: PeerInfo) -> bool:
-        """Whether the peer's pages differ from ours (block size, page format): its reads are planned."""
-        return peer.layout.geometry_key() != self.layout.geometry_key()
+        """Whether the peer's pages differ from ours (block size, page format, KV heads, several TP
+        ranks): its reads are planned."""
+        return peer.is_read_through_plan(self.shard)
 
     def _post_read(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost | IpcCopy | None, int]:
         if len(read.local_ids) == 0 and len(read.remote_ids) == 0:
@@ -313,8 +332,10 @@ class KVEndpoint:
         return post, post.num_descriptors
 
     def _post_plan(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost, int]:
-        plan = plan_engine_read(self.layout, peer.layout, read.local_ids, read.remote_ids)
-        post = self._nixl.post_plan(plan, peer)
+        sources = peer.rank_shards()  # rank 0 first; one NIXL transfer per rank read from
+        num_tokens = min(len(read.local_ids) * self.layout.block_size, len(read.remote_ids) * peer.layout.block_size)
+        plan = plan_read(self.shard, read.local_ids, [s for _, _, s in sources], [read.remote_ids] * len(sources), num_tokens)
+        post = self._nixl.post_plan(plan, [(name, region) for name, region, _ in sources])
         self.num_plans[plan.kind] += 1
         self.num_plan_descriptors += plan.num_descriptors
         if (peer.address, plan.kind) not in self._logged_plans:
@@ -353,7 +374,7 @@ class KVEndpoint:
                     self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
-            if isinstance(rec.handle, NixlPost) and self.agent.poll(rec.handle.xfer) is XferState.IN_PROGRESS:
+            if isinstance(rec.handle, NixlPost) and poll_post(self.agent, rec.handle) is XferState.IN_PROGRESS:
                 self._quarantine_read(rec)
             else:
                 self._release(rec)
@@ -406,7 +427,7 @@ class KVEndpoint:
         for req_id, (rec, since, instance) in list(self._quarantine.items()):
             # Once the peer's agent is removed (a failure of another read, a restart), NIXL reports its
             # transfers over while their bytes may still land: only the bound ends the quarantine then.
-            is_over = self.agent.poll(rec.handle.xfer) is not XferState.IN_PROGRESS
+            is_over = poll_post(self.agent, rec.handle) is not XferState.IN_PROGRESS
             if not is_over or self._peer_instance(rec.peer) != instance:
                 if now - since < self.transfer_timeout_s:
                     continue
@@ -431,7 +452,7 @@ class KVEndpoint:
     def _poll(self, handle: NixlPost | IpcCopy) -> XferState:
         if isinstance(handle, IpcCopy):
             return XferState.DONE if handle.is_done() else XferState.IN_PROGRESS
-        return self.agent.poll(handle.xfer)
+        return poll_post(self.agent, handle)
 
     def _sync_ipc_copies(self) -> None:
         if self._ipc is not None:
@@ -467,15 +488,28 @@ class KVEndpoint:
         where they landed, gather included. Raises DigestError when our blocks do not hold all of the
         peer's blocks' tokens (a larger remote block whose tail we have no room for): unverifiable.
         """
+        return self.start_read_digests(address, local_block_ids, remote_block_ids, alg)[0]
+
+    def start_read_digests(self, address: str, local_block_ids, remote_block_ids, alg: str) -> list[DigestJob | None]:
+        """`start_read_digest` for each rank of a tensor-parallel peer node (rank 0 first): the digests
+        of each rank's blocks as this node holds them, None for a rank none of whose KV heads we hold
+        (nothing was read from it). DigestError when we hold some but not all of a rank's heads (its
+        whole-block digests cannot be checked here)."""
         peer = self.peers.get(address) if address in self.peers else None
         if peer is None or not self.is_translated(peer):
-            return self.start_digest(local_block_ids, alg)
+            return [self.start_digest(local_block_ids, alg)]
         num_remote = len(np.asarray(remote_block_ids).reshape(-1))
-        try:
-            blocks, layout = rebuild_blocks(self._region_bytes, self.layout, local_block_ids, peer.layout, num_remote)
-        except ValueError as e:
-            raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
-        return start_block_digests(blocks, layout, np.arange(num_remote), alg)
+        jobs: list[DigestJob | None] = []
+        for _, _, shard in peer.rank_shards():
+            if shard.head_end <= self.shard.head_start or shard.head_start >= self.shard.head_end:
+                jobs.append(None)
+                continue
+            try:
+                blocks, layout = rebuild_blocks(self._region_bytes, self.shard, local_block_ids, shard, num_remote)
+            except ValueError as e:
+                raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
+            jobs.append(start_block_digests(blocks, layout, np.arange(num_remote), alg))
+        return jobs
 
     def flip_bit(self, block_id: int) -> None:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""

@@ -38,6 +38,24 @@ class LocalIdentity:
     cuda_ipc: m.IpcExport | None = None  # the KV tensor's CUDA IPC export, when offered
     digest_alg: str = ""  # what this engine digests its leased blocks with
     model_hash: str = ""  # KVCacheLayout.model_hash: set when this engine translates layouts (and accepts readers that do)
+    kv_head_start: int = 0  # tensor parallelism: the first global KV head this rank's pages hold
+    num_total_kv_heads: int = 0  # the model's KV heads (0: layout.num_kv_heads, tensor parallel 1)
+    ranks: tuple[m.RankShard, ...] = ()  # the node's other ranks, when this is the rank 0 of a TP node
+
+    @property
+    def shard(self) -> KVShard:
+        return KVShard(self.layout, self.kv_head_start, self.num_total_kv_heads or None)
+
+
+@dataclass(frozen=True)
+class PeerRank:
+    """Another tensor-parallel rank of a peer node (m.RankShard, validated): its agent, region and heads."""
+
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    region: m.KVRegion
+    shard: KVShard
 
 
 @dataclass(frozen=True)
@@ -54,6 +72,28 @@ class PeerInfo:
     layout: KVCacheLayout  # the local model geometry with the peer's block count, block size, page format and strides
     cuda_ipc: m.IpcExport | None = None  # the peer's CUDA IPC export, if it offered one
     digest_alg: str = ""  # the peer's digest algorithm for its leased blocks ("": not said)
+    kv_head_start: int = 0  # tensor parallelism: the global KV heads of `layout` start here
+    num_total_kv_heads: int = 0  # the model's KV heads (0: layout.num_kv_heads)
+    ranks: tuple[PeerRank, ...] = ()  # the peer node's other tensor-parallel ranks
+
+    @property
+    def shard(self) -> KVShard:
+        """This peer's (its rank 0's) pages as the layout translator sees them."""
+        return KVShard(self.layout, self.kv_head_start, self.num_total_kv_heads or None)
+
+    def rank_shards(self) -> list[tuple[str, m.KVRegion, KVShard]]:
+        """(agent name, region, shard) of every rank of the peer node, rank 0 first."""
+        return [(self.agent_name, self.region, self.shard)] + [(r.agent_name, r.region, r.shard) for r in self.ranks]
+
+    def is_read_through_plan(self, mine: KVShard) -> bool:
+        """Whether reads from this peer into `mine` go through a layout plan: its pages differ from ours
+        (block size, page format), its heads do, or it is a node of several ranks."""
+        theirs = self.shard
+        return (
+            bool(self.ranks)
+            or self.layout.geometry_key() != mine.layout.geometry_key()
+            or (theirs.head_start, theirs.total_kv_heads) != (mine.head_start, mine.total_kv_heads)
+        )
 
     def is_instance(self, expect: tuple[str, str] | None) -> bool:
         """Whether this is the engine instance `(engine_id, incarnation)` (None: any)."""
@@ -104,6 +144,10 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
         digest_alg=me.digest_alg,
         model_hash=me.model_hash,
         block_size=me.layout.block_size,
+        kv_head_start=me.kv_head_start,
+        num_kv_heads=me.layout.num_kv_heads,
+        num_total_kv_heads=me.num_total_kv_heads,
+        ranks=list(me.ranks),
     )
 
 
@@ -161,7 +205,25 @@ def peer_from_response(
         layout=layout,
         cuda_ipc=resp.cuda_ipc,
         digest_alg=resp.digest_alg,
+        kv_head_start=resp.kv_head_start,
+        num_total_kv_heads=resp.num_total_kv_heads,
+        ranks=_peer_ranks(resp, address, layout),
     )
+
+
+def _peer_ranks(resp: m.HandshakeResponse, address: str, layout: KVCacheLayout) -> tuple[PeerRank, ...]:
+    """The peer node's other ranks, their pages laid out as its rank 0's with their own head counts."""
+    ranks = []
+    for r in resp.ranks:
+        try:
+            rank_layout = dataclasses.replace(layout, num_kv_heads=r.num_kv_heads)
+            shard = KVShard(rank_layout, r.kv_head_start, resp.num_total_kv_heads or None)
+        except ConfigError as e:
+            raise HandshakeError(f"peer {address} described an invalid KV layout for its rank {r.rank}: {e}") from None
+        if r.region.nbytes < rank_layout.region_nbytes or not r.agent_name or not r.agent_metadata:
+            raise HandshakeError(f"peer {address} described its rank {r.rank} without a NIXL agent or a large enough region")
+        ranks.append(PeerRank(r.rank, r.agent_name, r.agent_metadata, r.region, shard))
+    return tuple(ranks)
 
 
 def _peer_layout(resp: m.HandshakeResponse, address: str, local_layout: KVCacheLayout) -> KVCacheLayout:
@@ -173,6 +235,7 @@ def _peer_layout(resp: m.HandshakeResponse, address: str, local_layout: KVCacheL
         return dataclasses.replace(
             local_layout, num_blocks=resp.num_blocks, block_size=resp.block_size or local_layout.block_size,
             page_format=resp.page_format, layer_stride=resp.layer_stride, block_stride=resp.block_stride,
+            num_kv_heads=resp.num_kv_heads or local_layout.num_kv_heads,
         )
     except ConfigError as e:
         raise HandshakeError(f"peer {address} described an invalid KV layout: {e}") from None

@@ -75,12 +75,20 @@ def _rows_as_bytes(buffer: torch.Tensor, row_nbytes: int) -> torch.Tensor:
 
 
 def rebuild_blocks(
-    region: torch.Tensor, layout: KVCacheLayout, block_ids, peer_layout: KVCacheLayout, num_peer_blocks: int
+    region: torch.Tensor, layout: KVCacheLayout | KVShard, block_ids, peer_layout: KVCacheLayout | KVShard, num_peer_blocks: int
 ) -> tuple[torch.Tensor, KVCacheLayout]:
     """The peer's first `num_peer_blocks` blocks of a prompt, rebuilt from our blocks `block_ids` that
     hold it (`region`: our KV region's bytes): a [region_nbytes] uint8 buffer on our device laid out
     as `peer_layout.block_major(num_peer_blocks)`, block i = the peer's i-th block. ValueError when our
-    blocks do not hold every token of the peer's blocks."""
+    blocks do not hold every token of the peer's blocks (or, given as tensor-parallel `KVShard`s, every
+    KV head of them)."""
+    mine = layout if isinstance(layout, KVShard) else KVShard(layout)
+    peer = peer_layout if isinstance(peer_layout, KVShard) else KVShard(peer_layout)
+    layout, peer_layout = mine.layout, peer.layout
+    if not mine.head_start <= peer.head_start <= peer.head_end <= mine.head_end:
+        raise ValueError(
+            f"our KV heads [{mine.head_start}, {mine.head_end}) do not hold the peer's [{peer.head_start}, {peer.head_end})"
+        )
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     num_tokens = num_peer_blocks * peer_layout.block_size
     if num_peer_blocks <= 0 or len(ids) * layout.block_size < num_tokens:
@@ -90,6 +98,7 @@ def rebuild_blocks(
         )
     rebuilt = peer_layout.block_major(num_peer_blocks)
     out = torch.zeros(rebuilt.region_nbytes, dtype=torch.uint8, device=region.device)
-    gather = copy_gather(KVShard(rebuilt), np.arange(num_peer_blocks), KVShard(layout), ids, num_tokens)
+    rebuilt_shard = KVShard(rebuilt, peer.head_start, peer.num_total_kv_heads)
+    gather = copy_gather(rebuilt_shard, np.arange(num_peer_blocks), mine, ids, num_tokens)
     apply_gather(gather, region, out)
     return out, rebuilt

@@ -72,6 +72,20 @@ class IpcExport(msgspec.Struct, frozen=True, kw_only=True):
     device_uuid: str = ""  # the GPU holding it (ordinals differ between processes; UUIDs do not)
 
 
+class RankShard(msgspec.Struct, frozen=True, kw_only=True):
+    """One tensor-parallel rank of a KV owner other than the one answering (its rank 0): its own NIXL
+    agent and registered KV region, and which global KV heads its pages hold. Its pages are rank 0's
+    in every other respect (block ids, block size, page format, strides): the ranks of a node share
+    block ids, so a lease on rank 0's blocks covers every rank's copy of them."""
+
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    region: KVRegion
+    kv_head_start: int
+    num_kv_heads: int
+
+
 class HandshakeRequest(_Message, tag="hs_req"):
     """Reader -> owner of KV: "tell me how to read your blocks". Sent once per remote engine.
 
@@ -126,6 +140,14 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     # an older owner, whose block size is the reader's (its compat_hash matched).
     model_hash: str = ""
     block_size: int = 0
+    # Tensor parallelism: the global KV heads this rank's pages hold, [kv_head_start, kv_head_start +
+    # num_kv_heads) of the model's num_total_kv_heads (0, 0, 0: an older owner holding every head), and
+    # the node's other ranks (`RankShard`), whose heads a reader may need as well. One side channel
+    # answers for the node: its leases, digests and releases cover every rank.
+    kv_head_start: int = 0
+    num_kv_heads: int = 0
+    num_total_kv_heads: int = 0
+    ranks: list[RankShard] = []
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,6 +211,10 @@ class TransferDone(_Message, tag="done2"):
     incarnation: str
     leases: list[LeaseRef] = []
     failed_leases: list[LeaseRef] = []
+    # Tensor parallelism on the reader: every rank reads its own heads and confirms for itself; the
+    # owner releases a lease once `num_readers` distinct `reader_rank`s have confirmed or abandoned it.
+    reader_rank: int = 0
+    num_readers: int = 1
 
 
 class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,6 +225,9 @@ class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
 
     alg: str
     values: list[int]
+    # Tensor parallelism: the digests of the owner's ranks 1..N-1, each in `values`' order (each rank
+    # digests its own heads of the leased blocks when the lease is granted). []: one rank.
+    rank_values: list[list[int]] = []
 
 
 class TransferDoneReply(_Message, tag="done2_ok"):

@@ -25,7 +25,7 @@ import numpy as np
 from kvbridge.errors import TransferError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.agent import NixlAgent
+from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.descriptors import (
     Unit,
     block_descs,
@@ -60,6 +60,21 @@ class NixlPost(NamedTuple):
     num_descriptors: int  # ranges after NIXL's merging ("blocks"), or ranges posted
     plan: ReadPlan | None = None  # a translated read's plan (post_plan)
     staging: Staging | None = None  # a STAGED plan's buffer, until release
+    more_xfers: tuple = ()  # a plan over several ranks of a TP peer: one more transfer per further rank
+
+    @property
+    def xfers(self) -> tuple:
+        """Every NIXL transfer of this post; the read is done when all are, failed when any failed."""
+        return (self.xfer, *self.more_xfers)
+
+
+def poll_post(agent: NixlAgent, post: NixlPost) -> XferState:
+    """One state for all of a post's transfers: IN_PROGRESS while any runs (a failed one's siblings
+    may still be writing), then FAILED when any failed, else DONE."""
+    states = [agent.poll(x) for x in post.xfers]
+    if XferState.IN_PROGRESS in states:
+        return XferState.IN_PROGRESS
+    return XferState.DONE if all(s is XferState.DONE for s in states) else XferState.FAILED
 
 
 class NixlPoster:
@@ -96,11 +111,12 @@ class NixlPoster:
             return NixlPost(xfer, (), num_merged_ranges(local_ids, remote_ids, self._layout, peer.layout))
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
         local = range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id)
-        return self._post_ranges(op, local, mine.mem_type, ranges.remote_offsets, ranges.nbytes, peer)
+        return self._post_ranges(op, local, mine.mem_type, ranges.remote_offsets, ranges.nbytes, peer.agent_name, peer.region)
 
-    def post_plan(self, plan: ReadPlan, peer: PeerInfo) -> NixlPost:
-        """Post the reads of a plan between our layout and the peer's (one prefill shard: `peer`).
-        Raises TransferError when NIXL refuses (nothing is left prepared or registered then)."""
+    def post_plan(self, plan: ReadPlan, sources: list[tuple[str, m.KVRegion]]) -> NixlPost:
+        """Post the reads of a plan from its prefill shards, `sources[i]` = (NIXL agent name, region) of
+        the plan's source i: one NIXL transfer per source that has reads (a TP peer's ranks), all under
+        one post. Raises TransferError when NIXL refuses (nothing is left prepared or registered then)."""
         import torch
 
         from kvbridge.transfer.layout_gather import GatherIndex
@@ -114,21 +130,34 @@ class NixlPoster:
             reg = self._agent.register_tensor(buffer)
             staging = Staging(buffer, reg, GatherIndex.of(plan.gather, buffer.device))
             local, mem_type = range_descs(reads.local_offsets, reads.nbytes, reg.base_addr, reg.device_id), reg.mem_type
+        posts: list[NixlPost] = []
         try:
-            post = self._post_ranges(TransferOp.READ, local, mem_type, reads.remote_offsets, reads.nbytes, peer)
+            for i in np.unique(reads.source).tolist():
+                rows = reads.source == i
+                agent_name, region = sources[i]
+                posts.append(self._post_ranges(
+                    TransferOp.READ, local[rows], mem_type, reads.remote_offsets[rows], reads.nbytes[rows], agent_name, region
+                ))  # fmt: skip
         except TransferError:
+            for post in posts:
+                self.release(post)
             if staging is not None:
                 self._agent.deregister(staging.registration)
             raise
-        return post._replace(plan=plan, staging=staging)
+        first = posts[0]
+        return first._replace(
+            dlists=tuple(d for p in posts for d in p.dlists), num_descriptors=sum(p.num_descriptors for p in posts),
+            plan=plan, staging=staging, more_xfers=tuple(p.xfer for p in posts[1:]),
+        )  # fmt: skip
 
-    def _post_ranges(self, op, local_descs: np.ndarray, local_mem_type: str, remote_offsets, nbytes, peer) -> NixlPost:
+    def _post_ranges(
+        self, op, local_descs: np.ndarray, local_mem_type: str, remote_offsets, nbytes, agent_name: str, r: m.KVRegion
+    ) -> NixlPost:
         """Prepare both per-transfer lists and post them entry for entry."""
-        r = peer.region
         local_list = self._agent.prep_local(local_descs, local_mem_type)
         try:
             remote_list = self._agent.prep_remote(
-                peer.agent_name, range_descs(remote_offsets, nbytes, r.base_addr, r.device_id), r.mem_type
+                agent_name, range_descs(remote_offsets, nbytes, r.base_addr, r.device_id), r.mem_type
             )
         except TransferError:
             self._agent.release_dlist(local_list)
@@ -152,7 +181,8 @@ class NixlPoster:
 
     def release(self, post: NixlPost) -> None:
         """Release a transfer (cancelling it if still in flight), its per-transfer lists and its staging buffer."""
-        self._agent.release(post.xfer)
+        for xfer in post.xfers:
+            self._agent.release(xfer)
         for dlist in post.dlists:
             self._agent.release_dlist(dlist)
         if post.staging is not None:

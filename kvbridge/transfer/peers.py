@@ -127,6 +127,8 @@ class PeerDirectory:
             self._before_unmap()
             mapping.close()
         if info is not None:
+            for rank in info.ranks:  # a tensor-parallel node's other ranks: one agent each
+                self._agent.remove_peer(rank.agent_name)
             self._agent.remove_peer(info.agent_name)
 
     def request(self, address: str, msg: m.Message, audience: bytes = b"") -> m.Message:
@@ -183,8 +185,10 @@ class PeerDirectory:
             )  # fmt: skip
             self.forget(info.address)
         self._agent.add_peer(info.agent_name, info.agent_metadata)
+        for rank in info.ranks:
+            self._agent.add_peer(rank.agent_name, rank.agent_metadata)
         self._peers[info.address] = info
-        is_translated = info.layout.geometry_key() != self._me.layout.geometry_key()  # read through plans only
+        is_translated = info.is_read_through_plan(self._me.shard)  # read through plans only
         if self._cache_block_lists and not is_translated:
             r = info.region
             descs = block_descs(info.layout, r.base_addr, r.device_id, transfer_unit(self._me.layout, info.layout))
