@@ -119,6 +119,11 @@ class KVTransferConfig:
         return self.role in ("kv_consumer", "kv_both")
 
 
+# Connectors whose worker half runs on every tensor-parallel rank (connectors/base.py,
+# `supports_tensor_parallel`); named here because configs import no connector.
+TP_AWARE_CONNECTORS = frozenset({"NixlConnector"})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine is built from."""
@@ -129,12 +134,12 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.model.tensor_parallel_size > 1 and self.kv_transfer is not None:
-            # The connectors register one KV tensor and lease blocks of one process; with TP every
-            # rank holds its own heads, and a lease must cover all of them. Refused until that exists.
+        tp = self.model.tensor_parallel_size
+        if tp > 1 and self.kv_transfer is not None and self.kv_transfer.connector not in TP_AWARE_CONNECTORS:
+            # A connector runs one worker half per rank under TP (engine/tp_connector.py); only those
+            # written for it (each rank moving its own heads, the node's leases on rank 0) are built.
             raise TensorParallelError(
-                f"ModelConfig.tensor_parallel_size={self.model.tensor_parallel_size} with a KV connector "
-                f"(KVTransferConfig.connector={self.kv_transfer.connector!r}) is not supported yet: KV transfer and "
-                "offload run with tensor_parallel_size 1 only; run without a connector, or with "
-                "tensor_parallel_size 1"
+                f"ModelConfig.tensor_parallel_size={tp} with KVTransferConfig.connector="
+                f"{self.kv_transfer.connector!r} is not supported: of the connectors, only {sorted(TP_AWARE_CONNECTORS)} "
+                "run with tensor parallelism; use one of them, run without a connector, or with tensor_parallel_size 1"
             )

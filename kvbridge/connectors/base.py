@@ -39,7 +39,7 @@ import secrets
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.errors import ConfigError
@@ -121,6 +121,14 @@ class ConnectorContext:
     # Rung by a connector's own threads when something finished that the next step should see (a
     # peer's answer, a copy): the engine's idle wait then ends at once instead of at its next poll.
     wakeup: Wakeup = field(default_factory=Wakeup)
+    # Tensor parallelism: this worker half serves rank `tp_rank` of `tp_size`, whose KV cache holds the
+    # model's KV heads [kv_head_start, kv_head_start + layout.num_kv_heads) of `num_total_kv_heads`
+    # (None: all of them). Every rank's cache uses the same block ids (rank 0's scheduler allocates for
+    # all), so block b of every rank holds the same tokens, each rank its own heads of them.
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_head_start: int = 0
+    num_total_kv_heads: int | None = None
 
 
 class KVConnectorMetadata:
@@ -425,6 +433,41 @@ class KVConnectorBase(ABC):
         Called on demand (`EngineCore.get_stats()`, the server's /metrics), not every step.
         """
         return {}
+
+    # ------------------------------------------------------------------ tensor parallelism (worker side)
+    #
+    # Under tensor parallelism every rank's process holds a worker half over its own heads' cache, and
+    # rank 0's model runner drives the others (engine/tp_connector.py), in this order:
+    #   once, after register_kv_caches on every rank: rank 0 `set_tp_rank_infos(every other rank's tp_rank_info())`
+    #   each step: rank 0 `encode_metadata` -> ranks > 0 `decode_metadata`, bind, start_load_kv, ...,
+    #   wait_for_save; ranks > 0 `tp_step_report()` -> rank 0 `apply_tp_step_reports`, then every rank's
+    #   get_finished / load errors are merged: a request is finished when every rank finished it, and a
+    #   load error on any rank is a load error for the request.
+    # Only connectors with `supports_tensor_parallel` are built under TP (EngineConfig refuses the rest).
+
+    supports_tensor_parallel: ClassVar[bool] = False
+
+    def encode_metadata(self, metadata: KVConnectorMetadata) -> bytes:
+        """This step's metadata as bytes for the other ranks (msgspec; never pickle). Rank 0, each step."""
+        raise NotImplementedError(f"{type(self).__name__} does not run under tensor parallelism")
+
+    def decode_metadata(self, data: bytes) -> KVConnectorMetadata:
+        """Inverse of `encode_metadata`. Ranks > 0, each step."""
+        raise NotImplementedError(f"{type(self).__name__} does not run under tensor parallelism")
+
+    def tp_rank_info(self) -> bytes:
+        """What this rank tells rank 0 once its KV cache is registered (e.g. its transport's metadata)."""
+        return b""
+
+    def set_tp_rank_infos(self, infos: list[bytes]) -> None:
+        """Rank 0: the `tp_rank_info` of ranks 1..N-1, in rank order. Called once, before the first step."""
+
+    def tp_step_report(self) -> bytes:
+        """Ranks > 0, after each step's wait_for_save: connector-specific news for rank 0."""
+        return b""
+
+    def apply_tp_step_reports(self, reports: list[bytes]) -> None:
+        """Rank 0, after each step's wait_for_save and before its get_finished: ranks 1..N-1's reports."""
 
     def check_integrity(self) -> None:
         """Raise AssertionError if this half's own bookkeeping no longer balances. Either side.

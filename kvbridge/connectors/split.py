@@ -20,6 +20,8 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
+
 from kvbridge.connectors.base import (
     CompletedTransfers,
     ConnectorContext,
@@ -138,6 +140,28 @@ class SplitConnector(KVConnectorBase):
     def get_step_stats(self) -> dict[str, Any]:
         step_stats = getattr(self.worker, "get_step_stats", None)  # optional for worker halves
         return step_stats() if step_stats is not None else {}
+
+    def encode_metadata(self, metadata: KVConnectorMetadata) -> bytes:
+        return msgspec.msgpack.encode(metadata)
+
+    def decode_metadata(self, data: bytes) -> KVConnectorMetadata:
+        return msgspec.msgpack.decode(data, type=self.metadata_type)
+
+    def tp_rank_info(self) -> bytes:
+        info = getattr(self.worker, "tp_rank_info", None)  # the TP hooks are optional for a worker half
+        return info() if info is not None else b""
+
+    def set_tp_rank_infos(self, infos: list[bytes]) -> None:
+        if (apply := getattr(self.worker, "set_tp_rank_infos", None)) is not None:
+            apply(infos)
+
+    def tp_step_report(self) -> bytes:
+        report = getattr(self.worker, "tp_step_report", None)
+        return report() if report is not None else b""
+
+    def apply_tp_step_reports(self, reports: list[bytes]) -> None:
+        if (apply := getattr(self.worker, "apply_tp_step_reports", None)) is not None:
+            apply(reports)
 
     def flush(self, timeout_s: float) -> FlushReport:
         return self._worker_half.flush(timeout_s) if self._worker_half is not None else FlushReport(True)

@@ -66,7 +66,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._is_shut_down = False
-        self.runner = ModelRunner(config.model, config.cache)
+        self.runner = ModelRunner(config.model, config.cache, kv_transfer=config.kv_transfer)
         try:
             self._build(config)
         except BaseException:
@@ -119,6 +119,9 @@ class EngineCore:
             hash_namespace=self.hash_namespace,
             layout=self.layout,
             wakeup=self.wakeup,
+            tp_size=config.model.tensor_parallel_size,
+            kv_head_start=self.runner.kv_head_start,
+            num_total_kv_heads=self.runner.num_total_kv_heads,
         )
         worker = None
         try:

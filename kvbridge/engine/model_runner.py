@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
 from kvbridge.connectors.base import KVConnectorBase, KVConnectorOutput, SchedulerOutput
 from kvbridge.engine import sampler
 from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata
@@ -30,7 +30,9 @@ from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvbridge.engine.request import Request
 from kvbridge.engine.step_inputs import StepInputs, to_device
+from kvbridge.engine import tp_connector
 from kvbridge.engine.tensor_parallel import make_shard
+from kvbridge.engine.tp_connector import RankDriver
 from kvbridge.engine.tp_group import TPGroup, check_devices, rank_device
 from kvbridge.engine.tp_workers import TPWorkers
 from kvbridge.engine.weights import load_model, model_args
@@ -97,9 +99,16 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, rank: int = 0, group: TPGroup | None = None
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        rank: int = 0,
+        group: TPGroup | None = None,
+        kv_transfer: KVTransferConfig | None = None,  # rank 0 under TP: the workers build their connector halves from it
     ) -> None:
         self.model_config = model_config
+        self.rank = rank
+        self._group = group
         self.cache_config = cache_config
         self.device = rank_device(model_config.device, rank)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -109,8 +118,9 @@ class ModelRunner:
         if world_size > 1 and rank == 0:
             make_shard(model_args(model_config), 0, world_size)  # a bad size is refused before any process starts
             check_devices(model_config.device, world_size)
-            self._workers = TPWorkers(model_config, cache_config)
+            self._workers = TPWorkers(model_config, cache_config, kv_transfer)
             group = self._workers.group
+            self._group = group
         try:
             self._build(rank, group)
         except BaseException:
@@ -130,6 +140,7 @@ class ModelRunner:
         if group is not None:  # block ids are shared by every rank: the cache is as large as the smallest fits
             self.layout = self.layout.with_num_blocks(group.min_int(self.layout.num_blocks))
         shard = loaded.shard
+        self.num_total_kv_heads = shard.num_kv_heads if shard is not None else self.layout.num_kv_heads  # the model's
         self.kv_layouts: list[RankKVLayout] = (
             [RankKVLayout(0, 1, self.layout, (0, self.layout.num_kv_heads))] if shard is None else
             rank_kv_layouts(shard.world_size, shard.num_heads, shard.num_kv_heads, shard.intermediate_size, self.layout)
@@ -144,6 +155,7 @@ class ModelRunner:
             self._graphs = DecodeGraphs(logits_fn, self.layout.block_size, self.max_model_len, self.device)
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
         self._connector: KVConnectorBase | None = None
+        self._tp_kv: RankDriver | None = None  # rank 0 under TP with a connector: drives the other ranks' halves
         self._is_shut_down = False
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
@@ -165,6 +177,15 @@ class ModelRunner:
         self._check_alive()
         self._connector = connector
         connector.register_kv_caches(self.kv_cache, self.layout)
+        if self._group is not None:  # every rank registered its own heads' cache: rank 0 learns theirs
+            tp_connector.join(self._group, connector)
+            if self.rank == 0:
+                self._tp_kv = RankDriver(self._group, connector)
+
+    @property
+    def kv_head_start(self) -> int:
+        """The first of the model's KV heads this rank's cache holds (0 at TP 1)."""
+        return self.kv_layouts[self.rank].kv_head_range[0]
 
     # ------------------------------------------------------------------ one step
 
@@ -183,6 +204,8 @@ class ModelRunner:
         kv_output = KVConnectorOutput()
         try:
             if connector is not None:
+                if self._tp_kv is not None:  # the other ranks' halves start this step's loads too
+                    self._tp_kv.begin(scheduler_output.kv_connector_metadata, scheduler_output.finished_req_ids)
                 if scheduler_output.kv_connector_metadata is not None:
                     connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
                 connector.start_load_kv()
@@ -192,6 +215,7 @@ class ModelRunner:
                 sampled = self._sample(scheduler_output, step)
             if connector is not None:
                 connector.wait_for_save()
+                others = self._tp_kv.collect() if self._tp_kv is not None else []
                 sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
                 kv_output = KVConnectorOutput(
                     finished_sending=set(sending),
@@ -200,6 +224,8 @@ class ModelRunner:
                     load_errors=dict(connector.get_load_errors()),
                     stats=dict(connector.get_step_stats()),
                 )
+                if self._tp_kv is not None:  # the node's answer: every rank's
+                    kv_output = self._tp_kv.merge(kv_output, others)
         finally:
             if connector is not None:
                 connector.clear_connector_metadata()
@@ -251,8 +277,10 @@ class ModelRunner:
         tokens into its cache and joins the step's all-reduces; computes no logits."""
         self._check_alive()
         dev = to_device(inputs, self.layout.block_size, self.device)
+        connector = self._connector
+        hooks = (connector.wait_for_layer_load, connector.save_kv_layer) if connector else (None, None)
         with torch.inference_mode():
-            paged_forward(self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests)
+            paged_forward(self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests, *hooks)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
@@ -348,6 +376,7 @@ class ModelRunner:
         self._is_shut_down = True
         self._stop_workers()  # first: they wait on this rank, and hold nothing it needs
         self._connector = None
+        self._tp_kv = None
         self._generators.clear()
         if self._graphs is not None:
             self._graphs.release()  # before the KV cache and weights they were captured on go

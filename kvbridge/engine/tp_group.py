@@ -37,7 +37,11 @@ class ControlOp(IntEnum):
 
     STEP = 1  # a payload of encode_step follows
     SHUTDOWN = 2  # release everything and exit
+    KV_BEGIN = 3  # bytes follow: the step's connector metadata (tp_connector.py); start its loads
+    KV_END = 4  # end the step's connector part; every rank then `gather_bytes` its report
 
+
+BYTE_OPS = frozenset({ControlOp.KV_BEGIN})  # ops whose payload is bytes (uint8), not int64
 
 def rank_device(device: str, rank: int) -> torch.device:
     """The device rank `rank` runs on: the CPU for every rank, or the GPU `rank` places after the
@@ -121,15 +125,36 @@ class TPGroup:
         if payload:
             self._wait(self._control.broadcast(torch.tensor(payload, dtype=torch.int64), 0), "step broadcast")
 
-    def receive(self) -> tuple[ControlOp, list[int]]:
-        """Ranks > 0: wait (as long as the server idles) for rank 0's next `send`."""
+    def send_bytes(self, op: ControlOp, data: bytes) -> None:
+        """Rank 0: tell every rank `op` (one of BYTE_OPS), with `data` (msgspec-encoded; never pickle)."""
+        header = torch.tensor([op, len(data)], dtype=torch.int64)
+        self._wait(self._control.broadcast(header, 0), "step broadcast")
+        if data:
+            self._wait(self._control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0), "step broadcast")
+
+    def receive(self) -> tuple[ControlOp, list[int] | bytes]:
+        """Ranks > 0: wait (as long as the server idles) for rank 0's next `send` (`send_bytes` for BYTE_OPS)."""
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         self._wait(self._control.broadcast(header, 0, IDLE_TIMEOUT), "waiting for rank 0")
-        op, length = (int(x) for x in header)
-        payload = torch.empty(length, dtype=torch.int64)
+        op, length = ControlOp(int(header[0])), int(header[1])
+        payload = torch.empty(length, dtype=torch.uint8 if op in BYTE_OPS else torch.int64)
         if length:
             self._wait(self._control.broadcast(payload, 0), "step broadcast")
-        return ControlOp(op), payload.tolist()
+        return op, (payload.numpy().tobytes() if op in BYTE_OPS else payload.tolist())
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank: each rank's `data`, in rank order (every rank gets all; they are small)."""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(self._control.allgather([lengths], [length]), "connector report")
+        longest = max(int(n) for n in lengths)
+        if longest == 0:
+            return [b""] * self.world_size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(self._control.allgather([out], [mine]), "connector report")
+        return [t[: int(n)].numpy().tobytes() for t, n in zip(out, lengths)]
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

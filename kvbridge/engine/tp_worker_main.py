@@ -18,7 +18,10 @@ import time
 import msgspec
 import torch.distributed as dist
 
+from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.faults import EngineFaultError
+from kvbridge.engine.tp_connector import RankFollower
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.tp_group import STORE_HOST, ControlOp, TPGroup, decode_step, rank_device
 from kvbridge.engine.tp_workers import JOIN_TIMEOUT_S, WorkerSpec, joined_key
@@ -48,17 +51,39 @@ def run(spec: WorkerSpec) -> None:
     store.set(joined_key(spec.rank), "1")
     group = TPGroup(store, spec.rank, spec.world_size, rank_device(spec.model.device, spec.rank))
     runner = ModelRunner(spec.model, spec.cache, rank=spec.rank, group=group)
+    connector = None
     try:
+        follower = None
+        if spec.kv_transfer is not None:
+            connector = build_connector(spec, runner)
+            runner.attach_connector(connector)  # registers this rank's KV and joins rank 0 (tp_connector.join)
+            follower = RankFollower(group, connector)
         while True:
             op, payload = group.receive()
             match op:
                 case ControlOp.STEP:
                     runner.run_shard_step(decode_step(payload))
+                case ControlOp.KV_BEGIN:
+                    follower.begin(payload)
+                case ControlOp.KV_END:
+                    follower.end()
                 case ControlOp.SHUTDOWN:
                     break
     finally:
+        if connector is not None:
+            connector.shutdown()  # deregisters this rank's KV from NIXL before the runner drops it
         runner.shutdown()
         group.close()
+
+
+def build_connector(spec: WorkerSpec, runner: ModelRunner) -> KVConnectorBase:
+    """This rank's worker half of the connector, over its own KV heads."""
+    context = ConnectorContext(
+        model_id=runner.model_id, block_size=runner.layout.block_size, device=str(runner.device),
+        hash_namespace=runner.model_id, layout=runner.layout, tp_rank=spec.rank, tp_size=spec.world_size,
+        kv_head_start=runner.kv_head_start, num_total_kv_heads=runner.num_total_kv_heads,
+    )  # fmt: skip
+    return create_connector(spec.kv_transfer, KVConnectorRole.WORKER, context)
 
 
 def main() -> int:

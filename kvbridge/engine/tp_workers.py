@@ -26,7 +26,7 @@ from typing import TypeVar
 import msgspec
 import torch.distributed as dist
 
-from kvbridge.config import CacheConfig, ModelConfig
+from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
 from kvbridge.engine.faults import EngineFaultError
 from kvbridge.engine.step_inputs import StepInputs
 from kvbridge.engine.tp_group import STORE_HOST, ControlOp, TPGroup, encode_step, rank_device
@@ -50,6 +50,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int
     model: ModelConfig
     cache: CacheConfig
+    kv_transfer: KVTransferConfig | None = None  # the worker builds its own half of the connector from it
 
 
 def joined_key(rank: int) -> str:
@@ -60,7 +61,9 @@ def joined_key(rank: int) -> str:
 class TPWorkers:
     """Rank 0's handle on the other ranks' processes and its own membership (`group`)."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, kv_transfer: KVTransferConfig | None = None
+    ) -> None:
         """Start ranks 1..N-1 and join the group with them. Raises TensorParallelError when a worker
         exits or does not arrive within JOIN_TIMEOUT_S (its stderr, inherited, says why)."""
         world_size = model_config.tensor_parallel_size
@@ -75,7 +78,7 @@ class TPWorkers:
         self._is_out_of_step = False  # a step failed midway: the workers cannot be told anything more
         try:
             for rank in range(1, world_size):
-                spec = WorkerSpec(rank, world_size, self._store.port, os.getpid(), model_config, cache_config)
+                spec = WorkerSpec(rank, world_size, self._store.port, os.getpid(), model_config, cache_config, kv_transfer)
                 self._procs.append(_spawn(spec))
             self._wait_joined(world_size)
             self.group = TPGroup(self._store, 0, world_size, rank_device(model_config.device, 0))

@@ -23,7 +23,16 @@ import sys
 
 from kvbridge import env
 from kvbridge.cli_errors import error_line
-from kvbridge.config import DEFAULT_KV_TOKENS, DTYPES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from kvbridge.config import (
+    DEFAULT_KV_TOKENS,
+    DTYPES,
+    TP_AWARE_CONNECTORS,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from kvbridge.errors import ConfigError, TensorParallelError
 from kvbridge.transfer.interfaces import advertised_host
 
@@ -64,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--tensor-parallel-size", type=int, default=1,
         help="ranks that split the attention heads and the MLP, one process each (on CUDA one GPU each, from "
-        "--device on); must divide the attention heads; needs --no-connector for now",
+        "--device on); must divide the attention heads; with a connector, the NixlConnector only",
     )  # fmt: skip
     model.add_argument(
         "--enforce-eager", action="store_true",
@@ -136,10 +145,10 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     `--side-channel-host`, which looks up the default route's address). Raises ConfigError naming
     the bad flag."""
     kv_transfer = None
-    if args.tensor_parallel_size > 1 and not args.no_connector:
+    if args.tensor_parallel_size > 1 and not args.no_connector and args.kv_connector not in TP_AWARE_CONNECTORS:
         raise TensorParallelError(
-            f"--tensor-parallel-size {args.tensor_parallel_size} with --kv-connector {args.kv_connector}: KV transfer "
-            "and offload run with tensor parallel size 1 only for now; pass --no-connector, or --tensor-parallel-size 1"
+            f"--tensor-parallel-size {args.tensor_parallel_size} with --kv-connector {args.kv_connector}: only "
+            f"{', '.join(sorted(TP_AWARE_CONNECTORS))} runs with tensor parallelism; pass --no-connector, or --tensor-parallel-size 1"
         )
     if args.no_connector:
         given = [flag for flag, is_given in CONNECTOR_FLAGS.items() if is_given(args)]

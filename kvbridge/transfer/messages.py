@@ -230,6 +230,14 @@ class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
     rank_values: list[list[int]] = []
 
 
+class RankDigests(_Message, tag="tp_digests"):
+    """A tensor-parallel rank > 0 -> its rank 0, in the step it granted leases (through the engine's
+    rank group, engine/tp_connector.py): the digest of its own heads of each newly leased request's
+    blocks, taken at grant. A request missing here could not be digested on that rank."""
+
+    digests: dict[str, KVDigest] = {}
+
+
 class TransferDoneReply(_Message, tag="done2_ok"):
     """Owner -> reader, answering `TransferDone`, per request id.
 

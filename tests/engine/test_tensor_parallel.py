@@ -96,18 +96,22 @@ def test_tp_on_cuda_needs_one_gpu_per_rank():
         check_devices("cuda", available + 1)
 
 
-def test_tp_with_a_kv_connector_is_refused_naming_both():
+def test_tp_with_a_connector_that_is_not_tp_aware_is_refused_naming_both():
     with pytest.raises(TensorParallelError) as info:
-        EngineConfig(model=ModelConfig(tensor_parallel_size=2), kv_transfer=KVTransferConfig("NixlConnector"))
+        EngineConfig(model=ModelConfig(tensor_parallel_size=2), kv_transfer=KVTransferConfig("OffloadingConnector"))
     assert "--tensor-parallel-size 2" in flag_names(str(info.value))
-    assert "--kv-connector NixlConnector" in flag_names(str(info.value))
+    assert "--kv-connector OffloadingConnector" in flag_names(str(info.value))
+    config = EngineConfig(model=ModelConfig(tensor_parallel_size=2), kv_transfer=KVTransferConfig("NixlConnector"))
+    assert config.kv_transfer.connector == "NixlConnector"  # TP-aware: every rank runs its worker half
 
 
-def test_serve_refuses_tp_with_its_default_connector_and_takes_it_without():
+def test_serve_takes_tp_with_its_default_connector_and_refuses_offload():
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
-    with pytest.raises(TensorParallelError, match="--tensor-parallel-size 2 with --kv-connector .*--no-connector"):
-        server.build_engine_config(parser.parse_args(["--tensor-parallel-size", "2"]))
+    config = server.build_engine_config(parser.parse_args(["--tensor-parallel-size", "2"]))
+    assert config.model.tensor_parallel_size == 2 and config.kv_transfer.connector == "NixlConnector"
+    with pytest.raises(TensorParallelError, match="--tensor-parallel-size 2 with --kv-connector OffloadingConnector: .*--no-connector"):
+        server.build_engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--kv-connector", "OffloadingConnector"]))
     config = server.build_engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--no-connector"]))
     assert config.model.tensor_parallel_size == 2 and config.kv_transfer is None
 

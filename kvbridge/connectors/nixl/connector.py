@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 class NixlConnector(SplitConnector):
     metadata_type = NixlConnectorMetadata
+    supports_tensor_parallel = True  # every rank reads / digests its own heads; rank 0 holds the node's leases
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
         self.options = NixlOptions.from_extra(config.extra)

@@ -32,7 +32,7 @@ import hashlib
 import hmac
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvbridge.transfer.messages import KVDigest, LeaseRef, encode_lease
@@ -52,6 +52,7 @@ class _Lease:
     deadline: float
     digest: KVDigest | None = None  # of the leased blocks' bytes when granted; returned on release
     state: LeaseState = LeaseState.ACTIVE
+    readers: set[int] = field(default_factory=set)  # ranks of a TP reader node that confirmed it
 
 
 class LeaseAnswer(NamedTuple):
@@ -97,8 +98,14 @@ class LeaseTable:
                     self._refuse(ref, answer)
         return answer
 
-    def release(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
-        """The reader is done with these leases. `matched`: each was held until now (reads valid)."""
+    def release(
+        self, incarnation: str, refs: list[LeaseRef], now: float, reader_rank: int = 0, num_readers: int = 1
+    ) -> LeaseAnswer:
+        """The reader is done with these leases. `matched`: each was held until now (reads valid).
+
+        A tensor-parallel reader node confirms once per rank (`reader_rank` of `num_readers`): a lease
+        ends once that many distinct ranks confirmed or abandoned it (or it expires), so no rank's
+        read is cut short by another rank's confirmation."""
         answer = LeaseAnswer([], [], [], {})
         with self._lock:
             for ref in refs:
@@ -110,7 +117,8 @@ class LeaseTable:
                 if lease.state is LeaseState.EXPIRED:
                     self._refuse(ref, answer)
                     continue
-                if lease.state is LeaseState.ACTIVE:
+                lease.readers.add(min(max(reader_rank, 0), 1024))
+                if lease.state is LeaseState.ACTIVE and len(lease.readers) >= max(num_readers, 1):
                     lease.state = LeaseState.RELEASED
                     self.num_released += 1
                 answer.matched.append(ref.req_id)

@@ -98,9 +98,11 @@ Send = Callable[[RemoteEngine, m.Message], m.Message]
 class PeerControls:
     def __init__(
         self, send: Send, engine_id: str, *, max_peers: int, idle_s: float, renew_interval_s: float,
-        clock: Callable[[], float], wake: Callable[[], object] = lambda: None,
+        clock: Callable[[], float], wake: Callable[[], object] = lambda: None, reader_rank: int = 0, num_readers: int = 1,
     ) -> None:  # fmt: skip
         self._send = send
+        # a tensor-parallel decode node: each rank confirms its own read; the owner counts them
+        self._reader_rank, self._num_readers = reader_rank, num_readers
         self._wake = wake  # rung when a confirmation's answer is in: the engine need not wait for its next poll
         self._engine_id = engine_id
         self._max_peers, self._idle_s, self._renew_interval_s = max_peers, idle_s, renew_interval_s
@@ -228,6 +230,8 @@ class PeerControls:
             incarnation=peer.remote.incarnation,
             leases=[item.lease for item in sent.values()],
             failed_leases=abandoned,
+            reader_rank=self._reader_rank,
+            num_readers=self._num_readers,
         )
         peer.last_active = now
         if sent:

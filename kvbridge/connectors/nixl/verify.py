@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 class ReadVerifier:
     def __init__(self, endpoint: KVEndpoint, stats: TransferStats, clock: Callable[[], float]) -> None:
         self._endpoint, self._stats, self._clock = endpoint, stats, clock
-        self._started: dict[str, tuple[DigestJob, float]] = {}  # req id -> (digest of its landed blocks, time spent)
+        # req id -> (digests of its landed blocks, one per rank of the peer node (None: not read from), time spent)
+        self._started: dict[str, tuple[list[DigestJob | None], float]] = {}
 
     def start(self, job: RecvJob) -> None:
         """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake)."""
@@ -43,7 +44,7 @@ class ReadVerifier:
             return  # an older prefill: digested once its answer names the algorithm
         start = self._clock()
         try:
-            started = self._endpoint.start_read_digest(job.remote.address, job.local_block_ids, job.remote_block_ids, alg)
+            started = self._endpoint.start_read_digests(job.remote.address, job.local_block_ids, job.remote_block_ids, alg)
         except DigestError:
             return  # tried again, and refused with a reason, when the answer comes
         self._started[job.request_id] = (started, self._clock() - start)
@@ -62,31 +63,40 @@ class ReadVerifier:
                 f"{who} confirmed the read but sent no digest of its blocks (an older build, or verify_kv_digest "
                 "off there); this node uses only verified KV (NixlConnector option verify_kv_digest)"
             )
-        expected = digest.values[job.lease_offset : job.lease_offset + num_read]
-        if len(digest.values) != len(job.lease.block_ids) or len(expected) != num_read:
+        per_rank = [digest.values, *digest.rank_values]  # a TP peer node: every rank's digests of its own heads
+        num_ranks = 1 + len(self._endpoint.peers.get(job.remote.address).ranks) if job.remote.address in self._endpoint.peers else 1
+        if len(per_rank) != num_ranks or any(len(values) != len(job.lease.block_ids) for values in per_rank):
             self._stats.num_unverified_reads += 1
-            return f"{who} sent {len(digest.values)} block digests for a lease of {len(job.lease.block_ids)} blocks"
+            return (
+                f"{who} sent {[len(v) for v in per_rank]} block digests per rank for a lease of "
+                f"{len(job.lease.block_ids)} blocks on {num_ranks} ranks"
+            )
         start = self._clock()
         try:
-            if started is None or started.alg != digest.alg:
-                started = self._endpoint.start_read_digest(
+            if started is None or any(j is not None and j.alg != digest.alg for j in started):
+                started = self._endpoint.start_read_digests(
                     job.remote.address, job.local_block_ids, job.remote_block_ids, digest.alg
                 )
-            got = started.result()
+            got = [j.result() if j is not None else None for j in started]
         except DigestError as e:
             self._stats.num_unverified_reads += 1
             return f"cannot verify the blocks read from {who}: {e}"
         self._stats.record_digest(spent_s + self._clock() - start, len(job.local_block_ids) * self._endpoint.layout.block_nbytes)
-        bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got)
-        if not bad:
-            return None
-        self._stats.num_digest_mismatches += 1
-        i = bad[0]
-        return (
-            f"KV DIGEST MISMATCH: {len(bad)} of {num_read} blocks read from {who} do not hold the bytes it leased "
-            f"(first: remote block {job.remote_block_ids[i]}, read into local blocks {list(job.local_block_ids)}, {digest.alg}); "
-            "they were corrupted in flight or written after the lease was granted"
-        )
+        for rank, (values, got_rank) in enumerate(zip(per_rank, got)):
+            if got_rank is None:  # none of its heads are ours: nothing was read from it
+                continue
+            expected = values[job.lease_offset : job.lease_offset + num_read]
+            bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got_rank)
+            if not bad:
+                continue
+            self._stats.num_digest_mismatches += 1
+            i = bad[0]
+            return (
+                f"KV DIGEST MISMATCH: {len(bad)} of {num_read} blocks read from {who} (its TP rank {rank}) do not hold the "
+                f"bytes it leased (first: remote block {job.remote_block_ids[i]}, read into local blocks "
+                f"{list(job.local_block_ids)}, {digest.alg}); they were corrupted in flight or written after the lease was granted"
+            )
+        return None
 
     def forget(self, req_id: str) -> None:
         """The read ended without a verdict (failed, expired): drop its digest."""

@@ -33,6 +33,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvbridge import env
 from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, FlushReport
 from kvbridge.connectors.nixl.leases import LeaseTable
@@ -76,12 +78,18 @@ class NixlWorker:
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
             renew_interval_s=options.renew_interval_s, clock=self._clock, wake=context.wakeup.ring,
+            reader_rank=context.tp_rank, num_readers=context.tp_size,
         )  # fmt: skip
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._flip_landed_bit = env.fault_flip_read_bit()
         self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
         self._load_errors: dict[str, str] = {}  # request id -> why its load failed, until reported
+        # Tensor parallelism, prefill: rank 0 grants a lease once every rank's digest of its own heads
+        # is in (apply_tp_step_reports, the same step); ranks > 0 hold no lease, only digest at grant.
+        self._ungranted: dict[str, tuple[m.LeaseRef, m.KVDigest | None]] = {}  # rank 0: own digest, awaiting the others'
+        self._rank_digests: dict[str, m.KVDigest] = {}  # rank > 0: digested this step, for rank 0
+        self._digested: set[str] = set()  # rank > 0: its part of these leases is done (finished_sending)
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -91,17 +99,20 @@ class NixlWorker:
 
         if self._endpoint is not None:
             raise RuntimeError("NixlConnector: register_kv_caches called twice")
+        ctx = self.context
         self._endpoint = KVEndpoint(
-            self.config.engine_id,
+            self.config.engine_id if ctx.tp_rank == 0 else f"{self.config.engine_id}.tp{ctx.tp_rank}",  # one NIXL agent per rank
             self.context.model_id,
             kv_cache,
             layout,
             incarnation=self.context.incarnation,
             host=self.config.side_channel_host,
             port=self.config.side_channel_port,
-            serve=self.config.is_producer,
+            serve=self.config.is_producer and ctx.tp_rank == 0,  # one side channel per node: rank 0's
             message_handler=self._on_message if self.config.is_producer else None,
             options=self.options,  # NixlOptions extends the endpoint's TransferOptions
+            kv_head_start=ctx.kv_head_start,
+            num_total_kv_heads=ctx.num_total_kv_heads,
         )
         self._verifier = ReadVerifier(self._endpoint, self.stats, self._clock) if self.options.verify_kv_digest else None
         if self._endpoint.server is not None:
@@ -120,7 +131,9 @@ class NixlWorker:
                 held, pending, unknown, _ = self._leases.renew(incarnation, leases, self._clock())
                 return m.LeaseRenewReply(held=held, pending=pending, unknown=unknown)
             case m.TransferDone(incarnation=incarnation, leases=leases, failed_leases=failed):
-                released, pending, unknown, digests = self._leases.release(incarnation, leases + failed, self._clock())
+                released, pending, unknown, digests = self._leases.release(
+                    incarnation, leases + failed, self._clock(), msg.reader_rank, msg.num_readers
+                )
                 return m.TransferDoneReply(released=released, pending=pending, unknown=unknown, digests=digests)
             case _:
                 return m.ErrorReply(code=m.ErrorCode.UNSUPPORTED, message=f"{type(msg).__name__} is not handled here")
@@ -132,7 +145,15 @@ class NixlWorker:
             return
         now = self._clock()
         for lease in metadata.leases.values():
-            self._leases.grant(lease, now, self._digest(lease))
+            digest = self._digest(lease)
+            if self.context.tp_size == 1:
+                self._leases.grant(lease, now, digest)
+            elif self.context.tp_rank == 0:
+                self._ungranted[lease.req_id] = (lease, digest)
+            else:
+                if digest is not None:
+                    self._rank_digests[lease.req_id] = digest
+                self._digested.add(lease.req_id)
         for job in metadata.recvs.values():
             self._start_recv(job, now)
 
@@ -179,7 +200,35 @@ class NixlWorker:
     def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         self._progress()
         recving, self._finished_recving = self._finished_recving, set()
-        return CompletedTransfers(self._leases.collect(self._clock()), recving)
+        sending, self._digested = self._leases.collect(self._clock()) | self._digested, set()
+        return CompletedTransfers(sending, recving)
+
+    # ------------------------------------------------------------------ tensor parallelism (connectors/base.py)
+
+    def tp_rank_info(self) -> bytes:
+        """This rank's NIXL agent, region and KV heads, for rank 0's handshake answers."""
+        return msgspec.msgpack.encode(self._endpoint.rank_shard(self.context.tp_rank))
+
+    def set_tp_rank_infos(self, infos: list[bytes]) -> None:
+        self._endpoint.set_node_ranks([msgspec.msgpack.decode(info, type=m.RankShard) for info in infos])
+
+    def tp_step_report(self) -> bytes:
+        report, self._rank_digests = m.RankDigests(digests=self._rank_digests), {}
+        return msgspec.msgpack.encode(report)
+
+    def apply_tp_step_reports(self, reports: list[bytes]) -> None:
+        """Rank 0: grant this step's leases with every rank's digest. A rank that could not digest
+        leaves the lease without one: readers that verify refuse it (they never use unproven KV)."""
+        others = [msgspec.msgpack.decode(r, type=m.RankDigests).digests for r in reports]
+        now = self._clock()
+        for req_id, (lease, digest) in self._ungranted.items():
+            rank_digests = [d.get(req_id) for d in others]
+            if digest is not None and all(r is not None and r.alg == digest.alg for r in rank_digests):
+                digest = m.KVDigest(alg=digest.alg, values=digest.values, rank_values=[r.values for r in rank_digests])
+            else:
+                digest = None
+            self._leases.grant(lease, now, digest)
+        self._ungranted.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
