@@ -474,6 +474,25 @@ class KVEndpoint:
         endpoint's own algorithm. Raises DigestError or IndexError (transfer/digest.py)."""
         return block_digests(self._region_bytes, self.layout, block_ids, alg or self.digest_alg)
 
+    def digest_lease(self, block_ids) -> m.KVDigest:
+        """What an owner returns with a lease: each block's digest and, when our pages hold several KV
+        heads, each head's (so a reader holding only some of them, a wider tensor-parallel decode, can
+        check what it read). Raises DigestError or IndexError."""
+        whole = self.digest_blocks(block_ids)
+        if self.layout.num_kv_heads == 1:
+            return whole
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        per_head = []
+        for head in range(self.shard.head_start, self.shard.head_end):
+            blocks, layout = rebuild_blocks(self._region_bytes, self.shard, ids, self._head_shard(self.shard, head), len(ids))
+            per_head.append(block_digests(blocks, layout, np.arange(len(ids)), self.digest_alg).values)
+        return m.KVDigest(alg=whole.alg, values=whole.values, head_values=per_head)
+
+    @staticmethod
+    def _head_shard(shard: KVShard, head: int) -> KVShard:
+        """One KV head of `shard`'s pages, as pages of its own."""
+        return KVShard(dataclasses.replace(shard.layout, num_kv_heads=1), head, shard.total_kv_heads)
+
     def start_digest(self, block_ids, alg: str) -> DigestJob:
         """`digest_blocks` without waiting for the device: `result()` waits (a GPU's work is queued)."""
         return start_block_digests(self._region_bytes, self.layout, block_ids, alg)
@@ -488,28 +507,36 @@ class KVEndpoint:
         where they landed, gather included. Raises DigestError when our blocks do not hold all of the
         peer's blocks' tokens (a larger remote block whose tail we have no room for): unverifiable.
         """
-        return self.start_read_digests(address, local_block_ids, remote_block_ids, alg)[0]
+        return self.start_read_digests(address, local_block_ids, remote_block_ids, alg)[0][0][1]
 
-    def start_read_digests(self, address: str, local_block_ids, remote_block_ids, alg: str) -> list[DigestJob | None]:
-        """`start_read_digest` for each rank of a tensor-parallel peer node (rank 0 first): the digests
-        of each rank's blocks as this node holds them, None for a rank none of whose KV heads we hold
-        (nothing was read from it). DigestError when we hold some but not all of a rank's heads (its
-        whole-block digests cannot be checked here)."""
+    def start_read_digests(
+        self, address: str, local_block_ids, remote_block_ids, alg: str
+    ) -> list[list[tuple[int | None, DigestJob]]]:
+        """`start_read_digest` for each rank of a tensor-parallel peer node (rank 0 first): per rank, the
+        digests of what we read from it, as (None, its whole blocks) when we hold all of its heads, else
+        (i, its i-th head's blocks) for each of its heads we hold (to check against its `head_values`),
+        and nothing for a rank none of whose heads we hold (nothing was read from it)."""
         peer = self.peers.get(address) if address in self.peers else None
         if peer is None or not self.is_translated(peer):
-            return [self.start_digest(local_block_ids, alg)]
+            return [[(None, self.start_digest(local_block_ids, alg))]]
         num_remote = len(np.asarray(remote_block_ids).reshape(-1))
-        jobs: list[DigestJob | None] = []
-        for _, _, shard in peer.rank_shards():
-            if shard.head_end <= self.shard.head_start or shard.head_start >= self.shard.head_end:
-                jobs.append(None)
-                continue
-            try:
-                blocks, layout = rebuild_blocks(self._region_bytes, self.shard, local_block_ids, shard, num_remote)
-            except ValueError as e:
-                raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
-            jobs.append(start_block_digests(blocks, layout, np.arange(num_remote), alg))
-        return jobs
+        mine = self.shard
+        per_rank: list[list[tuple[int | None, DigestJob]]] = []
+        for _, _, theirs in peer.rank_shards():
+            first, end = max(theirs.head_start, mine.head_start), min(theirs.head_end, mine.head_end)
+            if (first, end) == (theirs.head_start, theirs.head_end):
+                parts = [(None, theirs)]  # we hold every head of its pages
+            else:
+                parts = [(head - theirs.head_start, self._head_shard(theirs, head)) for head in range(first, end)]
+            jobs = []
+            for index, shard in parts:
+                try:
+                    blocks, layout = rebuild_blocks(self._region_bytes, mine, local_block_ids, shard, num_remote)
+                except ValueError as e:
+                    raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
+                jobs.append((index, start_block_digests(blocks, layout, np.arange(num_remote), alg)))
+            per_rank.append(jobs)
+        return per_rank
 
     def flip_bit(self, block_id: int) -> None:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""

@@ -225,9 +225,13 @@ class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
 
     alg: str
     values: list[int]
-    # Tensor parallelism: the digests of the owner's ranks 1..N-1, each in `values`' order (each rank
-    # digests its own heads of the leased blocks when the lease is granted). []: one rank.
-    rank_values: list[list[int]] = []
+    # Per KV head of the digested pages, in head order, each in `values`' order: what a reader holding
+    # only some of those heads checks (tensor parallelism, decode wider than prefill). []: not taken
+    # (pages of one head, whose `values` are that head's).
+    head_values: list[list[int]] = []
+    # Tensor parallelism: the digests of the owner's ranks 1..N-1 (each rank digests its own heads of
+    # the leased blocks when the lease is granted; rank 0 holds the lease and answers for all). []: one rank.
+    ranks: list[KVDigest] = []
 
 
 class RankDigests(_Message, tag="tp_digests"):

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 class ReadVerifier:
     def __init__(self, endpoint: KVEndpoint, stats: TransferStats, clock: Callable[[], float]) -> None:
         self._endpoint, self._stats, self._clock = endpoint, stats, clock
-        # req id -> (digests of its landed blocks, one per rank of the peer node (None: not read from), time spent)
-        self._started: dict[str, tuple[list[DigestJob | None], float]] = {}
+        # req id -> (digests of its landed blocks per rank of the peer node (endpoint.start_read_digests), time spent)
+        self._started: dict[str, tuple[list[list[tuple[int | None, DigestJob]]], float]] = {}
 
     def start(self, job: RecvJob) -> None:
         """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake)."""
@@ -63,31 +63,39 @@ class ReadVerifier:
                 f"{who} confirmed the read but sent no digest of its blocks (an older build, or verify_kv_digest "
                 "off there); this node uses only verified KV (NixlConnector option verify_kv_digest)"
             )
-        per_rank = [digest.values, *digest.rank_values]  # a TP peer node: every rank's digests of its own heads
+        per_rank = [digest, *digest.ranks]  # a TP peer node: every rank's digests of its own heads
         num_ranks = 1 + len(self._endpoint.peers.get(job.remote.address).ranks) if job.remote.address in self._endpoint.peers else 1
-        if len(per_rank) != num_ranks or any(len(values) != len(job.lease.block_ids) for values in per_rank):
+        num_leased = len(job.lease.block_ids)
+        if len(per_rank) != num_ranks or any(
+            len(values) != num_leased for d in per_rank for values in (d.values, *d.head_values)
+        ):  # fmt: skip
             self._stats.num_unverified_reads += 1
-            return (
-                f"{who} sent {[len(v) for v in per_rank]} block digests per rank for a lease of "
-                f"{len(job.lease.block_ids)} blocks on {num_ranks} ranks"
-            )
+            return f"{who} sent digests of {[len(d.values) for d in per_rank]} blocks per rank for a lease of {num_leased} blocks on {num_ranks} ranks"
         start = self._clock()
         try:
-            if started is None or any(j is not None and j.alg != digest.alg for j in started):
+            if started is None or any(j.alg != digest.alg for jobs in started for _, j in jobs):
                 started = self._endpoint.start_read_digests(
                     job.remote.address, job.local_block_ids, job.remote_block_ids, digest.alg
                 )
-            got = [j.result() if j is not None else None for j in started]
+            got = [[(index, j.result()) for index, j in jobs] for jobs in started]
         except DigestError as e:
             self._stats.num_unverified_reads += 1
             return f"cannot verify the blocks read from {who}: {e}"
         self._stats.record_digest(spent_s + self._clock() - start, len(job.local_block_ids) * self._endpoint.layout.block_nbytes)
-        for rank, (values, got_rank) in enumerate(zip(per_rank, got)):
-            if got_rank is None:  # none of its heads are ours: nothing was read from it
-                continue
-            expected = values[job.lease_offset : job.lease_offset + num_read]
-            bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got_rank)
-            if not bad:
+        for rank, (sent, got_rank) in enumerate(zip(per_rank, got)):
+            for index, got_part in got_rank:  # nothing for a rank none of whose heads are ours: nothing was read from it
+                if index is None:
+                    values = sent.values  # its whole pages
+                elif index < len(sent.head_values):
+                    values = sent.head_values[index]
+                else:
+                    self._stats.num_unverified_reads += 1
+                    return f"{who} sent no digest of its TP rank {rank}'s KV head {index}, which this node read; it uses only verified KV"
+                expected = values[job.lease_offset : job.lease_offset + num_read]
+                bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got_part)
+                if bad:
+                    break
+            else:
                 continue
             self._stats.num_digest_mismatches += 1
             i = bad[0]

@@ -162,7 +162,7 @@ class NixlWorker:
         if not self.options.verify_kv_digest or self._endpoint is None:
             return None
         try:
-            return self._endpoint.digest_blocks(lease.block_ids)
+            return self._endpoint.digest_lease(lease.block_ids)
         except (DigestError, IndexError) as e:  # readers that verify will refuse this lease's blocks
             logger.error("request %s: cannot digest its leased blocks: %s", lease.req_id, e)
             return None
@@ -224,7 +224,7 @@ class NixlWorker:
         for req_id, (lease, digest) in self._ungranted.items():
             rank_digests = [d.get(req_id) for d in others]
             if digest is not None and all(r is not None and r.alg == digest.alg for r in rank_digests):
-                digest = m.KVDigest(alg=digest.alg, values=digest.values, rank_values=[r.values for r in rank_digests])
+                digest = m.KVDigest(alg=digest.alg, values=digest.values, head_values=digest.head_values, ranks=rank_digests)
             else:
                 digest = None
             self._leases.grant(lease, now, digest)

@@ -41,7 +41,7 @@ def run_pd(prefill_tp: int, decode_tp: int, prompts, env: dict | None = None):
     return outs, worker
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1)])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (2, 2), (1, 2)])
 def test_pd_between_tp_sizes_matches_colocated_tp1(prefill_tp, decode_tp, want):
     prompts, tokens = want
     outs, worker = run_pd(prefill_tp, decode_tp, prompts)
