@@ -102,6 +102,18 @@ def fault_flip_read_bit() -> bool:
     return _get_bool("KVBRIDGE_FAULT_FLIP_READ_BIT", False)
 
 
+def fault_flip_read_bit_rank() -> int | None:
+    """KVBRIDGE_FAULT_FLIP_READ_BIT_RANK: with KVBRIDGE_FAULT_FLIP_READ_BIT, only this tensor-parallel
+    rank of the decode node flips its reads' bit (default: every rank). For tests only."""
+    value = (_get_str("KVBRIDGE_FAULT_FLIP_READ_BIT_RANK", "") or "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable KVBRIDGE_FAULT_FLIP_READ_BIT_RANK={value!r}; expected a rank number") from None
+
+
 def fault_flip_host_block_bit() -> bool:
     """KVBRIDGE_FAULT_FLIP_HOST_BIT: fault injection for tests. The OffloadingConnector flips one bit
     of the first host-tier slot of every store once the store completed and its digest was recorded,

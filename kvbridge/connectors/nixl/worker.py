@@ -82,7 +82,7 @@ class NixlWorker:
         )  # fmt: skip
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
-        self._flip_landed_bit = env.fault_flip_read_bit()
+        self._flip_landed_bit = env.fault_flip_read_bit() and env.fault_flip_read_bit_rank() in (None, context.tp_rank)
         self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
         self._load_errors: dict[str, str] = {}  # request id -> why its load failed, until reported
         # Tensor parallelism, prefill: rank 0 grants a lease once every rank's digest of its own heads

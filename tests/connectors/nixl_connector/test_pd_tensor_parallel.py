@@ -49,3 +49,18 @@ def test_pd_between_tp_sizes_matches_colocated_tp1(prefill_tp, decode_tp, want):
     assert [o.num_external_tokens for o in outs] == [len(p["prompt_token_ids"]) // 16 * 16 for p in prompts]
     assert worker["num_failures"] == worker["num_digest_mismatches"] == worker["num_unverified_reads"] == 0
     assert worker["num_digested_bytes"] > 0  # every read was checked against the prefill ranks' digests
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,flip_rank", [(2, 1, 0), (2, 2, 1)])
+def test_a_bit_flipped_on_one_rank_fails_the_read_for_the_request(prefill_tp, decode_tp, flip_rank, want, monkeypatch):
+    """A bit flipped in flight on one decode rank (its first block, in the heads it read from one prefill
+    rank) is caught by that rank's digest check, and the request's KV is not used on any rank: it is recomputed."""
+    prompts, tokens = want
+    monkeypatch.setenv("KVBRIDGE_FAULT_FLIP_READ_BIT", "1")
+    monkeypatch.setenv("KVBRIDGE_FAULT_FLIP_READ_BIT_RANK", str(flip_rank))  # the decode's rank processes inherit it
+    outs, worker = run_pd(prefill_tp, decode_tp, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == tokens
+    assert all(o.num_external_tokens == 0 for o in outs)  # recomputed: not one token of the read KV used
+    num_read = sum(1 for p in prompts if len(p["prompt_token_ids"]) >= 16)
+    # rank 0's own counters: its reads mismatch only when it is the rank that flipped
+    assert worker["num_digest_mismatches"] == (num_read if flip_rank == 0 else 0)
