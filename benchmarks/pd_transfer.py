@@ -26,7 +26,14 @@ decode reads through a read plan (kvbridge/transfer/layout_plan.py): a STAGED re
 buffer and one gather pass into its pages, both inside `transfer_ms`; `plan` says which plan kind
 the reads took and their descriptors per read.
 
+Tensor parallelism: --prefill-tp N and --decode-tp M (default 1 both) run each engine with that many
+ranks, each rank registering its own KV heads; a decode rank reads the heads it needs from the
+prefill ranks that hold them (one NIXL transfer per prefill rank under one read). The transfer
+figures, bytes and descriptors are the decode's rank 0's (at --decode-tp 1: the whole read);
+`descriptors_per_request` is what one request's read posted on that rank.
+
     python benchmarks/pd_transfer.py --json                                   # CPU, tiny model
+    python benchmarks/pd_transfer.py --json --prefill-tp 2 --prompt-len 4096  # CPU, TP 2 -> 1
     python benchmarks/pd_transfer.py --json --decode-block-size 32            # CPU, through a staged plan
     python benchmarks/pd_transfer.py --json --model kv8b --dtype bfloat16 \\
         --prefill-device cuda:0 --decode-device cuda:1 --prompt-len 4096       # 2 GPUs, 512 MiB of KV
@@ -49,9 +56,11 @@ from kvbridge.transfer.progress import Backoff
 
 def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
     block_size = args.prefill_block_size if role == "kv_producer" else args.decode_block_size
+    tp = args.prefill_tp if role == "kv_producer" else args.decode_tp
     num_blocks = 2 * (args.prompt_len // block_size + 2) * (args.reps + 2)
     return dict(
         model=args.model, dtype=args.dtype, device=device, num_blocks=num_blocks, block_size=block_size,
+        tensor_parallel_size=tp,
         max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=args.prompt_len + 64,
         kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
                                 extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": args.cuda_ipc,
@@ -225,6 +234,8 @@ def run(args) -> dict:
         "bytes_per_request": nbytes,
         # reads between different block sizes go through a read plan: its kind and descriptors per read
         "plan": _plan_summary(worker_stats),
+        # descriptors one request's read posted (decode rank 0), warm-up reads included
+        "descriptors_per_request": worker_stats["num_descriptors"] / max(1, worker_stats["num_transfers"]),
         # the decode's digest of the bytes it read (0 with --no-verify-kv-digest), beside the transfer
         "digest_ms": {"median": med("digest_s") * 1e3, "min": min(r["digest_s"] for r in rows) * 1e3},
         "digest_vs_transfer": med("digest_s") / med("transfer_s"),
@@ -261,6 +272,8 @@ def main() -> None:
     parser.add_argument("--prefill-block-size", type=int, default=16, help="tokens per block of the prefill engine")
     parser.add_argument("--decode-block-size", type=int, default=16,
                         help="tokens per block of the decode engine; another size than the prefill's reads through a read plan")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill engine")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode engine")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
