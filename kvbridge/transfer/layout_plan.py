@@ -39,7 +39,6 @@ import numpy as np
 
 from kvbridge.block_runs import run_lengths, run_starts
 from kvbridge.errors import ConfigError, IncompatiblePeerError
-from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.kv_shard import KVShard
 from kvbridge.transfer.plan_atoms import Atoms, collect_atoms
 
@@ -214,16 +213,6 @@ def plan_read(
     if kind is PlanKind.DIRECT:
         return ReadPlan(kind, direct, num_tokens, num_direct_descriptors=n_direct, num_staged_descriptors=n_staged)
     return ReadPlan(kind, staged, num_tokens, staging_nbytes, gather, n_direct, n_staged)
-
-
-def plan_engine_read(local: KVCacheLayout, remote: KVCacheLayout, local_block_ids, remote_block_ids) -> ReadPlan:
-    """The plan of a P/D read between two whole engines (tensor parallel 1 on both sides): remote
-    blocks `remote_block_ids` hold the prompt's first tokens, local blocks `local_block_ids` receive
-    them. The tokens moved are those both lists have room for: min(len(local) * D, len(remote) * P)."""
-    num_tokens = min(len(local_block_ids) * local.block_size, len(remote_block_ids) * remote.block_size)
-    if num_tokens == 0:
-        raise ValueError("a read plan needs at least one block on each side")
-    return plan_read(KVShard(local), local_block_ids, [KVShard(remote)], [remote_block_ids], num_tokens)
 
 
 def copy_gather(

@@ -41,7 +41,12 @@ def run_pd(prefill_tp: int, decode_tp: int, prompts, env: dict | None = None):
     return outs, worker
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (2, 2), (1, 2)])
+SLOW = pytest.mark.slow  # a TP 2 decode: two more processes, ~25 s on 2 CPU cores
+
+
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp", [(2, 1), pytest.param(1, 2, marks=SLOW), pytest.param(2, 2, marks=SLOW)]
+)
 def test_pd_between_tp_sizes_matches_colocated_tp1(prefill_tp, decode_tp, want):
     prompts, tokens = want
     outs, worker = run_pd(prefill_tp, decode_tp, prompts)
@@ -51,7 +56,7 @@ def test_pd_between_tp_sizes_matches_colocated_tp1(prefill_tp, decode_tp, want):
     assert worker["num_digested_bytes"] > 0  # every read was checked against the prefill ranks' digests
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,flip_rank", [(2, 1, 0), (2, 2, 1)])
+@pytest.mark.parametrize("prefill_tp,decode_tp,flip_rank", [(2, 1, 0), pytest.param(2, 2, 1, marks=SLOW)])
 def test_a_bit_flipped_on_one_rank_fails_the_read_for_the_request(prefill_tp, decode_tp, flip_rank, want, monkeypatch):
     """A bit flipped in flight on one decode rank (its first block, in the heads it read from one prefill
     rank) is caught by that rank's digest check, and the request's KV is not used on any rank: it is recomputed."""
