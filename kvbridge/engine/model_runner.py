@@ -176,11 +176,16 @@ class ModelRunner:
         """Host the worker side of a connector; registers the KV cache with it. Called once by EngineCore."""
         self._check_alive()
         self._connector = connector
-        connector.register_kv_caches(self.kv_cache, self.layout)
-        if self._group is not None:  # every rank registered its own heads' cache: rank 0 learns theirs
-            tp_connector.join(self._group, connector)
-            if self.rank == 0:
-                self._tp_kv = RankDriver(self._group, connector)
+        try:
+            connector.register_kv_caches(self.kv_cache, self.layout)
+            if self._group is not None:  # every rank registered its own heads' cache: rank 0 learns theirs
+                tp_connector.join(self._group, connector)
+        except BaseException:
+            # the other ranks may wait in `join` for this one, which will never come: no SHUTDOWN can reach them
+            self._stop_workers(kill=True)
+            raise
+        if self._group is not None and self.rank == 0:
+            self._tp_kv = RankDriver(self._group, connector)
 
     @property
     def kv_head_start(self) -> int:

@@ -8,6 +8,8 @@ rank's digest. Completions equal a colocated TP 1 engine's, and no block is stra
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from prefill_node import engine_kwargs, prefill_node
 from test_pd import GREEDY, assert_all_free_or_cached, colocated, make_prompts
@@ -69,3 +71,43 @@ def test_a_bit_flipped_on_one_rank_fails_the_read_for_the_request(prefill_tp, de
     num_read = sum(1 for p in prompts if len(p["prompt_token_ids"]) >= 16)
     # rank 0's own counters: its reads mismatch only when it is the rank that flipped
     assert worker["num_digest_mismatches"] == (num_read if flip_rank == 0 else 0)
+
+
+def test_a_tp_node_whose_rank_0_cannot_serve_fails_at_once_and_leaves_no_rank_behind():
+    """Rank 0 fails to bind its side channel while the other ranks wait to join it: they are killed,
+    not told SHUTDOWN (which they could not hear), and the error is the bind's, not a hang."""
+    import socket
+    import time
+
+    from kvbridge.errors import KVBridgeError
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    start = time.monotonic()
+    try:
+        with pytest.raises(KVBridgeError):
+            LLM(**engine_kwargs("prefill-busy", "kv_producer", tensor_parallel_size=2, kv={"side_channel_port": port}))
+    finally:
+        busy.close()
+    assert time.monotonic() - start < 60
+    assert not _tp_workers_of(os.getpid())
+
+
+def _tp_workers_of(pid: int) -> list[int]:
+    """Live tensor-parallel worker processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"tp_worker_main" in cmdline:
+            found.append(int(entry))
+    return found
