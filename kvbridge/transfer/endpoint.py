@@ -474,18 +474,24 @@ class KVEndpoint:
         endpoint's own algorithm. Raises DigestError or IndexError (transfer/digest.py)."""
         return block_digests(self._region_bytes, self.layout, block_ids, alg or self.digest_alg)
 
-    def digest_lease(self, block_ids) -> m.KVDigest:
+    def digest_lease(self, block_ids, per_head: bool = True) -> m.KVDigest:
         """What an owner returns with a lease: each block's digest and, when our pages hold several KV
         heads, each head's (so a reader holding only some of them, a wider tensor-parallel decode, can
         check what it read). Raises DigestError or IndexError."""
         whole = self.digest_blocks(block_ids)
-        if self.layout.num_kv_heads == 1:
+        if self.layout.num_kv_heads == 1 or not per_head:
             return whole
+        import torch
+
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        pages = self._kv.index_select(0, torch.as_tensor(ids, device=self._kv.device))  # [n, L, *page_shape]
+        head_dim = 2 + self.layout.page_format.index("H")  # the heads' dimension of `pages`
+        one_head = dataclasses.replace(self.layout, num_kv_heads=1).block_major(len(ids))
         per_head = []
-        for head in range(self.shard.head_start, self.shard.head_end):
-            blocks, layout = rebuild_blocks(self._region_bytes, self.shard, ids, self._head_shard(self.shard, head), len(ids))
-            per_head.append(block_digests(blocks, layout, np.arange(len(ids)), self.digest_alg).values)
+        for head in range(self.layout.num_kv_heads):
+            # [n, L, *page_shape with one head]: the bytes a reader rebuilds as this head's pages (rebuild_blocks)
+            part = pages.narrow(head_dim, head, 1).contiguous().view(-1).view(torch.uint8)
+            per_head.append(block_digests(part, one_head, np.arange(len(ids)), self.digest_alg).values)
         return m.KVDigest(alg=whole.alg, values=whole.values, head_values=per_head)
 
     @staticmethod

@@ -23,6 +23,10 @@ class NixlOptions(TransferOptions):
     # Prefill: digest leased blocks when granting; decode: use a read only if its bytes match that
     # digest (transfer/digest.py). Off on either side means reads are not verified.
     verify_kv_digest: bool = True
+    # Prefill: with verify_kv_digest, also digest each KV head of the leased blocks (when the pages
+    # hold several), which a decode rank holding only some of them needs (a decode of a larger TP size
+    # than this node's). Costs a copy of the leased blocks at grant; off: such readers refuse the read.
+    digest_kv_heads: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -162,7 +162,7 @@ class NixlWorker:
         if not self.options.verify_kv_digest or self._endpoint is None:
             return None
         try:
-            return self._endpoint.digest_lease(lease.block_ids)
+            return self._endpoint.digest_lease(lease.block_ids, per_head=self.options.digest_kv_heads)
         except (DigestError, IndexError) as e:  # readers that verify will refuse this lease's blocks
             logger.error("request %s: cannot digest its leased blocks: %s", lease.req_id, e)
             return None
