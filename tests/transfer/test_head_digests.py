@@ -1,0 +1,44 @@
+"""A lease's per-head digests (what a decode rank holding only some of a prefill rank's KV heads checks)
+equal the digests of the heads a reader rebuilds from its own pages, for every page format (marker `nixl`:
+the endpoint registers its KV with a NIXL agent)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.digest import block_digests
+from kvbridge.transfer.kv_shard import KVShard
+from kvbridge.transfer.layout_gather import rebuild_blocks
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.nixl
+
+
+@pytest.mark.parametrize("page_format", ["2NHD", "H2ND", "2HND"])
+def test_per_head_digests_are_what_a_reader_of_one_head_rebuilds(page_format):
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    seed = 4
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    layout = KVCacheLayout(num_blocks=12, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype="float32", page_format=page_format)
+    ep = KVEndpoint(f"heads-{page_format}", "m", torch.randn(layout.shape), layout, serve=False, kv_head_start=4, num_total_kv_heads=8)
+    try:
+        ids = [7, 2, 9]
+        digest = ep.digest_lease(ids)
+        assert len(digest.head_values) == 4 and digest.values == ep.digest_blocks(ids).values
+        for local_head in range(4):  # a reader holding all four heads rebuilds global head 4 + local_head alone
+            one = KVShard(_one_head(layout), 4 + local_head, 8)
+            blocks, rebuilt = rebuild_blocks(ep._region_bytes, ep.shard, ids, one, len(ids))
+            assert block_digests(blocks, rebuilt, np.arange(len(ids)), digest.alg).values == digest.head_values[local_head]
+        assert ep.digest_lease(ids, per_head=False).head_values == []  # digest_kv_heads off
+    finally:
+        ep.close()
+
+
+def _one_head(layout: KVCacheLayout) -> KVCacheLayout:
+    return dataclasses.replace(layout, num_kv_heads=1)
