@@ -39,7 +39,7 @@ import numpy as np
 
 from kvbridge.block_runs import run_lengths, run_starts
 from kvbridge.errors import ConfigError, IncompatiblePeerError
-from kvbridge.layout import KVCacheLayout
+from kvbridge.layout import OPAQUE_FORMATS, KVCacheLayout
 from kvbridge.transfer.kv_shard import KVShard
 from kvbridge.transfer.plan_atoms import Atoms, collect_atoms
 
@@ -122,6 +122,13 @@ def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
                 f"the prefill's KV ({shard.describe()}) and the decode's ({decode.describe()}) are not of one model: "
                 "layers, head_dim, total KV heads and dtype must agree; serve the same checkpoint and kv dtype on both"
             )
+    opaque = [s for s in (decode, *prefills) if s.layout.page_format in OPAQUE_FORMATS]
+    if opaque:
+        raise IncompatiblePeerError(
+            f"the prefill's KV ({'; '.join(s.describe() for s in prefills)}) cannot be translated into the decode's "
+            f"({decode.describe()}): {opaque[0].layout.page_format} pages move whole only, between engines of the same "
+            "page format and block size; run both with the same vLLM attention kernels and block size"
+        )
     missing = [h for h in range(decode.head_start, decode.head_end)
                if not any(s.head_start <= h < s.head_end for s in prefills)]  # fmt: skip
     if missing:
