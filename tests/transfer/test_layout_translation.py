@@ -1,8 +1,9 @@
 """Reads between engines whose KV pages differ, over real NIXL/UCX between two OS processes (marker `nixl`).
 
 The owner (tests/transfer/peer_process.py) holds kvbridge-engine pages ("2NHD", block-major,
-16-token blocks); this process reads them into vLLM-CPU-shaped pages ("H2ND", and "H2ND-KT" as vLLM's CPU VEC kernels
-write them: each head's K transposed; layer-outermost, 32-token blocks). The handshake accepts the pair by model hash, the endpoint plans the read
+16-token blocks); this process reads them into vLLM-CPU-shaped pages, layer-outermost with 32-token
+blocks: "H2ND", and "H2ND-KT" (each head's K transposed, as vLLM's CPU VEC kernels write it). The
+handshake accepts the pair by model hash, the endpoint plans the read
 (layout_plan.py: STAGED here), and every token of every layer and head must land where the
 decode's layout puts it, with every other byte untouched. The reader then rebuilds the owner's
 blocks from its own pages and must get the owner's own lease digests.
