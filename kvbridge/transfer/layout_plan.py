@@ -144,8 +144,10 @@ def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
 
 def _direct_reads(atoms: Atoms) -> Reads:
     """Maximal runs of atoms adjacent on both sides (and of one source)."""
-    starts = run_starts(atoms.src, atoms.dst, atoms.nbytes)
-    starts = np.union1d(starts, np.flatnonzero(np.diff(atoms.source, prepend=-1)))  # a new source starts a run
+    is_start = np.zeros(len(atoms.src), dtype=bool)
+    is_start[run_starts(atoms.src, atoms.dst, atoms.nbytes)] = True
+    is_start[1:] |= atoms.source[1:] != atoms.source[:-1]  # a new source starts a run
+    starts = np.flatnonzero(is_start)
     lengths = run_lengths(starts, len(atoms.src))
     return Reads(atoms.source[starts], atoms.src[starts], atoms.dst[starts], lengths * atoms.nbytes)
 
@@ -172,7 +174,7 @@ def _staged_reads(atoms: Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) ->
 
 def _gather(atoms: Atoms, staging: np.ndarray) -> Gather:
     """Row indices for the pass: rows of the largest size that divides every offset (usually one atom)."""
-    row = math.gcd(atoms.nbytes, *np.unique(staging % atoms.nbytes).tolist(), *np.unique(atoms.dst % atoms.nbytes).tolist())
+    row = math.gcd(atoms.nbytes, int(np.gcd.reduce(staging % atoms.nbytes)), int(np.gcd.reduce(atoms.dst % atoms.nbytes)))
     per_atom = np.arange(atoms.nbytes // row, dtype=np.int64)  # [k]
     staging_rows = ((staging // row)[:, None] + per_atom).reshape(-1)  # [A * k]
     dst_rows = ((atoms.dst // row)[:, None] + per_atom).reshape(-1)
