@@ -106,6 +106,17 @@ def test_a_peer_of_another_model_is_refused_at_the_handshake_naming_both_layouts
         ep.close()
 
 
+def test_opaque_pages_are_refused_at_the_handshake_naming_both_layouts(owner):
+    """vLLM CPU pages of kernels whose tiling is not mapped: their model hash names the format, so no plan is tried."""
+    ep, _ = _reader("decode-opaque", {**READER, "page_format": "vllm-cpu-amx"})
+    try:
+        with pytest.raises(IncompatiblePeerError) as err:
+            ep.handshake(owner.address)
+        assert "vllm-cpu-amx pages" in str(err.value) and "2NHD pages" in str(err.value)
+    finally:
+        ep.close()
+
+
 def test_unpaired_ids_for_a_peer_of_our_own_pages_fail_the_read_and_keep_the_peer(owner):
     """Lists of different lengths are for translated peers; for the others they are the caller's mistake."""
     ep, _ = _reader("decode-same-pages", OWNER)

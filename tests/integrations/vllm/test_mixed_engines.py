@@ -119,7 +119,8 @@ def test_reference_engine_prefill_feeds_a_vllm_decode(engines):
     # the prefill's 16-token blocks hold 288 of the 300 tokens; the decode's 128-token blocks take 256
     num_tokens = len(out.kv_transfer_params["remote_block_ids"]) * REF_BLOCK_SIZE // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE
     print(f"ref -> vLLM: {out.token_ids}, read {delta(after, before, BYTES)} B, {external:.0f} external tokens")
-    assert out.token_ids == decode_colocated == prefill_colocated
+    assert out.token_ids == decode_colocated, "vLLM decoded other tokens from the KV it read than from its own"
+    assert decode_colocated == prefill_colocated, "the two engines' colocated tokens differ (their numerics)"
     assert external == num_tokens > 0
     assert delta(after, before, TRANSFERS) == 1 and delta(after, before, BYTES) == num_tokens * engines.kv_bytes_per_token
     assert delta(after, before, "kvbridge_worker_num_staged_plan_reads") == 1
@@ -150,7 +151,8 @@ def test_vllm_prefill_feeds_a_reference_engine_decode(engines):
     num_tokens = len(out.kv_transfer_params["remote_block_ids"]) * CPU_BLOCK_SIZE
     external = after["num_external_tokens"] - before["num_external_tokens"]
     print(f"vLLM -> ref: {out.token_ids}, read {moved('bytes_transferred')} B, {external} external tokens")
-    assert out.token_ids == decode_colocated == prefill_colocated
+    assert out.token_ids == decode_colocated, "kvbridge decoded other tokens from the KV it read than from its own"
+    assert decode_colocated == prefill_colocated, "the two engines' colocated tokens differ (their numerics)"
     assert external == num_tokens > 0
     assert moved("num_transfers") == 1 and moved("bytes_transferred") == num_tokens * engines.kv_bytes_per_token
     assert moved("num_staged_plan_reads") == 1
