@@ -17,8 +17,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvbridge.errors import PlanTooLargeError
 from kvbridge.layout import K_TRANSPOSED_FORMATS
 from kvbridge.transfer.kv_shard import KVShard
+
+
+# At most this many atoms per plan: ~16 int64 arrays of this length live while planning (~1 GB at
+# 2**23), and planning takes ~0.3 s per million atoms on one core. Beyond, the read fails.
+MAX_ATOMS = 1 << 23
 
 
 def head_owners(decode: KVShard, prefills: Sequence[KVShard]) -> list[tuple[int, int, int]]:
@@ -90,9 +96,19 @@ class Atoms(NamedTuple):
 
 
 def collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens) -> Atoms:
+    """Every atom of the read, or PlanTooLargeError when there would be more than MAX_ATOMS."""
     source, src, src_page, dst = [], [], [], []
     owners = head_owners(decode, prefills)
     shape = atom_shape(decode, prefills, owners, num_tokens)
+    heads, tokens, dims = shape
+    num_atoms = sum(decode.layout.num_layers * 2 * -(-num_tokens // tokens) * -(-(h1 - h0) // heads) for _, h0, h1 in owners)
+    num_atoms *= decode.layout.head_dim // dims
+    if num_atoms > MAX_ATOMS:
+        raise PlanTooLargeError(
+            f"reading {num_tokens} tokens from {'; '.join(p.describe() for p in prefills)} into {decode.describe()} "
+            f"takes {num_atoms} atoms of {shape} (heads, tokens, dims) to plan, more than {MAX_ATOMS}: the read fails "
+            "(recomputed locally under policy recompute); pages whose K is transposed (H2ND-KT) plan element by element"
+        )
     for i, h0, h1 in owners:
         s, p = _atom_offsets(prefills[i], src_ids[i], num_tokens, range(h0, h1), shape)
         d, _ = _atom_offsets(decode, dst_ids, num_tokens, range(h0, h1), shape)

@@ -271,6 +271,19 @@ def test_opaque_pages_are_refused_naming_both_layouts():
         assert d.describe() in str(err.value) and p.describe() in str(err.value)
 
 
+def test_a_plan_of_more_atoms_than_planning_may_hold_is_refused(monkeypatch):
+    """H2ND-KT pages plan element by element: 2 layers x K|V x 16 tokens x 4 heads x 8 dims = 2,048 atoms."""
+    from kvbridge.errors import PlanTooLargeError
+    from kvbridge.transfer import plan_atoms
+
+    decode = KVShard(KVCacheLayout(**{**MODEL, "page_format": "H2ND-KT"}))
+    prefill = KVShard(KVCacheLayout(**MODEL))
+    assert plan_read(decode, [0], [prefill], [[0]], 16).nbytes_read == 2048 * 2
+    monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 2047)
+    with pytest.raises(PlanTooLargeError, match="takes 2048 atoms of \\(1, 1, 1\\)"):
+        plan_read(decode, [0], [prefill], [[0]], 16)
+
+
 def test_heads_no_prefill_rank_holds_are_refused():
     decode = KVShard(KVCacheLayout(**MODEL))
     half = KVShard(KVCacheLayout(**{**MODEL, "num_kv_heads": 2}), 0, 4)

@@ -117,6 +117,22 @@ def test_opaque_pages_are_refused_at_the_handshake_naming_both_layouts(owner):
         ep.close()
 
 
+def test_a_read_too_large_to_plan_fails_that_read_only(owner, monkeypatch):
+    from kvbridge.transfer import plan_atoms
+
+    ep, kv = _reader("decode-too-large", {**READER, "page_format": "H2ND-KT"})
+    try:
+        monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 1000)  # 32 tokens x 2 layers x K|V x 2 heads x 8 dims: 2,048
+        rec = _wait_final(ep, ep.read_blocks("too-large", owner.address, [1], [3, 4]).req_id)
+        assert rec.state is TransferState.FAILED and "PlanTooLargeError" in rec.error
+        assert not kv.view(torch.int16)[1].any()
+        monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 1 << 23)
+        rec = _wait_final(ep, ep.read_blocks("fits", owner.address, [1], [3, 4]).req_id)
+        assert rec.state is TransferState.DONE, rec.error
+    finally:
+        ep.close()
+
+
 def test_unpaired_ids_for_a_peer_of_our_own_pages_fail_the_read_and_keep_the_peer(owner):
     """Lists of different lengths are for translated peers; for the others they are the caller's mistake."""
     ep, _ = _reader("decode-same-pages", OWNER)
