@@ -29,6 +29,10 @@ class TransferError(KVBridgeError):
     """A KV transfer failed."""
 
 
+class PlanTooLargeError(TransferError):
+    """A read between two layouts would take more atoms to plan than planning may hold in memory."""
+
+
 class PeerUnreachableError(TransferError):
     """The peer's side channel did not answer within the deadline."""
 

@@ -48,7 +48,19 @@ PAGE_FORMATS: dict[str, Callable[[int, int, int], tuple[int, int, int, int]]] = 
     "2NHD": lambda block_size, heads, head_dim: (2, block_size, heads, head_dim),  # kvbridge's engine
     "H2ND": lambda block_size, heads, head_dim: (heads, 2, block_size, head_dim),  # vLLM's CPU backend
     "2HND": lambda block_size, heads, head_dim: (2, heads, block_size, head_dim),  # vLLM's CUDA backends, HND layout
+    # H2ND with each head's K transposed, [head_dim, block_size] (token innermost); V stays [block_size,
+    # head_dim]: vLLM's CPU backend under its VEC kernels ("reshape K as column-major and V as row-major")
+    "H2ND-KT": lambda block_size, heads, head_dim: (heads, 2, block_size, head_dim),
 }
+K_TRANSPOSED_FORMATS = frozenset({"H2ND-KT"})
+# vLLM's CPU backend under its other kernels (AMX, NEON, VEC16, ...) packs a page's interior in tiles
+# kvbridge has not mapped: such pages move whole between engines of the same format and block size
+# (equal compat hashes) and are never translated (their model hash names the format, so the
+# handshake refuses any other layout). The shape is only a view of the page's bytes.
+OPAQUE_FORMATS = frozenset(
+    f"vllm-cpu-{isa}" for isa in ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx", "unknown")
+)
+PAGE_FORMATS.update({fmt: PAGE_FORMATS["H2ND"] for fmt in OPAQUE_FORMATS})
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,17 @@ class KVCacheLayout:
             raise IndexError(f"block id {int(bad)} outside [0, {self.num_blocks})")
         return ids * self.block_stride_bytes
 
+    def page_dim_strides(self) -> tuple[int, tuple[tuple[int, int, int], tuple[int, int, int]]]:
+        """Byte strides inside a page: (K|V, ((token, head, dim) of K, (token, head, dim) of V)).
+        ConfigError for an opaque page format, whose interior is not mapped."""
+        if self.page_format in OPAQUE_FORMATS:
+            raise ConfigError(f"the interior of {self.page_format!r} KV pages is not mapped: they move whole only")
+        e = self.element_size
+        named = {dim: stride * e for dim, stride in zip(self.page_format[:4], self.strides[2:])}
+        v = (named["N"], named["H"], named["D"])
+        k = (e, named["H"], self.block_size * e) if self.page_format in K_TRANSPOSED_FORMATS else v
+        return named["2"], (k, v)
+
     def page_offsets(self, block_ids):
         """Byte offsets of every page of the given blocks: [n, num_layers] int64, [i, l] = page (l, block_ids[i])."""
         import numpy as np
@@ -224,9 +247,13 @@ class KVCacheLayout:
         """Hex digest over what a layout translator cannot change: the model identity, layers, the
         model's KV heads (`num_total_kv_heads`; None: this layout's, i.e. tensor parallel 1), head_dim
         and dtype. Two engines with equal model hashes exchange KV through a read plan
-        (transfer/layout_plan.py) whatever their block sizes, page formats, placements and TP sizes."""
+        (transfer/layout_plan.py) whatever their block sizes, page formats, placements and TP sizes;
+        an opaque page format (`OPAQUE_FORMATS`) cannot be translated, so its hash names it too."""
         heads = self.num_kv_heads if num_total_kv_heads is None else num_total_kv_heads
-        text = repr(("kvbridge-model-v1", model_id, self.num_layers, heads, self.head_dim, self.dtype))
+        key = ("kvbridge-model-v1", model_id, self.num_layers, heads, self.head_dim, self.dtype)
+        if self.page_format in OPAQUE_FORMATS:
+            key += (self.page_format, self.block_size)
+        text = repr(key)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def compat_hash(self, model_id: str) -> str:

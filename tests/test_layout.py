@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import PAGE_FORMATS, KVCacheLayout
+from kvbridge.layout import OPAQUE_FORMATS, PAGE_FORMATS, KVCacheLayout
 
 GEOMETRY = dict(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PAGE = 2 * 4 * 2 * 8 * 2  # page_nbytes: 256
@@ -36,9 +36,34 @@ def test_page_formats_name_the_page_interior():
     assert block_major.page_nbytes == vllm_cpu.page_nbytes == PAGE and block_major.block_nbytes == 3 * PAGE
     vllm_cuda_hnd = KVCacheLayout(5, **GEOMETRY, page_format="2HND")
     assert vllm_cuda_hnd.page_shape == (2, 2, 4, 8) and vllm_cuda_hnd.page_nbytes == PAGE
-    with pytest.raises(ConfigError, match=r"page_format='NHD2'; expected one of \['2HND', '2NHD', 'H2ND'\]"):
+    with pytest.raises(ConfigError, match=r"page_format='NHD2'; expected one of \['2HND', '2NHD', 'H2ND', 'H2ND-KT', "):
         KVCacheLayout(5, **GEOMETRY, page_format="NHD2")
-    assert sorted(PAGE_FORMATS) == ["2HND", "2NHD", "H2ND"]
+    assert sorted(set(PAGE_FORMATS) - OPAQUE_FORMATS) == ["2HND", "2NHD", "H2ND", "H2ND-KT"]
+
+
+def test_a_k_transposed_page_keeps_each_heads_k_token_innermost():
+    """vLLM's CPU pages under its VEC kernels: per head, K is [head_dim, block_size] and V [block_size, head_dim]."""
+    e = 2  # bfloat16
+    kt = KVCacheLayout(5, **GEOMETRY, page_format="H2ND-KT")
+    assert kt.page_shape == (2, 2, 4, 8) and kt.page_nbytes == PAGE
+    # (K|V, ((token, head, dim) of K, (token, head, dim) of V)), in bytes
+    assert kt.page_dim_strides() == (4 * 8 * e, ((e, 2 * 4 * 8 * e, 4 * e), (8 * e, 2 * 4 * 8 * e, e)))
+    assert KVCacheLayout(5, **GEOMETRY, page_format="H2ND").page_dim_strides() == (
+        4 * 8 * e, ((8 * e, 2 * 4 * 8 * e, e),) * 2)
+    assert kt.compat_hash("m") != KVCacheLayout(5, **GEOMETRY, page_format="H2ND").compat_hash("m")
+    assert kt.model_hash("m") == KVCacheLayout(5, **GEOMETRY).model_hash("m")  # translated to and from any format
+
+
+def test_opaque_pages_move_whole_only():
+    """vLLM CPU pages of kernels whose tiling kvbridge has not mapped: their model hash names the format and
+    block size, so only the same format and block size pair with them (by compat hash); no interior strides."""
+    amx = KVCacheLayout(5, **GEOMETRY, page_format="vllm-cpu-amx")
+    assert "vllm-cpu-amx" in OPAQUE_FORMATS and amx.page_nbytes == PAGE
+    assert amx.model_hash("m") != KVCacheLayout(5, **GEOMETRY).model_hash("m")
+    assert amx.model_hash("m") != KVCacheLayout(5, **{**GEOMETRY, "block_size": 8}, page_format="vllm-cpu-amx").model_hash("m")
+    assert amx.model_hash("m") == KVCacheLayout(9, **GEOMETRY, page_format="vllm-cpu-amx").model_hash("m")
+    with pytest.raises(ConfigError, match="move whole only"):
+        amx.page_dim_strides()
 
 
 def test_block_major_is_the_default_and_a_contiguous_tensor():

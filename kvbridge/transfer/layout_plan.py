@@ -39,6 +39,7 @@ import numpy as np
 
 from kvbridge.block_runs import run_lengths, run_starts
 from kvbridge.errors import ConfigError, IncompatiblePeerError
+from kvbridge.layout import OPAQUE_FORMATS, KVCacheLayout
 from kvbridge.transfer.kv_shard import KVShard
 from kvbridge.transfer.plan_atoms import Atoms, collect_atoms
 
@@ -121,6 +122,13 @@ def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
                 f"the prefill's KV ({shard.describe()}) and the decode's ({decode.describe()}) are not of one model: "
                 "layers, head_dim, total KV heads and dtype must agree; serve the same checkpoint and kv dtype on both"
             )
+    opaque = [s for s in (decode, *prefills) if s.layout.page_format in OPAQUE_FORMATS]
+    if opaque:
+        raise IncompatiblePeerError(
+            f"the prefill's KV ({'; '.join(s.describe() for s in prefills)}) cannot be translated into the decode's "
+            f"({decode.describe()}): {opaque[0].layout.page_format} pages move whole only, between engines of the same "
+            "page format and block size; run both with the same vLLM attention kernels and block size"
+        )
     missing = [h for h in range(decode.head_start, decode.head_end)
                if not any(s.head_start <= h < s.head_end for s in prefills)]  # fmt: skip
     if missing:
@@ -136,8 +144,10 @@ def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
 
 def _direct_reads(atoms: Atoms) -> Reads:
     """Maximal runs of atoms adjacent on both sides (and of one source)."""
-    starts = run_starts(atoms.src, atoms.dst, atoms.nbytes)
-    starts = np.union1d(starts, np.flatnonzero(np.diff(atoms.source, prepend=-1)))  # a new source starts a run
+    is_start = np.zeros(len(atoms.src), dtype=bool)
+    is_start[run_starts(atoms.src, atoms.dst, atoms.nbytes)] = True
+    is_start[1:] |= atoms.source[1:] != atoms.source[:-1]  # a new source starts a run
+    starts = np.flatnonzero(is_start)
     lengths = run_lengths(starts, len(atoms.src))
     return Reads(atoms.source[starts], atoms.src[starts], atoms.dst[starts], lengths * atoms.nbytes)
 
@@ -164,7 +174,7 @@ def _staged_reads(atoms: Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) ->
 
 def _gather(atoms: Atoms, staging: np.ndarray) -> Gather:
     """Row indices for the pass: rows of the largest size that divides every offset (usually one atom)."""
-    row = math.gcd(atoms.nbytes, *np.unique(staging % atoms.nbytes).tolist(), *np.unique(atoms.dst % atoms.nbytes).tolist())
+    row = math.gcd(atoms.nbytes, int(np.gcd.reduce(staging % atoms.nbytes)), int(np.gcd.reduce(atoms.dst % atoms.nbytes)))
     per_atom = np.arange(atoms.nbytes // row, dtype=np.int64)  # [k]
     staging_rows = ((staging // row)[:, None] + per_atom).reshape(-1)  # [A * k]
     dst_rows = ((atoms.dst // row)[:, None] + per_atom).reshape(-1)
@@ -213,6 +223,16 @@ def plan_read(
     if kind is PlanKind.DIRECT:
         return ReadPlan(kind, direct, num_tokens, num_direct_descriptors=n_direct, num_staged_descriptors=n_staged)
     return ReadPlan(kind, staged, num_tokens, staging_nbytes, gather, n_direct, n_staged)
+
+
+def plan_engine_read(local: KVCacheLayout, remote: KVCacheLayout, local_block_ids, remote_block_ids) -> ReadPlan:
+    """The plan of a P/D read between two whole engines (tensor parallel 1 on both sides): remote
+    blocks `remote_block_ids` hold the prompt's first tokens, local blocks `local_block_ids` receive
+    them. The tokens moved are those both lists have room for: min(len(local) * D, len(remote) * P)."""
+    num_tokens = min(len(local_block_ids) * local.block_size, len(remote_block_ids) * remote.block_size)
+    if num_tokens == 0:
+        raise ValueError("a read plan needs at least one block on each side")
+    return plan_read(KVShard(local), local_block_ids, [KVShard(remote)], [remote_block_ids], num_tokens)
 
 
 def copy_gather(

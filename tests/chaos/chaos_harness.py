@@ -141,6 +141,16 @@ def request(url: str, path: str, body: dict[str, Any] | None = None, timeout_s: 
         raise AssertionError(f"{url}{path} gave no answer within {timeout_s:.0f}s (a hang?): {e!r}") from None
 
 
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled sample `name` on `url`'s /metrics; a missing one fails the test by name."""
+    status, text = request(url, "/metrics")
+    assert status == 200, text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not on {url}/metrics")
+
+
 def complete(url: str, text: str, params: dict[str, Any] | None = None, max_tokens: int = MAX_TOKENS,
              timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, Any]:  # fmt: skip
     body: dict[str, Any] = {"prompt": text, "max_tokens": max_tokens, "temperature": 0}

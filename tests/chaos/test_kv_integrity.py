@@ -22,10 +22,10 @@ from chaos_harness import (
     assert_correct,
     complete,
     external_tokens,
+    metric,
     prefill,
     prompt,
     references,
-    request,
     wait_granted,
 )
 from chaos_sockets import side_channel_address
@@ -50,15 +50,6 @@ def cluster():
         nodes.refs = references([WRITTEN, FLIPPED])
         nodes.wait()
         yield nodes
-
-
-def _metric(url: str, name: str) -> float:
-    status, text = request(url, "/metrics")
-    assert status == 200, text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} is not on {url}/metrics")
 
 
 MISMATCHES = "kvbridge_engine_connector_worker_num_digest_mismatches"
@@ -93,24 +84,24 @@ def _overwrite_through_nixl(params: dict) -> None:
 
 def test_blocks_written_after_the_lease_was_granted_are_never_served(cluster):
     p, d = cluster.url("prefill"), cluster.url("decode")
-    before = _metric(d, MISMATCHES)
+    before = metric(d, MISMATCHES)
     params = prefill(p, WRITTEN)
     wait_granted(params)
     _overwrite_through_nixl(params)
     status, body = complete(d, WRITTEN, params)
     assert_correct(status, body, cluster.refs[WRITTEN], allow_error=False)
     assert external_tokens(body) == 0, "KV that does not match the prefill's digest was used"
-    assert _metric(d, MISMATCHES) == before + 1
+    assert metric(d, MISMATCHES) == before + 1
     assert_clean(p, d)
 
 
 def test_a_bit_flipped_in_flight_is_never_served(cluster):
     p, d = cluster.url("prefill"), cluster.url("flipping-decode")
-    before = _metric(d, MISMATCHES)
+    before = metric(d, MISMATCHES)
     status, body = complete(d, FLIPPED, prefill(p, FLIPPED))
     assert_correct(status, body, cluster.refs[FLIPPED], allow_error=False)
     assert external_tokens(body) == 0, "KV with a flipped bit was used"
-    assert _metric(d, MISMATCHES) == before + 1
+    assert metric(d, MISMATCHES) == before + 1
     # the same prompt and node, without the fault, pull the KV: the check refuses only what differs
     status, body = complete(cluster.url("decode"), FLIPPED, prefill(p, FLIPPED))
     assert_correct(status, body, cluster.refs[FLIPPED], allow_error=False)

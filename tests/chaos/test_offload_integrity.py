@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from chaos_harness import NodeSet, assert_correct, complete, prompt, references, request
+from chaos_harness import NodeSet, assert_correct, complete, metric, prompt, references, request
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,15 +24,6 @@ METRIC = "kvbridge_engine_connector_worker_{}_digest_mismatches"
 
 def _offload(extra: dict) -> list[str]:
     return ["--kv-connector", "OffloadingConnector", "--kv-connector-extra", json.dumps({"host_num_blocks": 64, **extra})]
-
-
-def _metric(url: str, name: str) -> float:
-    status, text = request(url, "/metrics")
-    assert status == 200, text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} is not on {url}/metrics")
 
 
 def _reset(url: str) -> None:
@@ -61,12 +52,12 @@ def test_a_block_flipped_in_host_memory_is_recomputed_and_counted(refs):
         nodes.start("clean", "both", _offload({}))
         nodes.wait()
         bad, good = nodes.url("flipping"), nodes.url("clean")
-        assert _metric(bad, METRIC.format("host")) == 0
+        assert metric(bad, METRIC.format("host")) == 0
         _twice(bad, HOST, refs[HOST])
-        assert _metric(bad, METRIC.format("host")) >= 1
+        assert metric(bad, METRIC.format("host")) >= 1
         body = _twice(good, HOST, refs[HOST])
         assert body["kvbridge"]["num_external_tokens"] > 0  # the control: served from the host tier
-        assert _metric(good, METRIC.format("host")) == 0
+        assert metric(good, METRIC.format("host")) == 0
 
 
 def test_a_rotten_disk_file_is_recomputed_and_counted_after_a_restart(refs, tmp_path):
@@ -84,7 +75,7 @@ def test_a_rotten_disk_file_is_recomputed_and_counted_after_a_restart(refs, tmp_
         url = nodes.url("reader")
         status, body = complete(url, DISK)
         assert_correct(status, body, refs[DISK], allow_error=False)
-        assert _metric(url, METRIC.format("disk")) >= 1
+        assert metric(url, METRIC.format("disk")) >= 1
         _reset(url)  # the recompute stored and wrote clean blocks: now the tiers serve them
         status, body = complete(url, DISK)
         assert_correct(status, body, refs[DISK], allow_error=False)

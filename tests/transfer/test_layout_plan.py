@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from kvbridge.errors import IncompatiblePeerError
-from kvbridge.layout import PAGE_FORMATS, KVCacheLayout
+from kvbridge.layout import K_TRANSPOSED_FORMATS, OPAQUE_FORMATS, PAGE_FORMATS, KVCacheLayout
 from kvbridge.transfer.descriptors import coalesce_blocks
 from kvbridge.transfer.layout_gather import apply_gather
 from kvbridge.transfer.kv_shard import KVShard
 from kvbridge.transfer.layout_plan import PlanKind, ReadPlan, plan_read
 
-FORMATS = sorted(PAGE_FORMATS)
+FORMATS = sorted(set(PAGE_FORMATS) - OPAQUE_FORMATS)  # opaque pages are never translated
 PLACEMENTS = ("block-major", "layer-major", "padded")
 
 
@@ -102,8 +102,10 @@ def _elements(buffer: np.ndarray, layout: KVCacheLayout) -> np.ndarray:
 
 
 def _index(layout: KVCacheLayout, block: int, layer: int, kv: int, slot: int, head: int, dim: int) -> tuple:
+    if kv == 0 and layout.page_format in K_TRANSPOSED_FORMATS:  # K of a head is [head_dim, block_size]
+        slot, dim = divmod(dim * layout.block_size + slot, layout.head_dim)
     coords = {"2": kv, "N": slot, "H": head, "D": dim}
-    return (block, layer, *(coords[c] for c in layout.page_format))
+    return (block, layer, *(coords[c] for c in layout.page_format[:4]))
 
 
 def reference_read(case: Case, sources: list[np.ndarray], dst: np.ndarray) -> np.ndarray:
@@ -258,6 +260,28 @@ def test_another_model_is_refused_naming_both_layouts(field, value):
     with pytest.raises(IncompatiblePeerError) as err:
         plan_read(decode, [0], [prefill], [[0]], 16)
     assert decode.describe() in str(err.value) and prefill.describe() in str(err.value)
+
+
+def test_opaque_pages_are_refused_naming_both_layouts():
+    decode = KVShard(KVCacheLayout(**MODEL))
+    prefill = KVShard(KVCacheLayout(**{**MODEL, "page_format": "vllm-cpu-amx"}))
+    for d, p in ((decode, prefill), (prefill, decode)):
+        with pytest.raises(IncompatiblePeerError, match="vllm-cpu-amx pages move whole only") as err:
+            plan_read(d, [0], [p], [[0]], 1)
+        assert d.describe() in str(err.value) and p.describe() in str(err.value)
+
+
+def test_a_plan_of_more_atoms_than_planning_may_hold_is_refused(monkeypatch):
+    """H2ND-KT pages plan element by element: 2 layers x K|V x 16 tokens x 4 heads x 8 dims = 2,048 atoms."""
+    from kvbridge.errors import PlanTooLargeError
+    from kvbridge.transfer import plan_atoms
+
+    decode = KVShard(KVCacheLayout(**{**MODEL, "page_format": "H2ND-KT"}))
+    prefill = KVShard(KVCacheLayout(**MODEL))
+    assert plan_read(decode, [0], [prefill], [[0]], 16).nbytes_read == 2048 * 2
+    monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 2047)
+    with pytest.raises(PlanTooLargeError, match="takes 2048 atoms of \\(1, 1, 1\\)"):
+        plan_read(decode, [0], [prefill], [[0]], 16)
 
 
 def test_heads_no_prefill_rank_holds_are_refused():

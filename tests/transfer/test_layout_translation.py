@@ -1,8 +1,9 @@
 """Reads between engines whose KV pages differ, over real NIXL/UCX between two OS processes (marker `nixl`).
 
 The owner (tests/transfer/peer_process.py) holds kvbridge-engine pages ("2NHD", block-major,
-16-token blocks); this process reads them into vLLM-CPU-shaped pages ("H2ND", layer-outermost,
-32-token blocks). The handshake accepts the pair by model hash, the endpoint plans the read
+16-token blocks); this process reads them into vLLM-CPU-shaped pages, layer-outermost with 32-token
+blocks: "H2ND", and "H2ND-KT" (each head's K transposed, as vLLM's CPU VEC kernels write it). The
+handshake accepts the pair by model hash, the endpoint plans the read
 (layout_plan.py: STAGED here), and every token of every layer and head must land where the
 decode's layout puts it, with every other byte untouched. The reader then rebuilds the owner's
 blocks from its own pages and must get the owner's own lease digests.
@@ -55,12 +56,18 @@ def _tokens(kv, layout, block_ids, num_tokens):
     pages = kv.view(torch.int16)[blocks]  # [T, L, *page_shape]
     if layout.page_format == "2NHD":  # [T, L, 2, N, H, D]
         return pages[t, :, :, slots]  # [T, L, 2, H, D]
+    if layout.page_format == "H2ND-KT":  # [T, L, H, 2, N * D]: each head's K is [D, N], its V [N, D]
+        n, d = layout.block_size, layout.head_dim
+        k = pages[:, :, :, 0].flatten(-2).unflatten(-1, (d, n))[t, :, :, :, slots]  # [T, L, H, D]
+        v = pages[:, :, :, 1][t, :, :, slots]  # [T, L, H, D]
+        return torch.stack([k, v], dim=2)  # [T, L, 2, H, D]
     assert layout.page_format == "H2ND"  # [T, L, H, 2, N, D]
     return pages[t, :, :, :, slots].permute(0, 1, 3, 2, 4)  # [T, L, 2, H, D]
 
 
-def test_a_2nhd_owner_is_read_into_layer_major_h2nd_pages_of_twice_the_block_size(owner):
-    ep, kv = _reader("decode-h2nd", READER)
+@pytest.mark.parametrize("page_format", ["H2ND", "H2ND-KT"])  # H2ND-KT: vLLM's CPU pages under its VEC kernels
+def test_a_2nhd_owner_is_read_into_layer_major_h2nd_pages_of_twice_the_block_size(owner, page_format):
+    ep, kv = _reader(f"decode-{page_format}", {**READER, "page_format": page_format})
     try:
         remote_ids, local_ids = [3, 4, 5, 20, 9], [7, 2, 30]  # 80 tokens: 5 owner blocks, 3 reader blocks
         rec = _wait_final(ep, ep.read_blocks("x-read", owner.address, local_ids, remote_ids).req_id)
@@ -72,12 +79,12 @@ def test_a_2nhd_owner_is_read_into_layer_major_h2nd_pages_of_twice_the_block_siz
         owner_layout = make_layout(OWNER)
         expected = allocate_kv(owner_layout)
         fill_kv(expected, 5)
-        reader_layout = make_layout(READER)
+        reader_layout = make_layout({**READER, "page_format": page_format})
         assert torch.equal(_tokens(kv, reader_layout, local_ids, 80), _tokens(expected, owner_layout, remote_ids, 80))
         kv16 = kv.view(torch.int16)
         untouched = sorted(set(range(32)) - set(local_ids))
         assert not kv16[untouched].any()
-        assert not kv16[30, :, :, :, 16:].any()  # the third block holds tokens 64..79 only
+        assert not _tokens(kv, reader_layout, [30], 32)[16:].any()  # the third block holds tokens 64..79 only
 
         digests = owner.ask("block_digests", ids=remote_ids)
         got = ep.start_read_digest(owner.address, local_ids, remote_ids, digests["alg"]).result()
@@ -95,6 +102,33 @@ def test_a_peer_of_another_model_is_refused_at_the_handshake_naming_both_layouts
         with pytest.raises(IncompatiblePeerError) as err:
             ep.handshake(owner.address)
         assert "head_dim 8" in str(err.value) and "head_dim 16" in str(err.value)
+    finally:
+        ep.close()
+
+
+def test_opaque_pages_are_refused_at_the_handshake_naming_both_layouts(owner):
+    """vLLM CPU pages of kernels whose tiling is not mapped: their model hash names the format, so no plan is tried."""
+    ep, _ = _reader("decode-opaque", {**READER, "page_format": "vllm-cpu-amx"})
+    try:
+        with pytest.raises(IncompatiblePeerError) as err:
+            ep.handshake(owner.address)
+        assert "vllm-cpu-amx pages" in str(err.value) and "2NHD pages" in str(err.value)
+    finally:
+        ep.close()
+
+
+def test_a_read_too_large_to_plan_fails_that_read_only(owner, monkeypatch):
+    from kvbridge.transfer import plan_atoms
+
+    ep, kv = _reader("decode-too-large", {**READER, "page_format": "H2ND-KT"})
+    try:
+        monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 1000)  # 32 tokens x 2 layers x K|V x 2 heads x 8 dims: 2,048
+        rec = _wait_final(ep, ep.read_blocks("too-large", owner.address, [1], [3, 4]).req_id)
+        assert rec.state is TransferState.FAILED and "PlanTooLargeError" in rec.error
+        assert not kv.view(torch.int16)[1].any()
+        monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 1 << 23)
+        rec = _wait_final(ep, ep.read_blocks("fits", owner.address, [1], [3, 4]).req_id)
+        assert rec.state is TransferState.DONE, rec.error
     finally:
         ep.close()
 

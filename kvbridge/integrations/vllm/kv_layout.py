@@ -13,8 +13,10 @@ descriptor is computed from the strides (one per run of blocks per layer when la
 outermost, as on CPU; one per run of blocks when blocks are outermost).
 
 Supported: one KV cache group of full attention (no sliding window, MLA or hybrid models), one
-`KVCacheTensor` holding every layer, unpadded pages. The page interior is named per attention
-backend (`page_format`) so that only engines whose pages hold the same bytes exchange them.
+`KVCacheTensor` holding every layer, unpadded pages. The page interior is named by the kernels that
+write it (`cpu_page_format`: vLLM's CPU backend lays a page out per the ISA of its attention kernels)
+so that only engines whose pages hold the same bytes exchange them as they are, and a translated
+read (another engine, block size or page format) knows where each element lies.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVCacheLayout
+from kvbridge.layout import OPAQUE_FORMATS, KVCacheLayout
 
-# vLLM attention backend -> kvbridge page format (what one page of one layer holds, in order).
-# vLLM's CPU backend keeps a page as [kv_heads, K|V, block_size, head_dim].
-PAGE_FORMATS = {"CPU_ATTN": "H2ND"}
+# vLLM's CPU attention kernels (the ISA vLLM picks per dtype, block size and head size) -> the page
+# format their reshape_and_cache writes. A CPU page is [kv_heads, K|V, block_size * head_dim]; under
+# the VEC kernels each head's K is column-major ([head_dim, block_size]) and V row-major
+# (vLLM's csrc/cpu/cpu_attn_vec.hpp), which kvbridge names "H2ND-KT". Other kernels (and FP8 caches)
+# tile pages in ways kvbridge has not mapped: their pages move whole only (kvbridge.layout.OPAQUE_FORMATS).
+CPU_ISA_FORMATS = {"vec": "H2ND-KT"}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -65,15 +70,31 @@ def layout_of(kv_cache_config: Any, page_format: str) -> tuple[KVCacheLayout, li
     return layout, list(tensor.layers)
 
 
-def page_format_of(backend_name: str | None) -> str:
-    """kvbridge's page format for a vLLM attention backend; ConfigError for one we have not verified."""
-    fmt = PAGE_FORMATS.get(backend_name or "")
-    if fmt is None:
-        raise ConfigError(
-            f"KVBridgeConnector does not know the KV page layout of vLLM's {backend_name} attention backend "
-            f"(known: {', '.join(PAGE_FORMATS)}); see docs/vllm.md"
-        )
-    return fmt
+def cpu_page_format(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The page format of vLLM's CPU KV cache: by the ISA of its attention kernels (`CPU_ISA_FORMATS`),
+    else the opaque format of that ISA, so that such pages are only ever moved whole."""
+    isa = cpu_attention_isa(vllm_config, kv_cache_config)
+    if isa in CPU_ISA_FORMATS and not geometry(kv_cache_config).dtype.startswith("float8"):
+        return CPU_ISA_FORMATS[isa]
+    opaque = f"vllm-cpu-{isa}"
+    return opaque if opaque in OPAQUE_FORMATS else "vllm-cpu-unknown"
+
+
+def cpu_attention_isa(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The ISA vLLM's CPU attention runs its layers with: what its metadata builder set on the layers
+    (`layer.isa`), else what vLLM's own `_get_attn_isa` picks, else "unknown"."""
+    context = vllm_config.compilation_config.static_forward_context
+    isas = {getattr(context.get(name), "isa", None) for name in layer_names_in_order(kv_cache_config)}
+    if len(isas) == 1 and None not in isas:
+        return str(isas.pop())
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        spec = _full_attention_group(kv_cache_config).kv_cache_spec
+        return str(_get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
+                                 vllm_config.cache_config.cache_dtype))  # fmt: skip
+    except Exception:  # noqa: BLE001 - another vLLM: its kernels' layout is unknown, so its pages are opaque
+        return "unknown"
 
 
 def strided_view(kv_caches: dict[str, Any], layer_names: list[str], layout: KVCacheLayout):

@@ -28,10 +28,10 @@ from kvbridge.integrations.vllm.backend_layout import cross_layer_views, dim_nam
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.kv_layout import (
     attention_backend,
+    cpu_page_format,
     geometry,
     layer_names_in_order,
     layout_of,
-    page_format_of,
     strided_view,
 )
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
@@ -78,7 +78,7 @@ class WorkerSide:
         """vLLM's per-layer KV tensors: one buffer of pages on CPU (vLLM 0.32's KVCacheTensor strides) or,
         on CUDA, whatever the attention backend and the allocation say (`backend_layout.py`)."""
         if self._device.startswith("cpu"):
-            layout, names = layout_of(self._kv_cache_config, page_format_of("CPU_ATTN"))
+            layout, names = layout_of(self._kv_cache_config, cpu_page_format(self._vllm_config, self._kv_cache_config))
             self._start(layout, names, strided_view(kv_caches, names, layout), "CPU_ATTN")
             return
         names = layer_names_in_order(self._kv_cache_config)
