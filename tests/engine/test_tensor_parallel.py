@@ -34,6 +34,8 @@ from kvbridge.errors import ConfigError, TensorParallelError
 from kvbridge.serve import server
 from kvbridge.tp_layout import TPShard
 
+pytestmark = pytest.mark.tp  # a step of its own in .ci/run (README)
+
 PROMPTS = [
     "Hello, world",
     "The quick brown fox jumps over the lazy dog, twice over, and then once more for luck.",

@@ -16,7 +16,7 @@ from test_pd import GREEDY, assert_all_free_or_cached, colocated, make_prompts
 
 from kvbridge import LLM
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.tp]
 
 
 @pytest.fixture(scope="module")
