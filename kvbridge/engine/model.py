@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.fused_ops import add_rms_norm, rms_norm_eager, rotate_eager, rotate_qk_, silu_and_mul
 from kvbridge.engine.presets import ModelArgs
 from kvbridge.engine.tensor_parallel import AllReduce, row_linear
 from kvbridge.errors import ModelLoadError
@@ -42,8 +43,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, then scale in the model dtype.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm_eager(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x): the residual stream's sum and the norm in one pass on a GPU."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -147,9 +151,7 @@ class RotaryEmbedding:
     @staticmethod
     def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by `lookup`'s tables, same dtype."""
-        cos, signed_sin = rope
-        x32 = x.float()
-        return torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), signed_sin).to(x.dtype)
+        return rotate_eager(x, *rope)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim], positions [T] -> x rotated, same dtype."""
@@ -169,12 +171,19 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = row_linear(args.num_heads * args.head_dim, args.hidden_size, False, all_reduce)
+        self.qkv: FusedLinear | None = None  # `fuse()`: q, k and v in one matmul
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear.of(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1).view(num_tokens, -1, self.head_dim)
-        q, k = RotaryEmbedding.rotate(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)  # one rotation
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            qkv = self.qkv(x)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)  # [T, (Hq + 2 Hkv) * D]
+        rotate_qk_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)  # queries and keys, one pass
+        q, k, v = qkv.view(num_tokens, -1, self.head_dim).split((self.num_heads, self.num_kv_heads, self.num_kv_heads), 1)
         out = attention(self.layer, q, k, v)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -185,9 +194,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = row_linear(args.intermediate_size, args.hidden_size, args.mlp_bias, all_reduce)
+        self.gate_up: FusedLinear | None = None  # `fuse()`: gate and up in one matmul
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear.of(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x) if self.gate_up is not None else torch.cat((self.gate_proj(x), self.up_proj(x)), -1)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -198,9 +212,41 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args, all_reduce)
 
-    def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attention: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added): the stream is
+        x_in + attn(norm(x_in)) + mlp(norm(...)), summed where the next norm reads it.
+        `residual` None: x is the embeddings (the first layer)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, attention), residual)
+        return self.mlp(h), residual
+
+
+class FusedLinear(NamedTuple):
+    """Several linear layers over the same input as one matmul: their weights stacked by output row.
+    The layers' own parameters become views into the stacked weight, so the memory is counted once
+    and the module keeps its Hugging Face names."""
+
+    weight: torch.Tensor  # [sum of out_features, in_features]
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, *layers: nn.Linear) -> FusedLinear:
+        with torch.no_grad():
+            weight = torch.cat([layer.weight for layer in layers])
+            bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+            first = 0
+            for layer in layers:
+                rows = layer.out_features
+                layer.weight = nn.Parameter(weight[first : first + rows], requires_grad=False)
+                if bias is not None:
+                    layer.bias = nn.Parameter(bias[first : first + rows], requires_grad=False)
+                first += rows
+        return cls(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class DecoderStack(nn.Module):
@@ -227,6 +273,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.tie_weights()
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v and gate/up into one matmul each (after the weights are loaded): fewer, larger
+        matmuls read the same bytes faster, and the layer launches fewer kernels."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -256,13 +309,14 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("LlamaForCausalLM.forward before attach_rotary() (or after release())")
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)  # once per step, shared by every layer
+        residual = None
         for i, layer in enumerate(self.model.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(x, rope, attention)
+            x, residual = layer(x, residual, rope, attention)
             if after_layer is not None:
                 after_layer(i)
-        return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

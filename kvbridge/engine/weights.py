@@ -65,6 +65,7 @@ def load_model(
         args = get_preset(model_config.model)
         shard = make_shard(args, rank, world_size) if world_size > 1 else None
         model = random_model(args, model_config.seed, device, dtype, shard, all_reduce)
+        model.fuse_projections()
         tokenizer = ByteTokenizer(args.vocab_size, args.bos_token_id, (args.eos_token_id,))
         model_id = f"{model_config.model}:seed={model_config.seed}"
         return LoadedModel(model.eval(), tokenizer, model_id, args.max_position, shard)
@@ -73,6 +74,7 @@ def load_model(
     args, max_position = read_hf_config(path)
     shard = make_shard(args, rank, world_size) if world_size > 1 else None
     model = load_checkpoint(path, args, device, dtype, shard, all_reduce)
+    model.fuse_projections()
     model_id = checkpoint_id(os.path.join(path, "config.json"), safetensors_files(path))  # pages cached by the load
     return LoadedModel(model.eval(), load_tokenizer(path), model_id, max_position, shard)
 
