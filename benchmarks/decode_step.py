@@ -33,7 +33,6 @@ from common import exit_if_missing, machine_info, versions
 from limits import decode_step_nbytes, memory_bandwidth, sync
 
 from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvbridge.engine import attention
 from kvbridge.engine.core import EngineCore
 from kvbridge.engine.sampling_params import SamplingParams
 
@@ -103,9 +102,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="add the GPU-time profile of graph steps")
-    parser.add_argument("--compare-gather", action="store_true",
-                        help="also time graph steps with decode attention through gather + SDPA instead of the "
-                        "Triton kernel (mode graphs_gather)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     exit_if_missing("decode_step", args.device)
@@ -116,11 +112,8 @@ def main() -> None:
     num_steps = args.warmup + args.reps
     max_tokens = max(batches) * (args.context_len + num_steps * (1 + args.profile) + 1)
     results = {b: {} for b in batches}
-    modes = [("graphs", False), ("eager", True)] + [("graphs_gather", False)] * args.compare_gather
+    modes = [("graphs", False), ("eager", True)]
     for mode, enforce_eager in modes:
-        attention._decode_kernel.cache_clear()
-        if mode == "graphs_gather":
-            attention._decode_kernel = lambda block_size, head_dim: None
         config = EngineConfig(
             model=ModelConfig(args.preset, args.dtype, args.device, seed=args.seed, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=args.block_size, num_blocks=-(-max_tokens // args.block_size) + max(batches),

@@ -62,12 +62,16 @@ class PaddedBatch(NamedTuple):
 
     query_rows: torch.Tensor | None  # [B * Q] row of q of each query slot (padding repeats the last); None: q as is
     block_table: torch.Tensor  # [B, NB]
-    mask: torch.Tensor  # [B, 1, group * Q, L] (or [B, 1, 1, L] when Q == 1) additive: 0 or -inf, q's dtype
+    # [B, 1, group * Q, L] (or [B, 1, 1, L] when Q == 1) additive: 0 or -inf, q's dtype. None for a
+    # batch from position 0 on a GPU: causal attention over its own tokens needs no mask.
+    mask: torch.Tensor | None
     # [B, NB, bs, 1, 1] bool, True = slot past the context (zeroed after the gather); None: the keys
     # are the batch's new tokens (`RequestBatch.is_from_start`), L = Q.
     key_pad: torch.Tensor | None
     num_queries: int
     context_lens: torch.Tensor | None = None  # [B] keys of each request (decode batches: for paged_decode)
+    # Decodes that `paged_decode` attends in place (on a GPU with Triton): no mask, no key_pad.
+    is_paged_decode: bool = False
 
 
 class AttentionMetadata(NamedTuple):
@@ -81,7 +85,8 @@ class AttentionMetadata(NamedTuple):
 
 
 def build_metadata(
-    requests: Sequence[RequestBatch], num_tokens: int, block_size: int, num_queries_per_kv: int, dtype: torch.dtype
+    requests: Sequence[RequestBatch], num_tokens: int, block_size: int, num_queries_per_kv: int, dtype: torch.dtype,
+    head_dim: int,
 ) -> AttentionMetadata:
     """Positions, slots, masks and row maps of a step whose tokens are split into `requests`
     (`dtype`: the queries'). Fixed-shape tensor ops only: no host sync, capturable in a CUDA graph.
@@ -92,7 +97,7 @@ def build_metadata(
     batches = []
     first_output_row = 0
     for req in requests:
-        batch, targets, per_slot = _pad(req, num_tokens, block_size, num_queries_per_kv, dtype, first_output_row)
+        batch, targets, per_slot = _pad(req, num_tokens, block_size, num_queries_per_kv, dtype, head_dim, first_output_row)
         per_token.scatter_(1, targets.expand(4, -1), per_slot)
         batches.append(batch)
         first_output_row += targets.shape[1]
@@ -104,7 +109,8 @@ def build_metadata(
 
 
 def _pad(
-    req: RequestBatch, num_tokens: int, block_size: int, group: int, dtype: torch.dtype, first_output_row: int
+    req: RequestBatch, num_tokens: int, block_size: int, group: int, dtype: torch.dtype, head_dim: int,
+    first_output_row: int,
 ) -> tuple[PaddedBatch, torch.Tensor, torch.Tensor]:
     """(the padded batch, [1, B * Q] token row of each query slot or `num_tokens` for padding,
     [4, B * Q] position, slot block, slot offset and output row of each query slot)."""
@@ -116,27 +122,37 @@ def _pad(
     index = torch.minimum(slot[None, :], req.num_new[:, None] - 1)  # [B, Q]: padding repeats the last token
     query_pos = req.starts[:, None] + index  # [B, Q]
     query_rows = req.offsets[:, None] + index  # [B, Q]
-    key_pos = torch.arange(num_keys, device=device)  # [L]
-    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
-    if req.num_queries == 1:
-        visible = visible[:, None]  # [B, 1, 1, L], broadcast over the folded query heads
-    else:
-        visible = visible[:, None].expand(-1, group, -1, -1).reshape(num_reqs, 1, group * req.num_queries, num_keys)
-    # Additive, built once per step (SDPA would convert a bool mask in every layer). Key 0 is always
-    # visible, so no row is all -inf.
-    mask = torch.full(visible.shape, float("-inf"), dtype=dtype, device=device).masked_fill_(visible, 0.0)
-    key_pad = None
-    if not req.is_from_start:
-        is_past_context = key_pos[None, :] >= (req.starts + req.num_new)[:, None]  # [B, L]
-        key_pad = is_past_context.view(num_reqs, -1, block_size, 1, 1)
     context_lens = req.starts + req.num_new if req.num_queries == 1 else None
-    batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, key_pad, req.num_queries, context_lens)
+    if req.num_queries == 1 and not req.is_from_start and device.type == "cuda" and decode_kernel(block_size, head_dim):
+        batch = PaddedBatch(query_rows.reshape(-1), req.block_table, None, None, 1, context_lens, is_paged_decode=True)
+    else:
+        key_pos = torch.arange(num_keys, device=device)  # [L]
+        # None: causal over the batch's own tokens, which flash attention does without a mask (`_attend_causal`).
+        mask = None if req.is_from_start and device.type == "cuda" else _additive_mask(key_pos, query_pos, group, dtype)
+        key_pad = None
+        if not req.is_from_start:
+            is_past_context = key_pos[None, :] >= (req.starts + req.num_new)[:, None]  # [B, L]
+            key_pad = is_past_context.view(num_reqs, -1, block_size, 1, 1)
+        batch = PaddedBatch(query_rows.reshape(-1), req.block_table, mask, key_pad, req.num_queries, context_lens)
     targets = torch.where(is_real, query_rows, num_tokens).reshape(1, -1)
     slot_blocks = req.block_table.gather(1, query_pos // block_size)  # [B, Q]
     output_rows = first_output_row + torch.arange(num_reqs * req.num_queries, device=device)
     slot_offsets = query_pos % block_size
     per_slot = torch.stack((query_pos.reshape(-1), slot_blocks.reshape(-1), slot_offsets.reshape(-1), output_rows))
     return batch, targets, per_slot
+
+
+def _additive_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, group * Q, L] (or [B, 1, 1, L] when Q == 1): 0 where query i of a request may see key j
+    (j <= its position), -inf elsewhere. Additive and built once per step: SDPA would convert a
+    bool mask in every layer. Key 0 is always visible, so no row is all -inf."""
+    num_reqs, num_queries = query_pos.shape
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+    if num_queries == 1:
+        visible = visible[:, None]  # [B, 1, 1, L], broadcast over the folded query heads
+    else:
+        visible = visible[:, None].expand(-1, group, -1, -1).reshape(num_reqs, 1, group * num_queries, -1)
+    return torch.full(visible.shape, float("-inf"), dtype=dtype, device=key_pos.device).masked_fill_(visible, 0.0)
 
 
 def _gather(kv_half: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
@@ -167,7 +183,7 @@ def _lone_decode(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 @functools.cache
-def _decode_kernel(block_size: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
+def decode_kernel(block_size: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
     """`paged_decode` (paged_decode.py) where Triton is installed, as with CUDA builds of torch,
     and runs this geometry."""
     if importlib.util.find_spec("triton") is None:
@@ -175,6 +191,20 @@ def _decode_kernel(block_size: int, head_dim: int) -> Callable[..., torch.Tensor
     from kvbridge.engine.paged_decode import paged_decode, supports
 
     return paged_decode if supports(block_size, head_dim) else None
+
+
+def _attend_causal(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PaddedBatch, scale: float) -> torch.Tensor:
+    """A batch whose keys are its own new tokens (every request from position 0), on a GPU: causal
+    SDPA with grouped KV heads, which runs flash attention (no mask tensor, no folded queries).
+    queries [B * Q, Hq, D] -> [B * Q, Hq, D]. A padded request's padding queries see its real keys
+    and its repeated last token; their rows are dropped."""
+    num_reqs, num_queries = batch.block_table.shape[0], batch.num_queries
+    hq, d = queries.shape[1:]
+    qs = queries.view(num_reqs, num_queries, hq, d).transpose(1, 2)  # [B, Hq, Q, D]
+    out = F.scaled_dot_product_attention(
+        qs, _new_keys(k, batch), _new_keys(v, batch), is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(num_reqs * num_queries, hq, d)
 
 
 def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -218,13 +248,11 @@ class PagedAttention:
         # -> [B * Q, Hq, D], one row per query slot.
         num_reqs, num_queries = batch.block_table.shape[0], batch.num_queries
         queries = q if batch.query_rows is None else q[batch.query_rows]
-        if (
-            batch.context_lens is not None and batch.key_pad is not None and q.is_cuda
-            and (kernel := _decode_kernel(kv_layer.shape[2], q.shape[-1]))
-        ):  # fmt: skip
-            # Decodes on a GPU: attend while reading the blocks, no gathered copy of the keys.
-            return kernel(queries.contiguous(), kv_layer[:, 0], kv_layer[:, 1], batch.block_table,
-                          batch.context_lens, self.scale)  # fmt: skip
+        if batch.is_paged_decode:  # decodes on a GPU: attend while reading the blocks, no gathered copy
+            kernel = decode_kernel(kv_layer.shape[2], q.shape[-1])
+            return kernel(queries, kv_layer[:, 0], kv_layer[:, 1], batch.block_table, batch.context_lens, self.scale)
+        if batch.mask is None:
+            return _attend_causal(queries, k, v, batch, self.scale)
         qf = _fold_gqa(queries.view(num_reqs, num_queries, *q.shape[1:]), k.shape[1])
         if batch.key_pad is None:
             keys, values = _new_keys(k, batch), _new_keys(v, batch)  # [B, Hkv, Q, D]

@@ -93,6 +93,7 @@ class EngineCore:
             load_failure_policy=config.kv_transfer.load_failure_policy if config.kv_transfer else "recompute",
         )
         self.scheduler_connector = scheduler_connector
+        self.runner.capture_decode_graphs(config.scheduler.max_num_seqs)
         chunked = config.scheduler.enable_chunked_prefill
         self.limits = RequestLimits(
             vocab_size=self.runner.model.args.vocab_size,

@@ -2,17 +2,17 @@
 
 On a GPU an eager decode step costs mostly Python and kernel launches (dozens of launches per
 layer), not arithmetic. `DecodeGraphs` captures the whole decode forward (attention metadata,
-every layer, the final norm and the LM head) once per bucket and replays it: a step whose
-requests all compute one token is padded to the next batch size of `BATCH_BUCKETS` and its block
-table to a width of `table_width` (the next multiple of an eighth of the power of two below it, at
-least `MIN_TABLE_BLOCKS`, at most the width of `max_model_len`; past the minimum, attention reads
-at most 1/8 more keys than the step needs), its inputs are copied into the graph's static buffer, and the graph replays.
-A bucket is captured the first time a step needs it (a warm-up run of that step on the capture
-stream, then the capture), so only shapes that occur cost memory and start-up time.
+every layer, the final norm and the LM head) once per batch size of `BATCH_BUCKETS` and replays it:
+a step whose requests all compute one token is padded to the next bucket, its inputs are copied
+into the graph's static buffers, and the graph replays. The graphs do not depend on the contexts:
+the block table buffer is as wide as `max_model_len` (a step writes only the columns its longest
+context needs; the kernel reads no column past a request's context) and the decode kernel's grid
+depends on the batch size alone (paged_decode.py). So `capture(max_num_seqs)` at start-up captures
+every graph the engine will use, and no request waits for a capture.
 
 Padding repeats the batch's last request (its token, position and block table): the padding rows
 compute the same K/V as that request and write the same bytes into the same slot, and their logits
-are dropped. Padded block-table entries are block 0, masked like any slot past a context.
+are dropped.
 
 Memory: the graphs share one private pool; `release()` frees them (the runner calls it before it
 drops the KV cache). Warm-up and capture run on one side stream per device for the whole process,
@@ -32,33 +32,24 @@ from kvbridge.engine.attention import RequestBatch
 from kvbridge.engine.step_inputs import StepInputs, copy_to_device, num_table_blocks, pack_requests, unpack_requests
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MIN_TABLE_BLOCKS = 8
 
 # (input_ids [T], requests) -> logits [T, vocab] float32 of every row.
 LogitsFn = Callable[[torch.Tensor, list[RequestBatch]], torch.Tensor]
 
 
-class GraphKey(NamedTuple):
-    num_reqs: int  # a batch bucket
-    table_width: int  # blocks per block-table row
-
-
 class DecodeGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [num_reqs] token ids, then `pack_requests` of the padded batch
+    inputs: torch.Tensor  # [num_reqs] token ids, then `pack_requests` of the padded batch at the widest table
     logits: torch.Tensor  # [num_reqs, vocab] float32, rewritten by every replay
+
+    def table(self, num_reqs: int) -> torch.Tensor:
+        """The block table part of `inputs`: [num_reqs, max table width], a view."""
+        return self.inputs[4 * num_reqs :].view(num_reqs, -1)
 
 
 @functools.cache
 def _capture_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device_index)
-
-
-def table_width(num_blocks: int) -> int:
-    """The bucketed block-table width for contexts of up to `num_blocks` blocks: a multiple of
-    1/8 of the power of two at or below it, at least MIN_TABLE_BLOCKS (8, 16, ..., 64, 72, 80, ...)."""
-    step = max(MIN_TABLE_BLOCKS, 1 << max(num_blocks.bit_length() - 4, 0))
-    return max(MIN_TABLE_BLOCKS, -(-num_blocks // step) * step)
 
 
 class DecodeGraphs:
@@ -70,48 +61,64 @@ class DecodeGraphs:
         self.max_table_blocks = -(-max_model_len // block_size)
         self.device = device
         self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[GraphKey, DecodeGraph] = {}
+        self._graphs: dict[int, DecodeGraph] = {}  # by batch bucket
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def key_for(self, inputs: StepInputs) -> GraphKey | None:
-        """The bucket that runs this step, or None when it must run eagerly (a prefill, a big batch)."""
+    def bucket_for(self, inputs: StepInputs) -> int | None:
+        """The batch size whose graph runs this step, or None when it must run eagerly (a prefill, a
+        batch past the largest bucket)."""
         num_reqs = len(inputs.spans)
         if not inputs.is_decode_only or num_reqs > BATCH_BUCKETS[-1]:
             return None
-        batch = next(b for b in BATCH_BUCKETS if b >= num_reqs)
-        width = table_width(num_table_blocks(inputs.spans, self.block_size))
-        return GraphKey(batch, min(width, self.max_table_blocks))
+        return next(b for b in BATCH_BUCKETS if b >= num_reqs)
 
-    def run(self, inputs: StepInputs, key: GraphKey) -> torch.Tensor:
-        """Logits [len(inputs.sample_rows), vocab] of the step, from the graph of `key` (captured now
-        when it is new). Writes the step's K/V like the eager forward."""
-        spans, num_pad = inputs.spans, key.num_reqs - len(inputs.spans)
-        padded = [*spans, *(replace(spans[-1], offset=row) for row in range(len(spans), key.num_reqs))]
+    def capture(self, max_num_seqs: int) -> None:
+        """Capture every bucket a batch of up to `max_num_seqs` requests can use (at start-up, before
+        any request: the warm-up runs write a token's K/V into slot 0 of block 0)."""
+        for bucket in BATCH_BUCKETS:
+            if bucket not in self._graphs:
+                self._graphs[bucket] = self._capture(bucket)
+            if bucket >= max_num_seqs:
+                break
+
+    def run(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
+        """Logits [len(inputs.sample_rows), vocab] of the step, from the graph of `bucket` (captured
+        now if `capture` did not). Writes the step's K/V like the eager forward."""
+        spans, num_pad = inputs.spans, bucket - len(inputs.spans)
+        padded = [*spans, *(replace(spans[-1], offset=row) for row in range(len(spans), bucket))]
         token_ids = [*inputs.token_ids, *(inputs.token_ids[-1:] * num_pad)]
+        width = num_table_blocks(padded, self.block_size)
         static, sample_rows = copy_to_device(
-            [token_ids + pack_requests(padded, self.block_size, key.table_width), inputs.sample_rows], self.device
+            [token_ids + pack_requests(padded, self.block_size, width), inputs.sample_rows], self.device
         )
-        graph = self._graphs.get(key)
+        graph = self._graphs.get(bucket)
         if graph is None:
-            graph = self._graphs[key] = self._capture(static, key.num_reqs)
-        graph.inputs.copy_(static)
+            graph = self._graphs[bucket] = self._capture(bucket)
+        graph.inputs[: 4 * bucket].copy_(static[: 4 * bucket])
+        # Columns past `width` keep an earlier step's ids: no request reads past its context.
+        graph.table(bucket)[:, :width].copy_(static[4 * bucket :].view(bucket, width))
         graph.graph.replay()
         return graph.logits[sample_rows]
 
-    def _capture(self, inputs: torch.Tensor, num_reqs: int) -> DecodeGraph:
-        static_inputs = inputs.clone()  # outside the graph's pool: it outlives every replay
+    def _capture(self, num_reqs: int) -> DecodeGraph:
+        # One token at position 0 per request, its K/V in block 0 (the padded table): any valid step.
+        # Outside the graph's pool: the inputs outlive every replay.
+        inputs = torch.zeros(4 * num_reqs + num_reqs * self.max_table_blocks, dtype=torch.long, device=self.device)
+        inputs[2 * num_reqs : 3 * num_reqs] = 1  # num_new
+        inputs[3 * num_reqs : 4 * num_reqs] = torch.arange(num_reqs)  # offsets
         stream = _capture_stream(self.device.index if self.device.index is not None else torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._logits(static_inputs, num_reqs)  # warm-up: lazy per-stream state is created outside the capture
+            self._logits(inputs, num_reqs)  # warm-up: lazy per-stream state is created outside the capture
         graph = torch.cuda.CUDAGraph()
         # thread_local: a connector's own threads may use CUDA while this thread captures.
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            logits = self._logits(static_inputs, num_reqs)
-        return DecodeGraph(graph, static_inputs, logits)
+            logits = self._logits(inputs, num_reqs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return DecodeGraph(graph, inputs, logits)
 
     def _logits(self, inputs: torch.Tensor, num_reqs: int) -> torch.Tensor:
         if self._logits_fn is None:

@@ -23,7 +23,7 @@ import torch
 from kvbridge.config import CacheConfig, KVTransferConfig, ModelConfig
 from kvbridge.connectors.base import KVConnectorBase, KVConnectorOutput, SchedulerOutput
 from kvbridge.engine import sampler
-from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata
+from kvbridge.engine.attention import PagedAttention, RequestBatch, SeqSpan, build_metadata, decode_kernel
 from kvbridge.engine.cuda_graphs import DecodeGraphs
 from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
@@ -52,8 +52,9 @@ def paged_forward(
     after_layer: LayerHook | None = None,
 ) -> torch.Tensor:
     """Hidden states [T, hidden] of the step's tokens, writing their K/V into the paged cache."""
-    meta = build_metadata(requests, input_ids.shape[0], block_size, model.args.num_queries_per_kv, kv_cache.dtype)
-    attention = PagedAttention(kv_cache, meta, scale=model.args.head_dim**-0.5)
+    args = model.args
+    meta = build_metadata(requests, input_ids.shape[0], block_size, args.num_queries_per_kv, kv_cache.dtype, args.head_dim)
+    attention = PagedAttention(kv_cache, meta, scale=args.head_dim**-0.5)
     return model(input_ids, meta.positions, attention, before_layer, after_layer)
 
 
@@ -150,7 +151,12 @@ class ModelRunner:
         loaded.model.attach_rotary(self.max_model_len)
         self._graphs: DecodeGraphs | None = None
         # Under TP every rank runs each step eagerly: a graph would need every rank to replay in lockstep.
-        if self.device.type == "cuda" and not model_config.enforce_eager and group is None:
+        # The graphs serve every context through paged_decode, whose grid depends on the batch alone;
+        # without it (no Triton, a head size it cannot tile) decodes run eagerly.
+        if (
+            self.device.type == "cuda" and not model_config.enforce_eager and group is None
+            and decode_kernel(self.layout.block_size, loaded.model.args.head_dim) is not None
+        ):  # fmt: skip
             logits_fn = functools.partial(paged_logits, loaded.model, self.kv_cache, self.layout.block_size)
             self._graphs = DecodeGraphs(logits_fn, self.layout.block_size, self.max_model_len, self.device)
         self._generators: dict[str, torch.Generator] = {}  # seeded requests only
@@ -249,13 +255,13 @@ class ModelRunner:
         self._check_alive()
         inputs = self._prepare(scheduler_output)
         with torch.inference_mode():
-            key = self._graphs.key_for(inputs) if self._graphs is not None else None
-            if key is None:
+            bucket = self._graphs.bucket_for(inputs) if self._graphs is not None else None
+            if bucket is None:
                 logits = self._forward_eager(inputs, before_layer, after_layer)
             else:
                 # A graph cannot call Python between layers: each layer's hook runs before / after all of them.
                 self._call_per_layer(before_layer)
-                logits = self._graphs.run(inputs, key)
+                logits = self._graphs.run(inputs, bucket)
                 self._call_per_layer(after_layer)
         return StepLogits(inputs.sample_req_ids, logits)
 
@@ -346,6 +352,16 @@ class ModelRunner:
         return self._generators[req_id]
 
     # ------------------------------------------------------------------ lifecycle
+
+    def capture_decode_graphs(self, max_num_seqs: int) -> None:
+        """Capture the decode graphs of every batch size up to `max_num_seqs` now (start-up), so that
+        no request waits for one. Without graphs (CPU, `enforce_eager`, TP), nothing."""
+        self._check_alive()
+        if self._graphs is not None:
+            started = time.monotonic()
+            with torch.inference_mode():
+                self._graphs.capture(max_num_seqs)
+            logger.info("%d decode graphs captured in %.1f s", self._graphs.num_graphs, time.monotonic() - started)
 
     @property
     def num_cuda_graphs(self) -> int:

@@ -8,10 +8,12 @@ block table and attends as it reads (flash-decoding):
     grid (request, KV head, split): the split's blocks -> partial softmax state (max, sum, weighted V)
     grid (request, KV head):        the splits' states -> the output rows of the KV head's query heads
 
-Splitting the keys over programs keeps the GPU busy at batch 1 (8 KV heads would be 8 programs);
-every split has `BLOCKS_PER_SPLIT` blocks, so the grid depends only on the batch's table width and
-a CUDA graph can capture it. The query heads that share a KV head (GQA) are computed together, so
-each K/V byte is read once. Scores and the softmax state are float32.
+Splitting the keys over programs keeps the GPU busy at batch 1 (8 KV heads would be 8 programs).
+The number of splits depends only on the batch size and the GPU (`num_splits`): each program takes
+an equal share of its request's context, computed on the device from the context length. So the
+grid never depends on the context or the block table's width, and one CUDA graph per batch size
+serves every context (cuda_graphs.py). The query heads that share a KV head (GQA) are computed
+together, so each K/V byte is read once. Scores and the softmax state are float32.
 
 Only decode batches (one query per request) come here, on CUDA, when Triton is installed;
 `PagedAttention` uses the gather path otherwise. `TRITON_INTERPRET=1` runs the kernels on the CPU
@@ -20,12 +22,14 @@ Only decode batches (one query per request) come here, on CUDA, when Triton is i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCKS_PER_SPLIT = 16  # cache blocks one program reads (256 keys of 16-token blocks)
-KEYS_PER_ITER = 64  # keys one iteration loads and multiplies at once (fewer when 16 blocks hold fewer)
+KEYS_PER_ITER = 64  # keys one iteration loads and multiplies at once
+MAX_SPLITS = 32  # programs per (request, KV head) at most
 MIN_ROWS = 16  # tl.dot needs 16 rows: a KV head's query heads are padded up to it
 # The running max before any key is -1e30 (a literal in the kernels: Triton reads no plain globals):
 # finite, so a split whose keys are all past the context stays free of NaN (exp(-inf - -inf)).
@@ -40,7 +44,7 @@ def _split_kernel(
     s_tb,  # block table [B, NB]
     num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr, KEYS_PER_ITER: tl.constexpr, IS_FP32: tl.constexpr,
+    KEYS_PER_ITER: tl.constexpr, IS_FP32: tl.constexpr,
 ):  # fmt: skip
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, GROUP_P2)
@@ -53,12 +57,15 @@ def _split_kernel(
     m = tl.full([GROUP_P2], -1.0e30, tl.float32)
     l = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    first_key = split * BLOCKS_PER_SPLIT * BLOCK_SIZE
-    for it in range(BLOCKS_PER_SPLIT * BLOCK_SIZE // KEYS_PER_ITER):
-        key_pos = first_key + it * KEYS_PER_ITER + j  # [K]
+    # This split's share of the context: whole iterations, the last split takes what is left (maybe nothing).
+    share = tl.cdiv(tl.cdiv(context_len, num_splits), KEYS_PER_ITER) * KEYS_PER_ITER
+    first_key = split * share
+    end_key = tl.minimum(first_key + share, context_len)
+    for it_start in range(first_key, end_key, KEYS_PER_ITER):
+        key_pos = it_start + j  # [K]
         block_no = key_pos // BLOCK_SIZE
-        key_ok = key_pos < context_len
-        block = tl.load(table_ptr + req * s_tb + block_no, mask=block_no < table_width, other=0)
+        key_ok = key_pos < end_key
+        block = tl.load(table_ptr + req * s_tb + block_no, mask=key_ok & (block_no < table_width), other=0)
         offsets = block[:, None] * s_kb + (key_pos % BLOCK_SIZE)[:, None] * s_ks + kv_head * s_kh + d[None, :]
         # float32 operands; for a 16-bit cache TF32 products are exact (its 10-bit mantissa holds
         # theirs), for a float32 cache IEEE keeps every bit.
@@ -115,18 +122,26 @@ def _combine_kernel(
     tl.store(rows, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
-def _keys_per_iter(block_size: int) -> int:
-    return min(KEYS_PER_ITER, BLOCKS_PER_SPLIT * block_size)
-
-
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def supports(block_size: int, head_dim: int) -> bool:
-    """Whether the kernels can run this geometry: power-of-two tiles of at least 16 (tl.dot)."""
-    keys = _keys_per_iter(block_size)
-    return _is_pow2(keys) and keys >= MIN_ROWS and _is_pow2(head_dim) and head_dim >= MIN_ROWS
+    """Whether the kernels can run this geometry: power-of-two head tiles of at least 16 (tl.dot)."""
+    return block_size > 0 and _is_pow2(head_dim) and head_dim >= MIN_ROWS
+
+
+@functools.cache
+def _num_programs_wanted(device: torch.device) -> int:
+    """Two programs per streaming multiprocessor: enough to hide each one's memory latency."""
+    if device.type != "cuda":
+        return 16  # Triton's interpreter on the CPU
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Programs per (request, KV head): enough for the whole GPU, whatever the contexts."""
+    return max(1, min(MAX_SPLITS, -(-_num_programs_wanted(device) // (num_reqs * num_kv_heads))))
 
 
 def paged_decode(
@@ -145,26 +160,26 @@ def paged_decode(
     if not supports(block_size, head_dim):
         raise ValueError(f"paged_decode cannot run blocks of {block_size} tokens with heads of {head_dim}")
     table_width = block_table.shape[1]
-    num_splits = triton.cdiv(table_width, BLOCKS_PER_SPLIT)
-    states = num_reqs * num_kv_heads * num_splits * group_p2
+    splits = num_splits(num_reqs, num_kv_heads, q.device)
+    states = num_reqs * num_kv_heads * splits * group_p2
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(states, head_dim, dtype=torch.float32, device=q.device)
-    _split_kernel[(num_reqs, num_kv_heads, num_splits)](
+    _split_kernel[(num_reqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_table, context_lens, m, l, acc,
         scale, table_width,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
-        num_splits,
+        splits,
         GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCKS_PER_SPLIT=BLOCKS_PER_SPLIT, KEYS_PER_ITER=_keys_per_iter(block_size), IS_FP32=q.dtype == torch.float32,
+        KEYS_PER_ITER=KEYS_PER_ITER, IS_FP32=q.dtype == torch.float32,
     )  # fmt: skip
     out = torch.empty_like(q)
     _combine_kernel[(num_reqs, num_kv_heads)](
         m, l, acc, out,
         out.stride(0), out.stride(1),
-        num_splits,
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits),
+        splits,
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(splits),
     )  # fmt: skip
     return out

@@ -28,7 +28,7 @@ def paged(cache: torch.Tensor, spans: list[SeqSpan], num_queries_per_kv: int) ->
     block_size, head_dim = cache.shape[3], cache.shape[5]
     num_tokens = sum(s.num_new for s in spans)
     requests = to_device(StepInputs([0] * num_tokens, spans, [], []), block_size, cache.device).requests
-    meta = build_metadata(requests, num_tokens, block_size, num_queries_per_kv, cache.dtype)
+    meta = build_metadata(requests, num_tokens, block_size, num_queries_per_kv, cache.dtype, head_dim)
     return PagedAttention(cache, meta, scale=head_dim**-0.5)
 
 

@@ -10,7 +10,6 @@ import torch
 
 from kvbridge.config import CacheConfig, ModelConfig
 from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
-from kvbridge.engine.cuda_graphs import MIN_TABLE_BLOCKS, table_width
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
@@ -72,11 +71,27 @@ class Traffic:
                 self.running[req_id] = (req, blocks, to_go - 1)
 
 
-def test_table_widths_cover_the_context_with_little_padding():
-    widths = [table_width(n) for n in range(1, 5000)]
-    assert all(w >= n for n, w in enumerate(widths, start=1))
-    assert all(w < n + max(MIN_TABLE_BLOCKS, n // 8) for n, w in enumerate(widths, start=1))
-    assert len(set(widths)) < 60, "few enough widths that graphs get reused"
+@pytest.mark.gpu
+def test_an_engine_captures_every_graph_at_start_up_and_none_while_serving():
+    """No request waits for a capture: the graphs depend on the batch size only, not on the contexts."""
+    from kvbridge.config import EngineConfig, SchedulerConfig
+    from kvbridge.engine.core import EngineCore
+
+    engine = EngineCore(EngineConfig(
+        model=ModelConfig(device="cuda"), cache=CacheConfig(num_blocks=NUM_BLOCKS), scheduler=SchedulerConfig(max_num_seqs=8),
+    ))  # fmt: skip
+    try:
+        assert engine.runner.num_cuda_graphs == 4, "batch buckets 1, 2, 4 and 8"
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for batch, prompt_len in ((1, 20), (3, 300), (8, 40), (5, 900)):  # table widths from 2 to 57 blocks
+            for i in range(batch):
+                engine.add_request(f"b{batch}-{prompt_len}-{i}", [(i + 7) % 200 + 1] * prompt_len, params)
+            finished = 0
+            while finished < batch:
+                finished += sum(o.finished for o in engine.step())
+        assert engine.runner.num_cuda_graphs == 4
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.gpu

@@ -79,11 +79,14 @@ def test_decode_steps_through_the_kernel_equal_the_gather_path(monkeypatch, dtyp
     cache = torch.randn(64, 2, 2, block_size, kv_heads, head_dim, device="cuda").to(dtype)
     spans = [attention.SeqSpan(i, start, 1, tuple(range(10 * i, 10 * i + 10))) for i, start in enumerate((5, 100, 159))]
     requests = to_device(StepInputs([0] * 3, spans, [], []), block_size, torch.device("cuda")).requests
-    meta = attention.build_metadata(requests, 3, block_size, q_heads // kv_heads, dtype)
+    meta = attention.build_metadata(requests, 3, block_size, q_heads // kv_heads, dtype, head_dim)
+    assert meta.batches[0].is_paged_decode
     q = torch.randn(3, q_heads, head_dim, device="cuda").to(dtype)
     k, v = (torch.randn(3, kv_heads, head_dim, device="cuda").to(dtype) for _ in range(2))
     through_kernel = attention.PagedAttention(cache.clone(), meta, head_dim**-0.5)(1, q, k, v)
-    monkeypatch.setattr(attention, "_decode_kernel", lambda block_size, head_dim: None)
+    monkeypatch.setattr(attention, "decode_kernel", lambda block_size, head_dim: None)
+    meta = attention.build_metadata(requests, 3, block_size, q_heads // kv_heads, dtype, head_dim)
+    assert not meta.batches[0].is_paged_decode
     through_gather = attention.PagedAttention(cache.clone(), meta, head_dim**-0.5)(1, q, k, v)
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
     assert (through_kernel.float() - through_gather.float()).abs().max().item() < tolerance
