@@ -6,7 +6,8 @@
 Shapes default to Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16) with 16-token blocks
 on both sides: the prefill block-major (kvbridge's engine), the decode layer-major (vLLM's CPU
 placement). Each pair prints the best of `--reps` plans (a shared machine slows some), the plan's
-summary and its atom count; a plan over `plan_atoms.MAX_ATOMS` prints the refusal instead.
+summary and, for a staged plan, how many token chunks its gather indexes; a plan over
+`layout_plan.MAX_PLAN_ENTRIES` prints the refusal instead.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
         except PlanTooLargeError as exc:
             print(f"{pair}: refused: {str(exc)[:160]}...")
             continue
-        print(f"{pair}: {min(times) * 1e3:.0f} ms (best of {args.reps}); {plan.summary()}")
+        chunks = f", {plan.gather.num_indices} token chunks indexed" if plan.gather is not None else ""
+        print(f"{pair}: {min(times) * 1e3:.2f} ms (best of {args.reps}); {plan.summary()}{chunks}")
 
 
 if __name__ == "__main__":

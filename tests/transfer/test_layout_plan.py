@@ -4,7 +4,8 @@ Each case draws a model (layers, KV heads, head_dim, dtype), a prefill TP size a
 size (1, 2 or 4; heads split or replicated), block sizes (8, 16, 32), page formats, placements
 (block-major, layer-major, padded) and block ids (runs or scattered). The plan's reads are executed
 as numpy byte copies between byte buffers (what NIXL would do), its gather by `apply_gather`; the
-whole destination buffer must equal the reference's, so bytes outside the read atoms stay untouched.
+whole destination buffer must equal the reference's, so bytes outside the read tokens and heads stay
+untouched, and no read may leave the pages of the blocks holding the prompt.
 """
 
 from __future__ import annotations
@@ -176,37 +177,46 @@ def test_every_plan_moves_what_one_element_at_a_time_moves(seed):
     print(f"seed {seed}: {case}")
     sources, dst = _buffers(case, seed)
     expected = reference_read(case, sources, dst)
+    default = _plan(case, None)
+    assert (default.kind is PlanKind.DIRECT) == (default.num_direct_descriptors is not None), "DIRECT wherever it applies"
     for kind in (None, PlanKind.DIRECT, PlanKind.STAGED):
+        if kind is PlanKind.DIRECT and default.kind is PlanKind.STAGED:
+            with pytest.raises(ValueError, match="agree page for page"):
+                _plan(case, kind)
+            continue
         plan = _plan(case, kind)
-        assert plan.kind is (kind or plan.kind)
+        assert plan.kind is (kind or default.kind)
         got = execute(plan, sources, dst)
         assert np.array_equal(got, expected), f"seed {seed}, {plan.summary()}: destination differs"
         _check_reads_stay_in_read_pages(case, plan)
-        if kind is None and plan.kind is PlanKind.STAGED:
-            assert plan.num_staged_descriptors < plan.num_direct_descriptors, "staged only when it saves descriptors"
 
 
 @pytest.mark.parametrize("page_format", FORMATS)
 @pytest.mark.parametrize("seed", range(12))
-def test_one_page_format_everywhere_moves_larger_atoms_and_the_same_bytes(seed, page_format):
-    """Atoms span several heads or tokens when the formats allow (plan_atoms.atom_shape)."""
+def test_one_page_format_everywhere_moves_the_same_bytes(seed, page_format):
+    """Equal page formats read directly where block sizes and heads agree too."""
     case = random_case(2000 + seed, page_format)
     print(f"seed {seed}: {case}")
     sources, dst = _buffers(case, seed)
     expected = reference_read(case, sources, dst)
-    for kind in (None, PlanKind.DIRECT, PlanKind.STAGED):
+    default = _plan(case, None)
+    for kind in (None, PlanKind.DIRECT, PlanKind.STAGED) if default.kind is PlanKind.DIRECT else (None,):
         plan = _plan(case, kind)
         assert np.array_equal(execute(plan, sources, dst), expected), f"seed {seed}, {plan.summary()}"
         _check_reads_stay_in_read_pages(case, plan)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_staged_plans_without_gap_reading_are_dense_and_still_correct(seed):
+def test_staged_plans_read_whole_pages_one_descriptor_per_run_of_source_blocks(seed):
     case = random_case(1000 + seed)
-    sources, dst = _buffers(case, seed)
-    plan = _plan(case, PlanKind.STAGED, max_gap_nbytes=0)
-    assert plan.gather.is_dense and plan.staging_nbytes == plan.nbytes_read
-    assert np.array_equal(execute(plan, sources, dst), reference_read(case, sources, dst))
+    print(f"seed {seed}: {case}")
+    plan = _plan(case, PlanKind.STAGED)
+    read = sorted(set(plan.reads.source.tolist()))
+    blocks = {r: sorted(case.src_ids[r][: -(-case.num_tokens // case.prefills[r].layout.block_size)]) for r in read}
+    assert plan.staging_nbytes == plan.nbytes_read == sum(len(blocks[r]) * case.prefills[r].layout.block_nbytes for r in read)
+    if all(case.prefills[r].layout.is_contiguous for r in read):  # block-major: a run of ids is one range
+        assert plan.num_descriptors == sum(1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) for ids in blocks.values())
+    assert plan.gather.num_indices <= len(read) * (case.num_tokens + 1), "indices per token chunk, not per element"
 
 
 def test_identical_layouts_read_directly_with_the_runs_of_coalesce_blocks():
@@ -244,7 +254,7 @@ def test_a_tp2_to_1_read_of_4096_tokens_costs_at_most_twice_the_descriptors_of_t
     print(f"descriptors per request, {'fragmented' if fragmented else 'runs'}: TP 1->1 {tp1.summary()}; TP 2->1 {tp2.summary()}")
     assert tp1.kind is PlanKind.DIRECT and tp2.kind is PlanKind.STAGED
     assert tp2.num_descriptors <= 2 * tp1.num_descriptors
-    assert tp2.num_direct_descriptors > 10 * tp2.num_descriptors  # what a head-split direct read would cost
+    assert tp2.num_direct_descriptors is None  # a 2NHD page's half of the heads is no byte range: no direct read
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -271,16 +281,16 @@ def test_opaque_pages_are_refused_naming_both_layouts():
         assert d.describe() in str(err.value) and p.describe() in str(err.value)
 
 
-def test_a_plan_of_more_atoms_than_planning_may_hold_is_refused(monkeypatch):
-    """H2ND-KT pages plan element by element: 2 layers x K|V x 16 tokens x 4 heads x 8 dims = 2,048 atoms."""
+def test_a_plan_of_more_entries_than_planning_may_hold_is_refused(monkeypatch):
+    """2 layers x 1 page + 16 tokens = 18 pages and token chunks listed, whatever head_dim and the K layout."""
     from kvbridge.errors import PlanTooLargeError
-    from kvbridge.transfer import plan_atoms
+    from kvbridge.transfer import layout_plan
 
     decode = KVShard(KVCacheLayout(**{**MODEL, "page_format": "H2ND-KT"}))
     prefill = KVShard(KVCacheLayout(**MODEL))
     assert plan_read(decode, [0], [prefill], [[0]], 16).nbytes_read == 2048 * 2
-    monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 2047)
-    with pytest.raises(PlanTooLargeError, match="takes 2048 atoms of \\(1, 1, 1\\)"):
+    monkeypatch.setattr(layout_plan, "MAX_PLAN_ENTRIES", 17)
+    with pytest.raises(PlanTooLargeError, match="lists 18 pages and token chunks, more than 17"):
         plan_read(decode, [0], [prefill], [[0]], 16)
 
 
