@@ -237,6 +237,57 @@ def test_tp2_to_1_with_a_larger_decode_block_is_staged_with_one_read_per_source_
     assert plan.descriptors_per_source(2) == [1, 1] and plan.nbytes_read == decode.layout.page_nbytes * 2 * 2
 
 
+# ---------------------------------------------------------------------------- long prompts, transposed K
+
+
+def _vllm_cpu(layout: KVCacheLayout) -> KVCacheLayout:
+    """vLLM's CPU placement: layers outermost, pages of one layer adjacent."""
+    return dataclasses.replace(layout, layer_stride=layout.num_blocks * layout.page_nbytes, block_stride=layout.page_nbytes)
+
+
+@pytest.mark.parametrize("to_vllm", [True, False], ids=["2NHD->H2ND-KT", "H2ND-KT->2NHD"])
+def test_a_long_prompt_between_transposed_k_and_2nhd_pages_moves_what_one_element_at_a_time_moves(to_vllm):
+    """2,053 tokens (a tail past the last whole block on both sides), scattered ids, two prefill ranks on
+    the 2NHD side: the element-by-element planner of before listed one atom per element here."""
+    seed = 23
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    model = dict(num_layers=2, head_dim=2, dtype="bfloat16")
+    num_tokens, total = 2053, 2
+    kvb = KVCacheLayout(num_blocks=160, block_size=16, num_kv_heads=1, **model)  # one TP rank of two
+    vllm = _vllm_cpu(KVCacheLayout(num_blocks=80, block_size=32, num_kv_heads=2, page_format="H2ND-KT", **model))
+    kvb_ids = [rng.sample(range(160), 129) for _ in range(2)]
+    vllm_ids = rng.sample(range(80), 65)
+    if to_vllm:
+        case = Case(KVShard(vllm), vllm_ids, [KVShard(kvb, h, total) for h in range(2)], kvb_ids, num_tokens)
+    else:
+        case = Case(KVShard(kvb, 1, total), kvb_ids[0], [KVShard(vllm)], [vllm_ids], num_tokens)
+    sources, dst = _buffers(case, seed)
+    plan = _plan(case, None)
+    assert plan.kind is PlanKind.STAGED
+    assert np.array_equal(execute(plan, sources, dst), reference_read(case, sources, dst)), plan.summary()
+    _check_reads_stay_in_read_pages(case, plan)
+
+
+@pytest.mark.parametrize("num_tokens", [256, 4096, 32768])
+def test_llama_8b_reads_between_kvbridge_and_vllm_cpu_pages_plan_per_block_not_per_element(num_tokens):
+    """Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16): kvbridge's 16-token block-major 2NHD pages and
+    vLLM CPU's 128-token layer-major H2ND-KT pages. Before, such a plan listed one atom per element and was
+    refused past 2**23 of them (256 tokens); now it lists pages and token chunks."""
+    model = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    kvb_ids, vllm_ids = np.arange(1, 1 + num_tokens // 16), np.arange(1, 1 + num_tokens // 128)
+    kvb = KVCacheLayout(num_blocks=len(kvb_ids) + 8, block_size=16, **model)
+    vllm = _vllm_cpu(KVCacheLayout(num_blocks=len(vllm_ids) + 8, block_size=128, page_format="H2ND-KT", **model))
+    assert num_tokens * 32 * 2 * 8 * 128 > (1 << 23) or num_tokens == 256  # the old planner's limit, in elements
+    into_vllm = plan_read(KVShard(vllm), vllm_ids, [KVShard(kvb)], [kvb_ids], num_tokens)
+    assert into_vllm.kind is PlanKind.STAGED and into_vllm.num_descriptors == 1  # one run of block-major blocks
+    assert into_vllm.gather.num_indices == num_tokens // 16  # a 16-token chunk per kvbridge block
+    from_vllm = plan_read(KVShard(kvb), kvb_ids, [KVShard(vllm)], [vllm_ids], num_tokens)
+    assert from_vllm.kind is PlanKind.STAGED and from_vllm.num_descriptors == 32  # one run of pages per layer
+    assert from_vllm.gather.num_indices == num_tokens // 16
+    assert into_vllm.nbytes_read == from_vllm.nbytes_read == num_tokens * 32 * 2 * 8 * 128 * 2
+
+
 # ---------------------------------------------------------------------------- the descriptor budget
 
 
