@@ -273,12 +273,12 @@ def test_a_long_prompt_between_transposed_k_and_2nhd_pages_moves_what_one_elemen
 def test_llama_8b_reads_between_kvbridge_and_vllm_cpu_pages_plan_per_block_not_per_element(num_tokens):
     """Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16): kvbridge's 16-token block-major 2NHD pages and
     vLLM CPU's 128-token layer-major H2ND-KT pages. Before, such a plan listed one atom per element and was
-    refused past 2**23 of them (256 tokens); now it lists pages and token chunks."""
+    refused past 2**23 of them (128 tokens); now it lists pages and token chunks."""
     model = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     kvb_ids, vllm_ids = np.arange(1, 1 + num_tokens // 16), np.arange(1, 1 + num_tokens // 128)
     kvb = KVCacheLayout(num_blocks=len(kvb_ids) + 8, block_size=16, **model)
     vllm = _vllm_cpu(KVCacheLayout(num_blocks=len(vllm_ids) + 8, block_size=128, page_format="H2ND-KT", **model))
-    assert num_tokens * 32 * 2 * 8 * 128 > (1 << 23) or num_tokens == 256  # the old planner's limit, in elements
+    assert num_tokens * 32 * 2 * 8 * 128 > (1 << 23)  # the old planner's limit, in elements
     into_vllm = plan_read(KVShard(vllm), vllm_ids, [KVShard(kvb)], [kvb_ids], num_tokens)
     assert into_vllm.kind is PlanKind.STAGED and into_vllm.num_descriptors == 1  # one run of block-major blocks
     assert into_vllm.gather.num_indices == num_tokens // 16  # a 16-token chunk per kvbridge block
