@@ -92,8 +92,9 @@ def _copy_piece(piece: GatherPiece, indexed: KVCacheLayout, plain_is_source: boo
     same_halves = all(len(set(x.page_dim_strides()[1])) == 1 for x in (lay, indexed))  # K strided as V on both sides
     for halves in ([0, 1],) if same_halves else ([0], [1]):
         plain_offset = piece.plain_offset + piece.first_block * lay.block_stride_bytes
-        plain = _side(lay, len(piece.blocks), piece.tokens_per_block // c, c, piece.num_heads, halves, plain_offset, piece.plain_head)
-        other = _side(indexed, indexed.num_blocks, indexed.block_size // c, c, piece.num_heads, halves, 0, piece.indexed_head)
+        n = piece.num_heads
+        plain = _side(lay, len(piece.blocks), piece.tokens_per_block // c, c, n, halves, plain_offset, piece.plain_head)
+        other = _side(indexed, indexed.num_blocks, indexed.block_size // c, c, n, halves, 0, piece.indexed_head)
         word = _word_size(plain, other, (plain_buf, indexed_buf), e)
         plain_view, indexed_view = _view(plain_buf, plain, word, e), _view(indexed_buf, other, word, e)
         if plain_is_source:  # [n, k, L, (2,) c, heads, dim] into the indexed blocks and chunks

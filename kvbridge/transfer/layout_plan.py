@@ -75,10 +75,12 @@ class ReadPlan:
 
     def summary(self) -> str:
         """One line for the log: the kind, descriptors (and the alternative's), bytes."""
-        if self.kind is PlanKind.DIRECT:
-            other = f"staged: {self.num_staged_descriptors}"
+        if self.kind is PlanKind.STAGED and self.num_direct_descriptors is None:
+            other = "direct: none, the pages differ"
+        elif self.kind is PlanKind.STAGED:
+            other = f"direct: {self.num_direct_descriptors}"
         else:
-            other = "direct: none, the pages differ" if self.num_direct_descriptors is None else f"direct: {self.num_direct_descriptors}"
+            other = f"staged: {self.num_staged_descriptors}"
         return (
             f"{self.kind.value} plan: {self.num_descriptors} descriptors ({other}), "
             f"{self.nbytes_read} B read, {self.staging_nbytes} B staged, {self.num_tokens} tokens"

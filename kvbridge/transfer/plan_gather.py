@@ -67,12 +67,13 @@ def gather_pieces(
     num_full, tail = divmod(num_tokens, size)
 
     def piece(first: int, last: int, num_slots: int, c: int) -> GatherPiece:
-        tokens = token_blocks[first:last, None] * size + np.arange(0, num_slots, c, dtype=np.int64)  # [n, slots / c] chunk starts
-        at = tokens % indexed.block_size
-        return GatherPiece(plain, plain_offset, first, num_slots, c, *heads, indexed_ids[tokens // indexed.block_size], at // c)
+        starts = token_blocks[first:last, None] * size + np.arange(0, num_slots, c, dtype=np.int64)  # [n, slots / c] chunk starts
+        blocks, slots = np.divmod(starts, indexed.block_size)
+        return GatherPiece(plain, plain_offset, first, num_slots, c, *heads, indexed_ids[blocks], slots // c)
 
     at_tail = int(np.flatnonzero(token_blocks == num_full)[0]) if tail else len(token_blocks)
-    pieces = [piece(first, last, size, chunk) for first, last in ((0, at_tail), (at_tail + 1, len(token_blocks))) if last > first]
+    whole = ((0, at_tail), (at_tail + 1, len(token_blocks)))
+    pieces = [piece(first, last, size, chunk) for first, last in whole if last > first]
     if tail:  # chunks of gcd(chunk, tail) tokens: none passes the prompt's last token
         pieces.append(piece(at_tail, at_tail + 1, tail, math.gcd(chunk, tail)))
     return pieces
