@@ -97,10 +97,13 @@ def _copy_piece(piece: GatherPiece, indexed: KVCacheLayout, plain_is_source: boo
         other = _side(indexed, indexed.num_blocks, indexed.block_size // c, c, n, halves, 0, piece.indexed_head)
         word = _word_size(plain, other, (plain_buf, indexed_buf), e)
         plain_view, indexed_view = _view(plain_buf, plain, word, e), _view(indexed_buf, other, word, e)
+        index = (blocks, chunks)
+        if indexed.block_size == c:  # one chunk per indexed block: one index per element to look up, not two
+            indexed_view, index = indexed_view[:, 0], (blocks,)
         if plain_is_source:  # [n, k, L, (2,) c, heads, dim] into the indexed blocks and chunks
-            indexed_view.index_put_((blocks, chunks), plain_view)
+            indexed_view.index_put_(index, plain_view)
         else:
-            plain_view.copy_(indexed_view[blocks, chunks])
+            plain_view.copy_(indexed_view[index])
 
 
 def apply_gather(gather: Gather | GatherIndex, src: torch.Tensor, dst: torch.Tensor) -> None:
