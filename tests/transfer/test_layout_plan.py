@@ -269,23 +269,29 @@ def test_a_long_prompt_between_transposed_k_and_2nhd_pages_moves_what_one_elemen
     _check_reads_stay_in_read_pages(case, plan)
 
 
-@pytest.mark.parametrize("num_tokens", [256, 4096, 32768])
-def test_llama_8b_reads_between_kvbridge_and_vllm_cpu_pages_plan_per_block_not_per_element(num_tokens):
-    """Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16): kvbridge's 16-token block-major 2NHD pages and
-    vLLM CPU's 128-token layer-major H2ND-KT pages. Before, such a plan listed one atom per element and was
-    refused past 2**23 of them (128 tokens); now it lists pages and token chunks."""
-    model = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+LLAMA_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+MIXED_ENGINES_TINY = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32")  # tests/integrations/vllm's checkpoint
+
+
+@pytest.mark.parametrize("model,num_tokens", [(LLAMA_8B, 256), (LLAMA_8B, 4096), (LLAMA_8B, 32768), (MIXED_ENGINES_TINY, 16384)],
+                         ids=["llama-8b-256", "llama-8b-4096", "llama-8b-32768", "tiny-16384"])  # fmt: skip
+def test_long_reads_between_kvbridge_and_vllm_cpu_pages_plan_per_block_not_per_element(model, num_tokens):
+    """kvbridge's 16-token block-major 2NHD pages and vLLM CPU's 128-token layer-major H2ND-KT pages, both
+    ways. Before, such a plan listed one atom per element and was refused past 2**23 of them (128 tokens at
+    Llama-3-8B's KV, 8,192 at the mixed-engine tests' checkpoint, whose 1,024-token context cannot reach
+    that); now it lists pages and token chunks."""
     kvb_ids, vllm_ids = np.arange(1, 1 + num_tokens // 16), np.arange(1, 1 + num_tokens // 128)
     kvb = KVCacheLayout(num_blocks=len(kvb_ids) + 8, block_size=16, **model)
     vllm = _vllm_cpu(KVCacheLayout(num_blocks=len(vllm_ids) + 8, block_size=128, page_format="H2ND-KT", **model))
-    assert num_tokens * 32 * 2 * 8 * 128 > (1 << 23)  # the old planner's limit, in elements
+    elements_per_token = model["num_layers"] * 2 * model["num_kv_heads"] * model["head_dim"]
+    assert num_tokens * elements_per_token > (1 << 23)  # the old planner's limit
     into_vllm = plan_read(KVShard(vllm), vllm_ids, [KVShard(kvb)], [kvb_ids], num_tokens)
     assert into_vllm.kind is PlanKind.STAGED and into_vllm.num_descriptors == 1  # one run of block-major blocks
     assert into_vllm.gather.num_indices == num_tokens // 16  # a 16-token chunk per kvbridge block
     from_vllm = plan_read(KVShard(kvb), kvb_ids, [KVShard(vllm)], [vllm_ids], num_tokens)
-    assert from_vllm.kind is PlanKind.STAGED and from_vllm.num_descriptors == 32  # one run of pages per layer
+    assert from_vllm.kind is PlanKind.STAGED and from_vllm.num_descriptors == model["num_layers"]  # a run of pages per layer
     assert from_vllm.gather.num_indices == num_tokens // 16
-    assert into_vllm.nbytes_read == from_vllm.nbytes_read == num_tokens * 32 * 2 * 8 * 128 * 2
+    assert into_vllm.nbytes_read == from_vllm.nbytes_read == num_tokens * elements_per_token * kvb.element_size
 
 
 # ---------------------------------------------------------------------------- the descriptor budget
