@@ -30,7 +30,7 @@ class TransferError(KVBridgeError):
 
 
 class PlanTooLargeError(TransferError):
-    """A read between two layouts would take more atoms to plan than planning may hold in memory."""
+    """A read between two layouts would list more pages and token chunks than planning may hold in memory."""
 
 
 class PeerUnreachableError(TransferError):

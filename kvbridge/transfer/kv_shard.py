@@ -3,12 +3,15 @@
 A rank's `KVCacheLayout` says how its pages lie; the shard adds which of the model's KV heads
 they hold and how many the model has, so that TP N -> M reads can be planned and another model
 refused (transfer/layout_plan.py). A whole engine is the shard of every head (`KVShard(layout)`);
-an engine rank's `tp_layout.RankKVLayout` becomes one with `KVShard.of_rank`.
+an engine rank's `tp_layout.RankKVLayout` becomes one with `KVShard.of_rank`. `head_spans` says
+which prefill shard a decode shard reads each of its heads from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVCacheLayout
@@ -52,3 +55,27 @@ class KVShard:
             f"{lay.page_format} pages, {lay.block_size}-token blocks, KV heads [{self.head_start}, {self.head_end}) of "
             f"{self.total_kv_heads}, {lay.num_layers} layers x head_dim {lay.head_dim}, {lay.dtype}, {placement}"
         )
+
+
+class HeadSpan(NamedTuple):
+    """KV heads [head_start, head_end) (the model's numbering) that a decode reads from prefill shard `source`."""
+
+    source: int
+    head_start: int
+    head_end: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_end - self.head_start
+
+
+def head_spans(decode: KVShard, prefills: Sequence[KVShard]) -> list[HeadSpan]:
+    """One span per prefill shard read from, in shard order: each head the decode holds is read from the
+    first shard that holds it (a replicated head from one rank). The caller has checked that some shard does."""
+    owner = [next(i for i, s in enumerate(prefills) if s.head_start <= h < s.head_end)
+             for h in range(decode.head_start, decode.head_end)]  # fmt: skip
+    spans = []
+    for i in sorted(set(owner)):
+        heads = [decode.head_start + k for k, o in enumerate(owner) if o == i]
+        spans.append(HeadSpan(i, heads[0], heads[-1] + 1))  # a rank's heads are a range, so its share is too
+    return spans

@@ -1,17 +1,19 @@
 """The staged half of a `layout_plan.ReadPlan`: one gather pass on the reader's device.
 
-After a STAGED plan's reads land in the staging buffer, `apply_gather` moves every atom into the
-destination pages with one indexed copy (`index_copy_` of rows), on whichever device holds the
-buffers: no Python loop over blocks, layers or heads. When the staging buffer holds exactly the
-needed rows in order (`Gather.is_dense`: no gap was read), the pass reads it as is; else the
-needed rows are selected first.
+After a STAGED plan's reads land in the staging buffer, `apply_gather` moves the prompt's tokens
+into the destination pages with one indexed copy per piece of the plan's `plan_gather.Gather`
+(per prefill rank: the whole blocks, and the tail), and per K|V half only where a page format keeps
+K transposed: no Python loop over blocks, layers, tokens or heads. Each side is a strided view of
+its bytes, [block, chunk, layer, (K|V,) token, head, dim], built from `KVCacheLayout.page_dim_strides`
+(a transposed K is only other strides), of the widest integer that the contiguous head_dim and
+every offset allow; the indices name blocks and token chunks, never elements.
 
 `GatherIndex` keeps the plan's index arrays on the device, so a plan executed more than once
 (a benchmark, a retried read) pays the host -> device copy of its indices once.
 
-`rebuild_blocks` runs a plan the other way, inside one process: the prefill's blocks rebuilt from
-the decode's pages, so that the decode can digest them as the prefill did (the integrity check of
-a translated read covers the bytes where they landed).
+`rebuild_blocks` runs a gather the other way, inside one process: the prefill's blocks rebuilt
+from the decode's pages, so that the decode can digest them as the prefill did (the integrity check
+of a translated read covers the bytes where they landed).
 """
 
 from __future__ import annotations
@@ -23,55 +25,101 @@ import torch
 
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.kv_shard import KVShard
-from kvbridge.transfer.layout_plan import Gather, copy_gather
+from kvbridge.transfer.layout_plan import copy_gather
+from kvbridge.transfer.plan_gather import Gather, GatherPiece
 
-# widest element that divides a row: fewer, larger elements make the indexed copy cheaper
-_ROW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+# integer dtypes by width: a copy moves bits, and wider words make fewer elements to index
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 class GatherIndex(NamedTuple):
-    """A `Gather` on a device."""
+    """A `Gather` with its indices on a device: per piece, the indexed side's blocks and chunks."""
 
-    row_nbytes: int
-    staging_rows: torch.Tensor | None  # [M] int64; None when dense
-    dst_rows: torch.Tensor  # [M] int64
+    gather: Gather
+    blocks: tuple[torch.Tensor, ...]  # per piece [n, tokens_per_block // chunk] int64
+    chunks: tuple[torch.Tensor, ...]
 
     @classmethod
     def of(cls, gather: Gather, device: torch.device | str) -> GatherIndex:
-        staging = None if gather.is_dense else torch.from_numpy(gather.staging_rows).to(device)
-        return cls(gather.row_nbytes, staging, torch.from_numpy(gather.dst_rows).to(device))
+        def on(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        return cls(gather, tuple(on(p.blocks) for p in gather.pieces), tuple(on(p.chunks) for p in gather.pieces))
 
 
-def _rows(buffer: torch.Tensor, row_nbytes: int) -> torch.Tensor:
-    """`buffer` ([n] uint8) as [n // row_nbytes, row] of the widest dtype that divides the row and
-    fits the buffer's alignment (trailing bytes short of a row are left out: no atom lies there)."""
-    usable = buffer[: buffer.numel() // row_nbytes * row_nbytes]
-    for dtype in _ROW_DTYPES:
-        size = torch.empty((), dtype=dtype).element_size()
-        if row_nbytes % size == 0 and usable.data_ptr() % size == 0:
-            return usable.view(dtype).view(-1, row_nbytes // size)
-    raise AssertionError("unreachable: uint8 always fits")
+class _Side(NamedTuple):
+    """One side of a piece as a strided view: sizes and byte strides of [block, chunk, layer, (kv,)
+    token, head, dim], and the byte offset of its first element."""
+
+    sizes: list[int]
+    strides: list[int]
+    offset: int
 
 
-def apply_gather(gather: Gather | GatherIndex, staging: torch.Tensor, dst_region: torch.Tensor) -> None:
-    """Copy each staged row into its destination row. `staging`: [staging_nbytes] uint8, `dst_region`:
-    the destination KV region's bytes ([region_nbytes] uint8), both on the device that runs the pass."""
-    index = gather if isinstance(gather, GatherIndex) else GatherIndex.of(gather, dst_region.device)
-    if staging.dtype != torch.uint8 or dst_region.dtype != torch.uint8 or staging.dim() != 1 or dst_region.dim() != 1:
-        raise ValueError("apply_gather takes flat uint8 buffers (tensor.view(torch.uint8).reshape(-1))")
-    src = _rows(staging, index.row_nbytes)
-    dst = _rows(dst_region, index.row_nbytes)
-    if src.dtype != dst.dtype:  # different alignments: both as bytes
-        src, dst = _rows_as_bytes(staging, index.row_nbytes), _rows_as_bytes(dst_region, index.row_nbytes)
-    if index.staging_rows is not None:
-        src = src.index_select(0, index.staging_rows)
-    else:
-        src = src[: len(index.dst_rows)]
-    dst.index_copy_(0, index.dst_rows, src)
+def _side(lay: KVCacheLayout, num_blocks: int, num_chunks: int, chunk: int, num_heads: int, halves: list[int],
+          offset: int, first_head: int) -> _Side:  # fmt: skip
+    """The view of `halves` ([0, 1]: K and V as one dimension; [0] or [1]: one of them) of `num_heads`
+    heads from `first_head` on, for blocks and chunks of `chunk` tokens."""
+    kv_stride, strides = lay.page_dim_strides()
+    token, head, dim = strides[halves[0]]
+    kv = [(2, kv_stride)] if len(halves) == 2 else []
+    dims = [(num_blocks, lay.block_stride_bytes), (num_chunks, chunk * token), (lay.num_layers, lay.layer_stride_bytes),
+            *kv, (chunk, token), (num_heads, head), (lay.head_dim, dim)]  # fmt: skip
+    return _Side([n for n, _ in dims], [s for _, s in dims], offset + first_head * head + halves[0] * kv_stride)
 
 
-def _rows_as_bytes(buffer: torch.Tensor, row_nbytes: int) -> torch.Tensor:
-    return buffer[: buffer.numel() // row_nbytes * row_nbytes].view(-1, row_nbytes)
+def _word_size(a: _Side, b: _Side, buffers: tuple[torch.Tensor, torch.Tensor], element_size: int) -> int:
+    """The widest word both views can be read in: head_dim contiguous on both sides, every stride,
+    offset and buffer address a multiple of it. Else the element."""
+    if a.strides[-1] != element_size or b.strides[-1] != element_size:
+        return element_size
+    row = a.sizes[-1] * element_size
+    values = [row, *a.strides[:-1], a.offset, *b.strides[:-1], b.offset, *(t.data_ptr() for t in buffers)]
+    return next(w for w in _WORDS if all(v % w == 0 for v in values))
+
+
+def _view(buffer: torch.Tensor, side: _Side, word: int, element_size: int) -> torch.Tensor:
+    words = buffer[: buffer.numel() // word * word].view(_WORDS[word])
+    sizes, strides = list(side.sizes), [s // word for s in side.strides]
+    if word != element_size:  # head_dim contiguous: read as fewer, wider words
+        sizes[-1], strides[-1] = sizes[-1] * element_size // word, 1
+    return words.as_strided(sizes, strides, words.storage_offset() + side.offset // word)
+
+
+def _copy_piece(piece: GatherPiece, indexed: KVCacheLayout, plain_is_source: bool, plain_buf: torch.Tensor,
+                indexed_buf: torch.Tensor, blocks: torch.Tensor, chunks: torch.Tensor) -> None:  # fmt: skip
+    lay, c, e = piece.plain, piece.chunk, indexed.element_size
+    same_halves = all(len(set(x.page_dim_strides()[1])) == 1 for x in (lay, indexed))  # K strided as V on both sides
+    for halves in ([0, 1],) if same_halves else ([0], [1]):
+        plain_offset = piece.plain_offset + piece.first_block * lay.block_stride_bytes
+        n = piece.num_heads
+        plain = _side(lay, len(piece.blocks), piece.tokens_per_block // c, c, n, halves, plain_offset, piece.plain_head)
+        other = _side(indexed, indexed.num_blocks, indexed.block_size // c, c, n, halves, 0, piece.indexed_head)
+        word = _word_size(plain, other, (plain_buf, indexed_buf), e)
+        plain_view, indexed_view = _view(plain_buf, plain, word, e), _view(indexed_buf, other, word, e)
+        index = (blocks, chunks)
+        if indexed.block_size == c:  # one chunk per indexed block: one index per element to look up, not two
+            indexed_view, index = indexed_view[:, 0], (blocks,)
+        if plain_is_source:  # [n, k, L, (2,) c, heads, dim] into the indexed blocks and chunks
+            indexed_view.index_put_(index, plain_view)
+        else:
+            plain_view.copy_(indexed_view[index])
+
+
+def apply_gather(gather: Gather | GatherIndex, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Run a gather from `src` into `dst`, both flat uint8 buffers on the device that runs the pass
+    (tensor.view(torch.uint8).reshape(-1)): for a staged read, the staging buffer into the destination
+    KV region. Bytes outside the gather's tokens and heads are left as they are."""
+    index = gather if isinstance(gather, GatherIndex) else GatherIndex.of(gather, dst.device)
+    for t in (src, dst):
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise ValueError("apply_gather takes flat uint8 buffers (tensor.view(torch.uint8).reshape(-1))")
+        if t.data_ptr() % index.gather.indexed.element_size:
+            raise ValueError(f"apply_gather needs buffers aligned to the {index.gather.indexed.element_size}-byte element")
+    g = index.gather
+    plain_buf, indexed_buf = (src, dst) if g.plain_is_source else (dst, src)
+    for piece, blocks, chunks in zip(g.pieces, index.blocks, index.chunks):
+        _copy_piece(piece, g.indexed, g.plain_is_source, plain_buf, indexed_buf, blocks, chunks)
 
 
 def rebuild_blocks(

@@ -3,74 +3,51 @@
 The two sides of a P/D pair rarely lay KV out alike: tensor parallelism splits the KV heads
 differently (a decode rank needs heads [h0, h1), held by one or several prefill ranks, or by
 several when heads are replicated), block sizes differ (token t lives in block t // P on the
-prefill and t // D on the decode), and page formats differ ("2NHD", "H2ND", "2HND"). What they
-must share is the model: layers, head_dim, the total number of KV heads and the dtype.
+prefill and t // D on the decode), and page formats differ ("2NHD", "H2ND", "2HND", "H2ND-KT"
+with each head's K transposed). What they must share is the model: layers, head_dim, the total
+number of KV heads and the dtype.
 
-Every layout keeps head_dim innermost, so the unit both sides agree on is an *atom*: the
-head_dim elements of one (layer, K|V, token, head), or more where every page format allows
-(plan_atoms.py). The planner lists every atom the decode needs with its byte offset on both
-sides, then chooses between two plans by descriptor count, which is what transfer speed depends on:
+Two plans, both listing pages and tokens, never elements, so planning costs O(blocks + tokens)
+whatever head_dim and the page formats:
 
-- DIRECT: read straight into the destination pages. A descriptor is a run of atoms adjacent
-  on both sides; sorted by source offset, the maximal runs are the fewest descriptors possible.
-- STAGED: read the source bytes into a staging buffer, then one gather pass on the reader's
-  device (`layout_gather.apply_gather`) puts the atoms into the destination pages. A descriptor
-  is a run adjacent on the source side only; runs may also swallow a gap of at most
-  `max_gap_nbytes` when the gap lies inside the same or the next page (bytes of the blocks
-  being read, never another request's): reading a few unneeded bytes costs far less than a
-  descriptor (docs/transfer.md has the figures).
+- DIRECT, for layouts that agree page for page (same block size and page format, whole blocks,
+  each prefill rank's heads one byte range of both pages): read straight into the destination
+  pages, runs adjacent on both sides merged (`page_reads.direct_reads`). Same layouts on both
+  sides give exactly the runs of `descriptors.coalesce_blocks`.
+- STAGED, for any layouts: read the source pages of the prompt's blocks, whole, into a staging
+  buffer laid out like each prefill rank (runs of its blocks as one descriptor each,
+  `page_reads.staged_reads`), then one gather pass on the reader's device
+  (`layout_gather.apply_gather`: a few indexed copies between strided views, indices per token
+  chunk, plan_gather.py) puts the tokens into the destination pages. TP 2 -> 1 gives one
+  descriptor per run of source blocks per prefill rank.
 
-DIRECT wins ties, and wins whenever every direct read is at least a page (the layouts agree page
-for page and differ only in placement or block ids): no staging copy then. Same layouts on both
-sides give DIRECT with exactly the runs of `descriptors.coalesce_blocks`; TP 2 -> 1 gives STAGED with one descriptor per run of
-source blocks per prefill rank. What cannot be expressed raises `IncompatiblePeerError` naming
-both layouts (`check_same_model`).
+`plan_read` takes DIRECT whenever it applies (no staging copy then), else STAGED. What cannot be
+expressed raises `IncompatiblePeerError` naming both layouts (`check_same_model`).
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from kvbridge.block_runs import run_lengths, run_starts
-from kvbridge.errors import ConfigError, IncompatiblePeerError
+from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanTooLargeError
 from kvbridge.layout import OPAQUE_FORMATS, KVCacheLayout
-from kvbridge.transfer.kv_shard import KVShard
-from kvbridge.transfer.plan_atoms import Atoms, collect_atoms
+from kvbridge.transfer.kv_shard import HeadSpan, KVShard, head_spans
+from kvbridge.transfer.page_reads import Reads, blocks_needed, direct_reads, staged_reads
+from kvbridge.transfer.plan_gather import Gather, gather_pieces
 
-DEFAULT_MAX_GAP_NBYTES = 256 * 1024  # a gap this size reads in ~1 us at 300 GB/s; a descriptor costs more
+# At most this many entries (pages listed and token chunks indexed) per plan: planning keeps ~10 int64
+# arrays of this length (~1.3 GB at 2**24) and takes ~50 ms per million. Llama-8B shapes with 16-token
+# blocks list 3 per token: ~5M tokens. Beyond, the read fails (PlanTooLargeError) rather than the engine.
+MAX_PLAN_ENTRIES = 1 << 24
 
 
 class PlanKind(enum.Enum):
     DIRECT = "direct"  # straight into the destination pages
     STAGED = "staged"  # into a staging buffer, then one gather pass into the pages
-
-
-class Reads(NamedTuple):
-    """Byte ranges to read: range i copies nbytes[i] bytes from `remote_offsets[i]` of prefill rank
-    `source[i]`'s region to `local_offsets[i]` of the destination region (DIRECT) or of the staging
-    buffer (STAGED)."""
-
-    source: np.ndarray  # [N] int64, an index into the plan's sources
-    remote_offsets: np.ndarray  # [N] int64
-    local_offsets: np.ndarray  # [N] int64
-    nbytes: np.ndarray  # [N] int64
-
-
-class Gather(NamedTuple):
-    """The staged pass: destination region row dst_rows[i] = staging row staging_rows[i], rows of
-    `row_nbytes` bytes. `is_dense`: staging_rows is 0, 1, 2, ... (the staging buffer holds exactly
-    the needed bytes, in order), so the pass reads the staging buffer as is."""
-
-    row_nbytes: int
-    staging_rows: np.ndarray  # [M] int64
-    dst_rows: np.ndarray  # [M] int64
-    is_dense: bool
 
 
 @dataclass(frozen=True)
@@ -82,7 +59,7 @@ class ReadPlan:
     num_tokens: int
     staging_nbytes: int = 0  # STAGED: bytes of the staging buffer; DIRECT: 0
     gather: Gather | None = None  # STAGED only
-    num_direct_descriptors: int = 0  # what the other choice would have cost, for logs
+    num_direct_descriptors: int | None = None  # what DIRECT costs, for logs; None: the pages differ
     num_staged_descriptors: int = 0
 
     @property
@@ -98,9 +75,14 @@ class ReadPlan:
 
     def summary(self) -> str:
         """One line for the log: the kind, descriptors (and the alternative's), bytes."""
-        other = self.num_staged_descriptors if self.kind is PlanKind.DIRECT else self.num_direct_descriptors
+        if self.kind is PlanKind.STAGED and self.num_direct_descriptors is None:
+            other = "direct: none, the pages differ"
+        elif self.kind is PlanKind.STAGED:
+            other = f"direct: {self.num_direct_descriptors}"
+        else:
+            other = f"staged: {self.num_staged_descriptors}"
         return (
-            f"{self.kind.value} plan: {self.num_descriptors} descriptors (the other kind: {other}), "
+            f"{self.kind.value} plan: {self.num_descriptors} descriptors ({other}), "
             f"{self.nbytes_read} B read, {self.staging_nbytes} B staged, {self.num_tokens} tokens"
         )
 
@@ -139,54 +121,27 @@ def check_same_model(decode: KVShard, prefills: Sequence[KVShard]) -> None:
         )
 
 
-# ---------------------------------------------------------------------------- the two plans
+# ---------------------------------------------------------------------------- plans
 
 
-def _direct_reads(atoms: Atoms) -> Reads:
-    """Maximal runs of atoms adjacent on both sides (and of one source)."""
-    is_start = np.zeros(len(atoms.src), dtype=bool)
-    is_start[run_starts(atoms.src, atoms.dst, atoms.nbytes)] = True
-    is_start[1:] |= atoms.source[1:] != atoms.source[:-1]  # a new source starts a run
-    starts = np.flatnonzero(is_start)
-    lengths = run_lengths(starts, len(atoms.src))
-    return Reads(atoms.source[starts], atoms.src[starts], atoms.dst[starts], lengths * atoms.nbytes)
+def _check_size(decode: KVShard, prefills: Sequence[KVShard], spans: Sequence[HeadSpan], num_tokens: int) -> None:
+    """PlanTooLargeError when the plan would list more than MAX_PLAN_ENTRIES pages and token chunks."""
+    num_layers = decode.layout.num_layers
+    entries = sum(num_layers * -(-num_tokens // prefills[s.source].layout.block_size) + num_tokens for s in spans)
+    if entries > MAX_PLAN_ENTRIES:
+        raise PlanTooLargeError(
+            f"reading {num_tokens} tokens from {'; '.join(p.describe() for p in prefills)} into {decode.describe()} "
+            f"lists {entries} pages and token chunks, more than {MAX_PLAN_ENTRIES}: the read fails (recomputed "
+            "locally under policy recompute); split the prompt's KV into shorter reads"
+        )
 
 
-def _staged_reads(atoms: Atoms, page_nbytes: np.ndarray, max_gap_nbytes: int) -> tuple[Reads, Gather, int]:
-    """Runs adjacent (or nearly: a small gap inside the same or the next page) on the source side,
-    packed back to back in the staging buffer; and the gather from staging into the pages."""
-    end = atoms.src + atoms.nbytes  # [A]
-    gap = atoms.src[1:] - end[:-1]  # [A-1]
-    page, next_page = atoms.src_page[:-1], atoms.src_page[1:]
-    same_or_next_page = (next_page == page) | (next_page == page + page_nbytes[:-1])
-    joins = (atoms.source[1:] == atoms.source[:-1]) & (gap >= 0) & (
-        (gap == 0) | ((gap <= max_gap_nbytes) & same_or_next_page)
-    )
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))  # [R]
-    last = np.append(starts[1:], len(atoms.src)) - 1  # [R] index of each run's last atom
-    nbytes = end[last] - atoms.src[starts]  # [R]
-    staging_start = np.cumsum(nbytes) - nbytes  # [R]
-    run_of = np.repeat(np.arange(len(starts)), run_lengths(starts, len(atoms.src)))  # [A]
-    staging = staging_start[run_of] + atoms.src - atoms.src[starts][run_of]  # [A] byte offset in staging
-    reads = Reads(atoms.source[starts], atoms.src[starts], staging_start, nbytes)
-    return reads, _gather(atoms, staging), int(nbytes.sum())
-
-
-def _gather(atoms: Atoms, staging: np.ndarray) -> Gather:
-    """Row indices for the pass: rows of the largest size that divides every offset (usually one atom)."""
-    row = math.gcd(atoms.nbytes, int(np.gcd.reduce(staging % atoms.nbytes)), int(np.gcd.reduce(atoms.dst % atoms.nbytes)))
-    per_atom = np.arange(atoms.nbytes // row, dtype=np.int64)  # [k]
-    staging_rows = ((staging // row)[:, None] + per_atom).reshape(-1)  # [A * k]
-    dst_rows = ((atoms.dst // row)[:, None] + per_atom).reshape(-1)
-    is_dense = bool(np.array_equal(staging_rows, np.arange(len(staging_rows))))
-    return Gather(row, staging_rows, dst_rows, is_dense)
-
-
-def _moves_whole_pages(direct: Reads, decode: KVShard, prefills: Sequence[KVShard]) -> bool:
-    """Whether every direct read is at least a page: the layouts agree page for page (they differ in
-    placement or block ids only), which is what the block and page transfers have always read directly."""
-    smallest_page = min(s.layout.page_nbytes for s in (decode, *prefills))
-    return len(direct.nbytes) > 0 and int(direct.nbytes.min()) >= smallest_page
+def _staged_gather(decode: KVShard, dst_ids: np.ndarray, prefills, spans, staged, num_tokens: int) -> Gather:
+    pieces = []
+    for span, shard in zip(spans, staged):
+        heads = (span.head_start - prefills[span.source].head_start, span.head_start - decode.head_start, span.num_heads)
+        pieces += gather_pieces(shard.layout, shard.offset, shard.token_blocks, decode.layout, dst_ids, num_tokens, heads)
+    return Gather(decode.layout, True, tuple(pieces))
 
 
 def plan_read(
@@ -196,14 +151,14 @@ def plan_read(
     src_block_ids: Sequence,  # one id list per prefill shard
     num_tokens: int,
     *,
-    kind: PlanKind | None = None,  # None: DIRECT for page-for-page layouts, else the one with fewer descriptors
-    max_gap_nbytes: int = DEFAULT_MAX_GAP_NBYTES,
+    kind: PlanKind | None = None,  # None: DIRECT where the layouts agree page for page, else STAGED
 ) -> ReadPlan:
     """The plan that reads tokens [0, num_tokens) of every KV head the decode shard holds from the
-    prefill shards' blocks into the decode's blocks. Nothing outside those tokens' atoms is written.
+    prefill shards' blocks into the decode's blocks. Nothing outside those tokens and heads is written.
 
-    Raises IncompatiblePeerError (see `check_same_model`), ValueError for too few block ids and
-    IndexError for an id outside its layout.
+    Raises IncompatiblePeerError (see `check_same_model`), ValueError for too few block ids or for
+    DIRECT between pages that differ, IndexError for an id outside its layout, PlanTooLargeError past
+    MAX_PLAN_ENTRIES.
     """
     check_same_model(decode, prefills)
     if len(src_block_ids) != len(prefills):
@@ -212,17 +167,22 @@ def plan_read(
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     src_ids = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in src_block_ids]
-    atoms = collect_atoms(decode, dst_ids, prefills, src_ids, num_tokens)
-    direct = _direct_reads(atoms)
-    # prefill shards' pages may differ in size (their head counts): the gap rule takes each atom's
-    page_nbytes = np.array([s.layout.page_nbytes for s in prefills], dtype=np.int64)[atoms.source]  # [A]
-    staged, gather, staging_nbytes = _staged_reads(atoms, page_nbytes, max_gap_nbytes)
-    n_direct, n_staged = len(direct.nbytes), len(staged.nbytes)
-    if kind is None:
-        kind = PlanKind.DIRECT if n_direct <= n_staged or _moves_whole_pages(direct, decode, prefills) else PlanKind.STAGED
+    spans = head_spans(decode, prefills)
+    _check_size(decode, prefills, spans, num_tokens)
+    blocks_needed(decode.layout, dst_ids, num_tokens)
+    direct = direct_reads(decode, dst_ids, prefills, src_ids, spans, num_tokens)
+    staged, staged_shards, staging_nbytes = staged_reads(prefills, src_ids, spans, num_tokens)
+    n_direct = None if direct is None else len(direct.nbytes)
+    kind = kind or (PlanKind.STAGED if direct is None else PlanKind.DIRECT)
     if kind is PlanKind.DIRECT:
-        return ReadPlan(kind, direct, num_tokens, num_direct_descriptors=n_direct, num_staged_descriptors=n_staged)
-    return ReadPlan(kind, staged, num_tokens, staging_nbytes, gather, n_direct, n_staged)
+        if direct is None:
+            raise ValueError(
+                f"a DIRECT read needs pages that agree page for page (block size, page format, whole blocks, heads "
+                f"one range of a page): {'; '.join(p.describe() for p in prefills)} -> {decode.describe()}, {num_tokens} tokens"
+            )
+        return ReadPlan(kind, direct, num_tokens, num_direct_descriptors=n_direct, num_staged_descriptors=len(staged.nbytes))
+    gather = _staged_gather(decode, dst_ids, prefills, spans, staged_shards, num_tokens)
+    return ReadPlan(kind, staged, num_tokens, staging_nbytes, gather, n_direct, len(staged.nbytes))
 
 
 def plan_engine_read(local: KVCacheLayout, remote: KVCacheLayout, local_block_ids, remote_block_ids) -> ReadPlan:
@@ -235,15 +195,17 @@ def plan_engine_read(local: KVCacheLayout, remote: KVCacheLayout, local_block_id
     return plan_read(KVShard(local), local_block_ids, [KVShard(remote)], [remote_block_ids], num_tokens)
 
 
-def copy_gather(
-    dst: KVShard, dst_block_ids, src: KVShard, src_block_ids, num_tokens: int
-) -> Gather:
-    """The gather that copies tokens [0, num_tokens) from `src`'s blocks into `dst`'s blocks when both
-    lie in one process: source region rows -> destination region rows (`layout_gather.apply_gather`
-    with the source region as its "staging" buffer). What a reader uses to rebuild the prefill's
-    blocks from its own pages, to digest them as the prefill did."""
+def copy_gather(dst: KVShard, dst_block_ids, src: KVShard, src_block_ids, num_tokens: int) -> Gather:
+    """The gather that copies tokens [0, num_tokens) of `dst`'s heads from `src`'s blocks into `dst`'s
+    blocks, both in one process, when `dst_block_ids` are 0, 1, 2, ... of a layout of whole blocks
+    (`layout_gather.apply_gather` with the source region as its source). What a reader uses to
+    rebuild the prefill's blocks from its own pages, to digest them as the prefill did."""
     check_same_model(dst, [src])
     dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     src_ids = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    atoms = collect_atoms(dst, dst_ids, [src], [src_ids], num_tokens)
-    return _gather(atoms, atoms.src)
+    if num_tokens % dst.layout.block_size or not np.array_equal(dst_ids, np.arange(num_tokens // dst.layout.block_size)):
+        raise ValueError("copy_gather writes whole blocks 0, 1, 2, ... of its destination")
+    blocks_needed(src.layout, src_ids, num_tokens)
+    heads = (0, dst.head_start - src.head_start, dst.layout.num_kv_heads)
+    pieces = gather_pieces(dst.layout, 0, dst_ids, src.layout, src_ids, num_tokens, heads)
+    return Gather(src.layout, False, tuple(pieces))

@@ -4,7 +4,8 @@ Each case draws a model (layers, KV heads, head_dim, dtype), a prefill TP size a
 size (1, 2 or 4; heads split or replicated), block sizes (8, 16, 32), page formats, placements
 (block-major, layer-major, padded) and block ids (runs or scattered). The plan's reads are executed
 as numpy byte copies between byte buffers (what NIXL would do), its gather by `apply_gather`; the
-whole destination buffer must equal the reference's, so bytes outside the read atoms stay untouched.
+whole destination buffer must equal the reference's, so bytes outside the read tokens and heads stay
+untouched, and no read may leave the pages of the blocks holding the prompt.
 """
 
 from __future__ import annotations
@@ -176,37 +177,46 @@ def test_every_plan_moves_what_one_element_at_a_time_moves(seed):
     print(f"seed {seed}: {case}")
     sources, dst = _buffers(case, seed)
     expected = reference_read(case, sources, dst)
+    default = _plan(case, None)
+    assert (default.kind is PlanKind.DIRECT) == (default.num_direct_descriptors is not None), "DIRECT wherever it applies"
     for kind in (None, PlanKind.DIRECT, PlanKind.STAGED):
+        if kind is PlanKind.DIRECT and default.kind is PlanKind.STAGED:
+            with pytest.raises(ValueError, match="agree page for page"):
+                _plan(case, kind)
+            continue
         plan = _plan(case, kind)
-        assert plan.kind is (kind or plan.kind)
+        assert plan.kind is (kind or default.kind)
         got = execute(plan, sources, dst)
         assert np.array_equal(got, expected), f"seed {seed}, {plan.summary()}: destination differs"
         _check_reads_stay_in_read_pages(case, plan)
-        if kind is None and plan.kind is PlanKind.STAGED:
-            assert plan.num_staged_descriptors < plan.num_direct_descriptors, "staged only when it saves descriptors"
 
 
 @pytest.mark.parametrize("page_format", FORMATS)
 @pytest.mark.parametrize("seed", range(12))
-def test_one_page_format_everywhere_moves_larger_atoms_and_the_same_bytes(seed, page_format):
-    """Atoms span several heads or tokens when the formats allow (plan_atoms.atom_shape)."""
+def test_one_page_format_everywhere_moves_the_same_bytes(seed, page_format):
+    """Equal page formats read directly where block sizes and heads agree too."""
     case = random_case(2000 + seed, page_format)
     print(f"seed {seed}: {case}")
     sources, dst = _buffers(case, seed)
     expected = reference_read(case, sources, dst)
-    for kind in (None, PlanKind.DIRECT, PlanKind.STAGED):
+    default = _plan(case, None)
+    for kind in (None, PlanKind.DIRECT, PlanKind.STAGED) if default.kind is PlanKind.DIRECT else (None,):
         plan = _plan(case, kind)
         assert np.array_equal(execute(plan, sources, dst), expected), f"seed {seed}, {plan.summary()}"
         _check_reads_stay_in_read_pages(case, plan)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_staged_plans_without_gap_reading_are_dense_and_still_correct(seed):
+def test_staged_plans_read_whole_pages_one_descriptor_per_run_of_source_blocks(seed):
     case = random_case(1000 + seed)
-    sources, dst = _buffers(case, seed)
-    plan = _plan(case, PlanKind.STAGED, max_gap_nbytes=0)
-    assert plan.gather.is_dense and plan.staging_nbytes == plan.nbytes_read
-    assert np.array_equal(execute(plan, sources, dst), reference_read(case, sources, dst))
+    print(f"seed {seed}: {case}")
+    plan = _plan(case, PlanKind.STAGED)
+    read = sorted(set(plan.reads.source.tolist()))
+    blocks = {r: sorted(case.src_ids[r][: -(-case.num_tokens // case.prefills[r].layout.block_size)]) for r in read}
+    assert plan.staging_nbytes == plan.nbytes_read == sum(len(blocks[r]) * case.prefills[r].layout.block_nbytes for r in read)
+    if all(case.prefills[r].layout.is_contiguous for r in read):  # block-major: a run of ids is one range
+        assert plan.num_descriptors == sum(1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) for ids in blocks.values())
+    assert plan.gather.num_indices <= len(read) * (case.num_tokens + 1), "indices per token chunk, not per element"
 
 
 def test_identical_layouts_read_directly_with_the_runs_of_coalesce_blocks():
@@ -227,6 +237,63 @@ def test_tp2_to_1_with_a_larger_decode_block_is_staged_with_one_read_per_source_
     assert plan.descriptors_per_source(2) == [1, 1] and plan.nbytes_read == decode.layout.page_nbytes * 2 * 2
 
 
+# ---------------------------------------------------------------------------- long prompts, transposed K
+
+
+def _vllm_cpu(layout: KVCacheLayout) -> KVCacheLayout:
+    """vLLM's CPU placement: layers outermost, pages of one layer adjacent."""
+    return dataclasses.replace(layout, layer_stride=layout.num_blocks * layout.page_nbytes, block_stride=layout.page_nbytes)
+
+
+@pytest.mark.parametrize("to_vllm", [True, False], ids=["2NHD->H2ND-KT", "H2ND-KT->2NHD"])
+def test_a_long_prompt_between_transposed_k_and_2nhd_pages_moves_what_one_element_at_a_time_moves(to_vllm):
+    """2,053 tokens (a tail past the last whole block on both sides), scattered ids, two prefill ranks on
+    the 2NHD side: the element-by-element planner of before listed one atom per element here."""
+    seed = 23
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    model = dict(num_layers=2, head_dim=2, dtype="bfloat16")
+    num_tokens, total = 2053, 2
+    kvb = KVCacheLayout(num_blocks=160, block_size=16, num_kv_heads=1, **model)  # one TP rank of two
+    vllm = _vllm_cpu(KVCacheLayout(num_blocks=80, block_size=32, num_kv_heads=2, page_format="H2ND-KT", **model))
+    kvb_ids = [rng.sample(range(160), 129) for _ in range(2)]
+    vllm_ids = rng.sample(range(80), 65)
+    if to_vllm:
+        case = Case(KVShard(vllm), vllm_ids, [KVShard(kvb, h, total) for h in range(2)], kvb_ids, num_tokens)
+    else:
+        case = Case(KVShard(kvb, 1, total), kvb_ids[0], [KVShard(vllm)], [vllm_ids], num_tokens)
+    sources, dst = _buffers(case, seed)
+    plan = _plan(case, None)
+    assert plan.kind is PlanKind.STAGED
+    assert np.array_equal(execute(plan, sources, dst), reference_read(case, sources, dst)), plan.summary()
+    _check_reads_stay_in_read_pages(case, plan)
+
+
+LLAMA_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+MIXED_ENGINES_TINY = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32")  # tests/integrations/vllm's checkpoint
+
+
+@pytest.mark.parametrize("model,num_tokens", [(LLAMA_8B, 256), (LLAMA_8B, 4096), (LLAMA_8B, 32768), (MIXED_ENGINES_TINY, 16384)],
+                         ids=["llama-8b-256", "llama-8b-4096", "llama-8b-32768", "tiny-16384"])  # fmt: skip
+def test_long_reads_between_kvbridge_and_vllm_cpu_pages_plan_per_block_not_per_element(model, num_tokens):
+    """kvbridge's 16-token block-major 2NHD pages and vLLM CPU's 128-token layer-major H2ND-KT pages, both
+    ways. Before, such a plan listed one atom per element and was refused past 2**23 of them (128 tokens at
+    Llama-3-8B's KV, 8,192 at the mixed-engine tests' checkpoint, whose 1,024-token context cannot reach
+    that); now it lists pages and token chunks."""
+    kvb_ids, vllm_ids = np.arange(1, 1 + num_tokens // 16), np.arange(1, 1 + num_tokens // 128)
+    kvb = KVCacheLayout(num_blocks=len(kvb_ids) + 8, block_size=16, **model)
+    vllm = _vllm_cpu(KVCacheLayout(num_blocks=len(vllm_ids) + 8, block_size=128, page_format="H2ND-KT", **model))
+    elements_per_token = model["num_layers"] * 2 * model["num_kv_heads"] * model["head_dim"]
+    assert num_tokens * elements_per_token > (1 << 23)  # the old planner's limit
+    into_vllm = plan_read(KVShard(vllm), vllm_ids, [KVShard(kvb)], [kvb_ids], num_tokens)
+    assert into_vllm.kind is PlanKind.STAGED and into_vllm.num_descriptors == 1  # one run of block-major blocks
+    assert into_vllm.gather.num_indices == num_tokens // 16  # a 16-token chunk per kvbridge block
+    from_vllm = plan_read(KVShard(kvb), kvb_ids, [KVShard(vllm)], [vllm_ids], num_tokens)
+    assert from_vllm.kind is PlanKind.STAGED and from_vllm.num_descriptors == model["num_layers"]  # a run of pages per layer
+    assert from_vllm.gather.num_indices == num_tokens // 16
+    assert into_vllm.nbytes_read == from_vllm.nbytes_read == num_tokens * elements_per_token * kvb.element_size
+
+
 # ---------------------------------------------------------------------------- the descriptor budget
 
 
@@ -244,7 +311,7 @@ def test_a_tp2_to_1_read_of_4096_tokens_costs_at_most_twice_the_descriptors_of_t
     print(f"descriptors per request, {'fragmented' if fragmented else 'runs'}: TP 1->1 {tp1.summary()}; TP 2->1 {tp2.summary()}")
     assert tp1.kind is PlanKind.DIRECT and tp2.kind is PlanKind.STAGED
     assert tp2.num_descriptors <= 2 * tp1.num_descriptors
-    assert tp2.num_direct_descriptors > 10 * tp2.num_descriptors  # what a head-split direct read would cost
+    assert tp2.num_direct_descriptors is None  # a 2NHD page's half of the heads is no byte range: no direct read
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -271,16 +338,16 @@ def test_opaque_pages_are_refused_naming_both_layouts():
         assert d.describe() in str(err.value) and p.describe() in str(err.value)
 
 
-def test_a_plan_of_more_atoms_than_planning_may_hold_is_refused(monkeypatch):
-    """H2ND-KT pages plan element by element: 2 layers x K|V x 16 tokens x 4 heads x 8 dims = 2,048 atoms."""
+def test_a_plan_of_more_entries_than_planning_may_hold_is_refused(monkeypatch):
+    """2 layers x 1 page + 16 tokens = 18 pages and token chunks listed, whatever head_dim and the K layout."""
     from kvbridge.errors import PlanTooLargeError
-    from kvbridge.transfer import plan_atoms
+    from kvbridge.transfer import layout_plan
 
     decode = KVShard(KVCacheLayout(**{**MODEL, "page_format": "H2ND-KT"}))
     prefill = KVShard(KVCacheLayout(**MODEL))
     assert plan_read(decode, [0], [prefill], [[0]], 16).nbytes_read == 2048 * 2
-    monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 2047)
-    with pytest.raises(PlanTooLargeError, match="takes 2048 atoms of \\(1, 1, 1\\)"):
+    monkeypatch.setattr(layout_plan, "MAX_PLAN_ENTRIES", 17)
+    with pytest.raises(PlanTooLargeError, match="lists 18 pages and token chunks, more than 17"):
         plan_read(decode, [0], [prefill], [[0]], 16)
 
 

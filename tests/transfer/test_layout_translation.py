@@ -118,15 +118,15 @@ def test_opaque_pages_are_refused_at_the_handshake_naming_both_layouts(owner):
 
 
 def test_a_read_too_large_to_plan_fails_that_read_only(owner, monkeypatch):
-    from kvbridge.transfer import plan_atoms
+    from kvbridge.transfer import layout_plan
 
     ep, kv = _reader("decode-too-large", {**READER, "page_format": "H2ND-KT"})
     try:
-        monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 1000)  # 32 tokens x 2 layers x K|V x 2 heads x 8 dims: 2,048
+        monkeypatch.setattr(layout_plan, "MAX_PLAN_ENTRIES", 32)  # 2 layers x 2 pages + 32 tokens: 36
         rec = _wait_final(ep, ep.read_blocks("too-large", owner.address, [1], [3, 4]).req_id)
         assert rec.state is TransferState.FAILED and "PlanTooLargeError" in rec.error
         assert not kv.view(torch.int16)[1].any()
-        monkeypatch.setattr(plan_atoms, "MAX_ATOMS", 1 << 23)
+        monkeypatch.setattr(layout_plan, "MAX_PLAN_ENTRIES", 1 << 24)
         rec = _wait_final(ep, ep.read_blocks("fits", owner.address, [1], [3, 4]).req_id)
         assert rec.state is TransferState.DONE, rec.error
     finally:
