@@ -154,7 +154,7 @@ class ThreadCopier(BlockCopier):
     of the process's CPU affinity), copies the first share itself and waits for the others, which
     a pool of `num_threads - 1` threads shared by both directions copies: one direction copies on
     `num_threads` threads, both at once on one more. Each share is copied on its thread alone, one
-    `np.copyto` per run (it releases the GIL). Not torch's `copy_`: that forks its own intra-op
+    numpy copy loop per run (`_copy`; it releases the GIL). Not torch's `copy_`: that forks its own intra-op
     threads for every run (the former path: `store_torch_copy_per_run` in offload_bw.py), and
     torch copies running on several threads at once would each fork a team over the same cores;
     `torch.set_num_threads(1)` on a copy thread is no cure, it also changes the default of every
@@ -207,6 +207,15 @@ class ThreadCopier(BlockCopier):
         super().close()
 
 
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src[...] (uint8, same shape), on the calling thread, without the GIL.
+
+    numpy's SIMD loop of the identity ufunc `positive` (no cast, so no buffering), not `np.copyto`:
+    that calls libc's memmove, which for blocks of MiBs ran at ~0.75 of this loop on the 2-core EPYC
+    of docs/benchmarks.md ("Offload copies on CPU"), one thread or two."""
+    np.positive(src, out=dst)
+
+
 def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run], digest: DigestFn | None = None,
                 kv_is_dst: bool = False, piece_blocks: int = 1) -> dict[int, int]:  # fmt: skip
     """dst[d : d + n] = src[s : s + n] for each run, on the calling thread. With `digest`, a piece of
@@ -216,12 +225,12 @@ def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run], digest: Dige
     digests: dict[int, int] = {}
     for s, d, n in share:
         if digest is None:
-            np.copyto(dst[d : d + n], src[s : s + n])
+            _copy(dst[d : d + n], src[s : s + n])
             continue
         kv_first = d if kv_is_dst else s
         for k in range(0, n, piece_blocks):
             m = min(piece_blocks, n - k)
-            np.copyto(dst[d + k : d + k + m], src[s + k : s + k + m])
+            _copy(dst[d + k : d + k + m], src[s + k : s + k + m])
             kv_ids = list(range(kv_first + k, kv_first + k + m))
             digests.update(zip(kv_ids, digest(kv_ids).result().values))
     return digests
