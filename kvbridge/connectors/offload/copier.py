@@ -46,7 +46,7 @@ from kvbridge.transfer.digest import DigestJob
 from kvbridge.transfer.progress import drive_until
 
 # KV block ids -> their digests, started on the calling thread (CPU: computed there; CUDA: queued on
-# the current stream). transfer/digest.py's `start_block_digests` bound to a region and a layout.
+# the current stream). transfer/digest.py's `BlockDigester` (`start_block_digests` bound to a region and a layout).
 DigestFn = Callable[[list[int]], DigestJob]
 _DIGEST_PIECE_BYTES = 1 << 20  # CPU: copy this much, then hash it while it is in the copy thread's cache
 
