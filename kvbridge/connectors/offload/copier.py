@@ -133,9 +133,9 @@ class ThreadCopier(BlockCopier):
     directions (a store and a load overlap). Each thread coalesces its share into runs adjacent on
     both sides (a run is cut where a share ends) and copies them, one numpy copy loop per run
     (`_copy`; it releases the GIL). The copy is done when its last share is. No thread in between:
-    every hand-off is a wake-up, and on a loaded machine each one can wait for a time slice (a
-    dispatch thread that cut the shares and copied one itself was measured slower, median 0.80-0.96
-    of this). A copy with `before` (it may block on the disk) runs that on its direction's helper
+    every hand-off is a wake-up, and on a loaded machine each one can wait for a time slice (the
+    former dispatch thread per direction, which cut the shares and copied one itself, ran at a median
+    0.80-0.96 of this on 2 shared cores; docs/benchmarks.md, "Offload copies on CPU"). A copy with `before` (it may block on the disk) runs that on its direction's helper
     thread first, so it never holds a copy thread while it waits.
 
     Not torch's `copy_`: that forks its own intra-op threads for every run (the former path:
