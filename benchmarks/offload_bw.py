@@ -24,6 +24,10 @@ Verification (the OffloadingConnector's `verify_kv_digest`, on by default): `sto
 `load_verified` are the same copies by a copier that also digests the KV-cache side of each copy
 (as the connector's worker does: fused into the copy on CPU, queued behind it on the GPU);
 `verify_cost` is the fraction of the plain copy's bandwidth that costs, same run, interleaved.
+On CPU `digest_alone` digests the store's blocks without copying them, on as many threads as the
+copier, and `verified_serial_bound` is the fraction of the plain copy's bandwidth a copy that
+digests after copying would keep (1 / (1 / copy + 1 / digest), over copy): below it, the fused copy
+loses more than the hash's own time; above it, it hides part of the hash under the copy.
 """
 
 from __future__ import annotations
@@ -154,6 +158,15 @@ def main() -> int:
 
         cases["baseline_numpy"] = partial(split_copy, host_bytes, dev_bytes)
         cases["baseline_numpy_load"] = partial(split_copy, dev_bytes, host_bytes)
+
+        def digest_alone() -> None:  # the store's digests without its copy, on as many threads
+            first, *others = (part.tolist() for part in np.array_split(store_ids, num_cores))
+            futures = [split_pool.submit(lambda ids: digest(ids).result(), ids) for ids in others]
+            assert len(digest(first).result().values) == len(first)
+            for future in futures:
+                future.result()
+
+        cases["digest_alone"] = digest_alone
     if not is_cuda:  # the copier's CPU path before 2026-12-01: one torch copy_ per run, on one thread
         one_thread = ThreadPoolExecutor(1)
         store_runs = paired_runs(store_ids, list(range(n)))
@@ -202,6 +215,12 @@ def main() -> int:
         "load_verified_gbps": results["load_verified"]["gbps"],
         # what digesting every block costs the copy (verify_kv_digest): 1 - verified / plain, same run
         "verify_cost": {d: 1 - results[f"{d}_verified"]["gbps"] / results[d]["gbps"] for d in ("store", "load")},
+        # CPU: the digest's own rate on the copy threads' count of threads, and what a copy that
+        # digests after copying (nothing overlapped) would reach: 1 / (1 / copy + 1 / digest)
+        "digest_alone_gbps": None if is_cuda else results["digest_alone"]["gbps"],
+        "verified_serial_bound": None if is_cuda else {
+            d: 1 / (1 / results[d]["gbps"] + 1 / results["digest_alone"]["gbps"]) / results[d]["gbps"] for d in ("store", "load")
+        },  # fmt: skip
         "store_torch_copy_per_run_ratio": (
             None if is_cuda else results["store_torch_copy_per_run"]["gbps"] / base
         ),  # the old CPU path, same run
