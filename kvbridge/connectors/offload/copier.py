@@ -224,8 +224,8 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src[...] (uint8, same shape), on the calling thread, without the GIL.
 
     numpy's SIMD loop of the identity ufunc `positive` (no cast, so no buffering), not `np.copyto`:
-    that calls libc's memmove, which for blocks of MiBs ran at ~0.75 of this loop on the 2-core EPYC
-    of docs/benchmarks.md ("Offload copies on CPU"), one thread or two."""
+    that calls libc's memmove, with which the copier's stores and loads of 2 MiB blocks ran ~10 %
+    slower on the 2-core EPYC of docs/benchmarks.md ("Offload copies on CPU")."""
     np.positive(src, out=dst)
 
 
