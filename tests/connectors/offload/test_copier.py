@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from functools import partial
 
 import pytest
@@ -118,6 +119,29 @@ def test_thread_copier_reports_errors():
 
     handle = copier.load([0], [1], before=fail)
     assert handle.wait(10) and isinstance(handle.error, OSError)
+    copier.close()
+
+
+def test_a_failed_share_fails_the_copy_only_once_every_share_ended(monkeypatch):
+    kv, host = torch.randn((8, *SHAPE)), torch.zeros((8, *SHAPE))
+    copier = make_copier(kv, host, copy_threads=2)
+    copier.MIN_SHARE_BYTES = 1
+    slow_share_ended = threading.Event()
+    copy_share = copier_module._copy_share
+
+    def one_fails_one_is_slow(src, dst, share, *digest_args):
+        if share[0][0] == 0:  # the first share fails at once
+            raise OSError("copy failed")
+        time.sleep(0.2)
+        copy_share(src, dst, share, *digest_args)
+        slow_share_ended.set()
+        return {}
+
+    monkeypatch.setattr(copier_module, "_copy_share", one_fails_one_is_slow)
+    handle = copier.store(list(range(8)), list(range(8)))
+    assert handle.wait(10) and isinstance(handle.error, OSError)
+    assert slow_share_ended.is_set()  # nothing still writes once the copy reports its end
+    assert torch.equal(host[4:], kv[4:])
     copier.close()
 
 
