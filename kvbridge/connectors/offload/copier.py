@@ -3,8 +3,8 @@
 Two implementations behind one interface:
 
 * `ThreadCopier` (CPU KV cache): a copy's blocks are cut into shares for a pool of copy threads,
-  one per core, which both directions share (a store and a load overlap); runs of adjacent block
-  ids on both sides coalesce into one copy.
+  one per core, which both directions share; runs of adjacent block ids on both sides coalesce
+  into one copy.
 * `CudaCopier` (CUDA KV cache): dedicated streams and a helper thread per direction, never the
   compute stream.
   Scattered GPU blocks are gathered with `index_select` into a device staging buffer, which then
@@ -129,14 +129,15 @@ class ThreadCopier(BlockCopier):
 
     A copy is cut by position into about equal shares of at least `MIN_SHARE_BYTES`, at most one
     per copy thread (`num_threads`, default: the cores of the process's CPU affinity), and each
-    share goes straight from the caller to a pool of `num_threads` copy threads shared by both
-    directions (a store and a load overlap). Each thread coalesces its share into runs adjacent on
-    both sides (a run is cut where a share ends) and copies them, one numpy copy loop per run
-    (`_copy`; it releases the GIL). The copy is done when its last share is. No thread in between:
-    every hand-off is a wake-up, and on a loaded machine each one can wait for a time slice (the
-    former dispatch thread per direction, which cut the shares and copied one itself, ran at a median
-    0.80-0.96 of this on 2 shared cores; docs/benchmarks.md, "Offload copies on CPU"). A copy with `before` (it may block on the disk) runs that on its direction's helper
-    thread first, so it never holds a copy thread while it waits.
+    share goes straight from the caller to a pool of `num_threads` copy threads that both
+    directions share (a store and a load at once take turns on the same threads: two cores have
+    one memory bus). Each thread coalesces its share into runs adjacent on both sides (a run is cut
+    where a share ends) and copies them, one numpy copy loop per run (`_copy`; it releases the
+    GIL). The copy is done when its last share is. No thread in between: every hand-off is a
+    wake-up, which a loaded machine delays by up to a time slice (the former dispatch thread per
+    direction: docs/benchmarks.md, "Offload copies on CPU", commits a20fb44 and 2895b24). A copy
+    with `before` (it may block on the disk) runs that on its direction's helper thread first, so
+    it never holds a copy thread while it waits.
 
     Not torch's `copy_`: that forks its own intra-op threads for every run (the former path:
     `store_torch_copy_per_run` in offload_bw.py), and torch copies running on several threads at
@@ -171,10 +172,9 @@ class ThreadCopier(BlockCopier):
         num_ids = len(src_ids)
         num_shares = max(1, min(self.num_threads, num_ids * self.block_nbytes // self.MIN_SHARE_BYTES))
         per_share = max(1, -(-num_ids // num_shares))
-        return _all_of([
-            self._copy_threads.submit(_copy_ids, src, dst, src_ids[i : i + per_share], dst_ids[i : i + per_share], *digest_args)
-            for i in range(0, max(1, num_ids), per_share)
-        ])  # fmt: skip
+        starts = range(0, max(1, num_ids), per_share)  # one empty share for an empty copy
+        return _all_of([self._copy_threads.submit(_copy_ids, src, dst, src_ids[i : i + per_share],
+                                                  dst_ids[i : i + per_share], *digest_args) for i in starts])  # fmt: skip
 
     def store(self, gpu_ids, slots, before=None) -> CopyHandle:
         return self._run("store", before, self._kv_bytes, gpu_ids, self._host_bytes, slots)
