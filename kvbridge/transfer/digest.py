@@ -100,6 +100,32 @@ def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, 
     raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
 
 
+class BlockDigester:
+    """`start_block_digests` bound to a region, its layout and an algorithm: what the offload copier
+    calls for each piece it copied. On CPU a piece is often one block of MiBs, so a call's own cost
+    counts (~35 us of a 2 MiB block's ~75 us hash through `start_block_digests`): for XXH3 over host
+    memory with one byte range per block, what does not depend on the ids is worked out once here.
+    Same values and errors as `start_block_digests`."""
+
+    def __init__(self, region: torch.Tensor, layout: KVCacheLayout, alg: str) -> None:
+        self.region, self.layout, self.alg = region, layout, alg
+        is_fast = alg == XXH3 and not region.is_cuda and layout.is_block_contiguous
+        self._buf = region.numpy() if is_fast else None  # [region_nbytes] uint8
+        self._stride, self._nbytes, self._num_blocks = layout.block_stride_bytes, layout.block_nbytes, layout.num_blocks
+
+    def __call__(self, block_ids) -> DigestJob:
+        if self._buf is None:
+            return start_block_digests(self.region, self.layout, block_ids, self.alg)
+        import xxhash
+
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not 0 <= b < self._num_blocks]
+        if bad:
+            raise IndexError(f"block id {bad[0]} outside [0, {self._num_blocks})")
+        s, n, buf = self._stride, self._nbytes, self._buf
+        return DigestJob(self.alg, values=[xxhash.xxh3_64_intdigest(buf[b * s : b * s + n]) for b in ids])
+
+
 def block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> KVDigest:
     """The digest of each block of `block_ids` (in their order), computed on `region`'s device."""
     return start_block_digests(region, layout, block_ids, alg).result()

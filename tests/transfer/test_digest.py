@@ -11,7 +11,16 @@ import torch
 import xxhash
 
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.digest import WSUM, XXH3, DigestError, _multipliers_np, block_digests, mismatches, region_bytes
+from kvbridge.transfer.digest import (
+    WSUM,
+    XXH3,
+    BlockDigester,
+    DigestError,
+    _multipliers_np,
+    block_digests,
+    mismatches,
+    region_bytes,
+)
 
 GEOMETRY = dict(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
@@ -83,6 +92,25 @@ def test_a_kv_tensor_inside_a_larger_buffer_is_digested_where_it_lies(alg):
     assert block_digests(region_bytes(inside, layout), layout, [4, 1], alg) == block_digests(
         region_bytes(kv, layout), layout, [4, 1], alg
     )
+
+
+@pytest.mark.parametrize("alg", [XXH3, WSUM])
+def test_a_bound_digester_gives_start_block_digests_values_and_errors(alg):
+    """BlockDigester (the offload copier's digest, with its own path for XXH3 on one byte range per
+    block) equals `block_digests` on a contiguous and a strided layout, and refuses the same ids."""
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=6)
+    kv = _kv(layout, seed=5)
+    other, strided = _strided_copy(kv, layout)
+    ids = [5, 0, 3, 3, 1]
+    expected = block_digests(region_bytes(kv, layout), layout, ids, alg)
+    for tensor, placed in ((kv, layout), (other, strided)):
+        digester = BlockDigester(region_bytes(tensor, placed), placed, alg)
+        assert digester(ids).result() == expected
+        assert digester(np.array(ids)).result() == expected
+        assert digester([]).result().values == []
+        for bad in ([6], [0, -1]):
+            with pytest.raises(IndexError):
+                digester(bad).result()
 
 
 def test_swapped_blocks_and_unknown_algorithms():

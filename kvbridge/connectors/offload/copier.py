@@ -2,9 +2,9 @@
 
 Two implementations behind one interface:
 
-* `ThreadCopier` (CPU KV cache): a dispatch thread per direction, so a store and a load overlap.
-  Runs of adjacent block ids on both sides coalesce into one memcpy; a copy's runs are split over
-  a pool of copy threads, one per core.
+* `ThreadCopier` (CPU KV cache): a copy's blocks are cut into shares for a pool of copy threads,
+  one per core, which both directions share; runs of adjacent block ids on both sides coalesce
+  into one copy.
 * `CudaCopier` (CUDA KV cache): dedicated streams and a helper thread per direction, never the
   compute stream.
   Scattered GPU blocks are gathered with `index_select` into a device staging buffer, which then
@@ -36,7 +36,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from kvbridge.transfer.digest import DigestJob
 from kvbridge.transfer.progress import drive_until
 
 # KV block ids -> their digests, started on the calling thread (CPU: computed there; CUDA: queued on
-# the current stream). transfer/digest.py's `start_block_digests` bound to a region and a layout.
+# the current stream). transfer/digest.py's `BlockDigester` (`start_block_digests` bound to a region and a layout).
 DigestFn = Callable[[list[int]], DigestJob]
 _DIGEST_PIECE_BYTES = 1 << 20  # CPU: copy this much, then hash it while it is in the copy thread's cache
 
@@ -119,27 +119,6 @@ class BlockCopier(ABC):
         self.kv_cache = self.host_pool = None
 
 
-def split_runs(runs: list[Run], num_shares: int) -> list[list[Run]]:
-    """Cut `runs` into at most `num_shares` shares of (nearly) equal block counts, in order; a run
-    is cut where a share ends. Every block is in exactly one share."""
-    total = sum(n for _, _, n in runs)
-    per_share = -(-total // max(1, num_shares))
-    shares: list[list[Run]] = []
-    share: list[Run] = []
-    room = per_share
-    for src, dst, n in runs:
-        while n:
-            take = min(n, room)
-            share.append((src, dst, take))
-            src, dst, n, room = src + take, dst + take, n - take, room - take
-            if room == 0:
-                shares.append(share)
-                share, room = [], per_share
-    if share:
-        shares.append(share)
-    return shares
-
-
 def _byte_array(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's memory as a uint8 numpy view, same strides ([.., page bytes]; the page is contiguous)."""
     return tensor.view(torch.uint8).numpy()
@@ -148,17 +127,22 @@ def _byte_array(tensor: torch.Tensor) -> np.ndarray:
 class ThreadCopier(BlockCopier):
     """CPU KV cache: copies with every core the process may run on, as a memcpy would.
 
-    Per direction one dispatch thread (a store and a load overlap; `before` may block on the disk).
-    It coalesces a copy's blocks into runs adjacent on both sides, cuts the runs into about equal
-    shares of at least `MIN_SHARE_BYTES`, one per copy thread (`num_threads`, default: the cores
-    of the process's CPU affinity), copies the first share itself and waits for the others, which
-    a pool of `num_threads - 1` threads shared by both directions copies: one direction copies on
-    `num_threads` threads, both at once on one more. Each share is copied on its thread alone, one
-    `np.copyto` per run (it releases the GIL). Not torch's `copy_`: that forks its own intra-op
-    threads for every run (the former path: `store_torch_copy_per_run` in offload_bw.py), and
-    torch copies running on several threads at once would each fork a team over the same cores;
-    `torch.set_num_threads(1)` on a copy thread is no cure, it also changes the default of every
-    thread torch starts later.
+    A copy is cut by position into about equal shares of at least `MIN_SHARE_BYTES`, at most one
+    per copy thread (`num_threads`, default: the cores of the process's CPU affinity), and each
+    share goes straight from the caller to a pool of `num_threads` copy threads that both
+    directions share (a store and a load at once take turns on the same threads: two cores have
+    one memory bus). Each thread coalesces its share into runs adjacent on both sides (a run is cut
+    where a share ends) and copies them, one numpy copy loop per run (`_copy`; it releases the
+    GIL). The copy is done when its last share is. No thread in between: every hand-off is a
+    wake-up, which a loaded machine delays by up to a time slice (the former dispatch thread per
+    direction: docs/benchmarks.md, "Offload copies on CPU", commits a20fb44 and 2895b24). A copy
+    with `before` (it may block on the disk) runs that on its direction's helper thread first, so
+    it never holds a copy thread while it waits.
+
+    Not torch's `copy_`: that forks its own intra-op threads for every run (the former path:
+    `store_torch_copy_per_run` in offload_bw.py), and torch copies running on several threads at
+    once would each fork a team over the same cores; `torch.set_num_threads(1)` on a copy thread is
+    no cure, it also changes the default of every thread torch starts later.
     """
 
     MIN_SHARE_BYTES = 1 << 20  # below this, another thread costs more than it copies
@@ -169,30 +153,28 @@ class ThreadCopier(BlockCopier):
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
         self.block_nbytes = host_pool[0].nbytes
         self._kv_bytes, self._host_bytes = _byte_array(kv_cache), _byte_array(host_pool)
-        self._dispatch = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-{d}") for d in ("store", "load")}
-        # the dispatch thread copies a share too: one direction alone copies on `num_threads` threads
-        self._copy_threads = ThreadPoolExecutor(max(1, self.num_threads - 1), thread_name_prefix="kvbridge-offload-copy")
+        self._helpers = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-{d}") for d in ("store", "load")}
+        self._copy_threads = ThreadPoolExecutor(self.num_threads, thread_name_prefix="kvbridge-offload-copy")
 
     def _run(self, direction: str, before, src, src_ids, dst, dst_ids) -> CopyHandle:
-        digest_args = (self.digest, direction == "load", max(1, _DIGEST_PIECE_BYTES // self.block_nbytes))
+        if before is None:
+            return _FutureHandle(self._start(direction, src, src_ids, dst, dst_ids))
 
         def job() -> dict[int, int]:
-            if before is not None:
-                before()
-            runs = paired_runs(src_ids, dst_ids)
-            num_shares = min(self.num_threads, len(src_ids) * self.block_nbytes // self.MIN_SHARE_BYTES)
-            first, *others = split_runs(runs, num_shares) or [[]]
-            futures = [self._copy_threads.submit(_copy_share, src, dst, share, *digest_args) for share in others]
-            try:
-                # one wake-up fewer on the way: this thread copies too
-                digests = _copy_share(src, dst, first, *digest_args)
-            finally:
-                wait(futures)  # all of them, even when one failed: none may still write once the copy is done
-            for future in futures:
-                digests.update(future.result())
-            return digests
+            before()
+            return self._start(direction, src, src_ids, dst, dst_ids).result()
 
-        return _FutureHandle(self._dispatch[direction].submit(job))
+        return _FutureHandle(self._helpers[direction].submit(job))
+
+    def _start(self, direction: str, src, src_ids, dst, dst_ids) -> Future:
+        """Hand the copy's shares to the copy threads; the future ends with the last of them."""
+        digest_args = (self.digest, direction == "load", max(1, _DIGEST_PIECE_BYTES // self.block_nbytes))
+        num_ids = len(src_ids)
+        num_shares = max(1, min(self.num_threads, num_ids * self.block_nbytes // self.MIN_SHARE_BYTES))
+        per_share = max(1, -(-num_ids // num_shares))
+        starts = range(0, max(1, num_ids), per_share)  # one empty share for an empty copy
+        return _all_of([self._copy_threads.submit(_copy_ids, src, dst, src_ids[i : i + per_share],
+                                                  dst_ids[i : i + per_share], *digest_args) for i in starts])  # fmt: skip
 
     def store(self, gpu_ids, slots, before=None) -> CopyHandle:
         return self._run("store", before, self._kv_bytes, gpu_ids, self._host_bytes, slots)
@@ -201,10 +183,50 @@ class ThreadCopier(BlockCopier):
         return self._run("load", before, self._host_bytes, slots, self._kv_bytes, gpu_ids)
 
     def close(self) -> None:
-        for pool in (*self._dispatch.values(), self._copy_threads):
+        for pool in (*self._helpers.values(), self._copy_threads):
             pool.shutdown(wait=True)
         self._kv_bytes = self._host_bytes = None
         super().close()
+
+
+def _all_of(futures: list[Future]) -> Future:
+    """A future that ends once every one of `futures` ended, never earlier, even when one failed
+    (none may still write once the copy is done): their dicts merged, or the first error."""
+    combined: Future = Future()
+    combined.set_running_or_notify_cancel()
+    num_left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            num_left[0] -= 1
+            if num_left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            combined.set_exception(errors[0])
+            return
+        merged: dict[int, int] = {}
+        for future in futures:
+            merged.update(future.result())
+        combined.set_result(merged)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return combined
+
+
+def _copy_ids(src: np.ndarray, dst: np.ndarray, src_ids, dst_ids, *digest_args) -> dict[int, int]:
+    """dst[dst_ids] = src[src_ids] on the calling thread: one copy per run adjacent on both sides."""
+    return _copy_share(src, dst, paired_runs(src_ids, dst_ids), *digest_args)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src[...] (uint8, same shape), on the calling thread, without the GIL.
+
+    numpy's SIMD loop of the identity ufunc `positive` (no cast, so no buffering), not `np.copyto`:
+    that calls libc's memmove, with which the copier's stores and loads of 2 MiB blocks ran ~10 %
+    slower on the 2-core EPYC of docs/benchmarks.md ("Offload copies on CPU")."""
+    np.positive(src, out=dst)
 
 
 def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run], digest: DigestFn | None = None,
@@ -216,12 +238,12 @@ def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run], digest: Dige
     digests: dict[int, int] = {}
     for s, d, n in share:
         if digest is None:
-            np.copyto(dst[d : d + n], src[s : s + n])
+            _copy(dst[d : d + n], src[s : s + n])
             continue
         kv_first = d if kv_is_dst else s
         for k in range(0, n, piece_blocks):
             m = min(piece_blocks, n - k)
-            np.copyto(dst[d + k : d + k + m], src[s + k : s + k + m])
+            _copy(dst[d + k : d + k + m], src[s + k : s + k + m])
             kv_ids = list(range(kv_first + k, kv_first + k + m))
             digests.update(zip(kv_ids, digest(kv_ids).result().values))
     return digests

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from functools import partial
-
 import torch
 
 from kvbridge.connectors.offload.copier import CopyHandle, DigestFn
@@ -32,11 +30,11 @@ from kvbridge.layout import KVCacheLayout
 from kvbridge.repeated_log import RepeatedWarnings
 from kvbridge.transfer.digest import (
     BlockDigest,
+    BlockDigester,
     DigestError,
     algorithm_for,
     block_digests,
     region_bytes,
-    start_block_digests,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,7 +55,7 @@ class LoadVerifier:
     @property
     def digest_fn(self) -> DigestFn:
         """What the copier digests the KV-cache side of each copy with."""
-        return partial(start_block_digests, self._region, self._layout, alg=self.alg)
+        return BlockDigester(self._region, self._layout, self.alg)
 
     def record(self, job: StoreJob, handle: CopyHandle) -> None:
         """A store completed: each slot keeps the digest of the block it now holds."""

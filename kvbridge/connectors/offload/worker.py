@@ -115,7 +115,7 @@ class OffloadWorker:
             self._seen.add(job.req_id)
             self._pending[job.req_id] += 1
             before = self._before_write(job.slots, self.config.debug_store_delay_s)
-            handle = self.copier.store(job.gpu_block_ids, job.slots, before)
+            handle = self.copier.store(job.gpu_block_ids, job.slots, None if before is _noop else before)
             handle.on_done(self._wake)
             self._in_flight.append(_InFlight(job, handle, time.monotonic()))
             self._stats["store_jobs"] += 1

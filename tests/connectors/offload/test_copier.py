@@ -4,37 +4,19 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from functools import partial
 
 import pytest
 import torch
 
-from kvbridge.block_runs import paired_runs
 from kvbridge.connectors.offload import copier as copier_module
-from kvbridge.connectors.offload.copier import make_copier, split_runs
+from kvbridge.connectors.offload.copier import make_copier
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.digest import XXH3, algorithm_for, block_digests, region_bytes, start_block_digests
 
 SHAPE = (3, 2, 4, 2, 8)  # [L, 2, block_size, H, D]
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_split_runs_cuts_into_even_shares_covering_every_block_once(seed):
-    print("seed", seed)
-    rng = random.Random(seed)
-    src = rng.sample(range(200), 60)
-    runs = paired_runs(sorted(src), list(range(60))) + paired_runs(src[:10], list(range(100, 110)))
-    total = sum(n for _, _, n in runs)
-    for num_shares in (1, 2, 3, 7, 500):
-        shares = split_runs(runs, num_shares)
-        assert len(shares) == min(num_shares, total)
-        blocks = [(s + i, d + i) for share in shares for s, d, n in share for i in range(n)]
-        assert blocks == [(s + i, d + i) for s, d, n in runs for i in range(n)]  # each once, in order
-        sizes = [sum(n for _, _, n in share) for share in shares]
-        assert max(sizes) - min(sizes) <= -(-total // num_shares)  # only the last share is short
-        assert all(size == sizes[0] for size in sizes[:-1])
-    assert split_runs([], 4) == []
 
 
 @pytest.fixture
@@ -51,6 +33,27 @@ def shares(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_thread_copier_shares_are_even_and_cover_every_block_once(shares, seed):
+    print("seed", seed)
+    rng = random.Random(seed)
+    kv = torch.randn((200, *SHAPE), generator=torch.Generator().manual_seed(seed))
+    src = sorted(rng.sample(range(200), 50)) + rng.sample(range(200), 10)
+    for num_threads in (1, 2, 3, 7, 500):
+        host = torch.zeros((60, *SHAPE))
+        copier = make_copier(kv, host, copy_threads=num_threads)
+        copier.MIN_SHARE_BYTES = 1
+        shares.clear()
+        assert copier.store(src, list(range(60))).wait(10)
+        assert torch.equal(host, kv[src])
+        assert len(shares) == min(num_threads, 60)
+        blocks = sorted((s + i, d + i) for _, share in shares for s, d, n in share for i in range(n))
+        assert blocks == sorted(zip(src, range(60)))  # each once
+        sizes = sorted((sum(n for _, _, n in share) for _, share in shares), reverse=True)
+        assert all(size == sizes[0] for size in sizes[:-1])  # only the last share is short
+        copier.close()
+
+
 def test_thread_copier_copies_each_run_of_adjacent_blocks_at_once_split_over_its_threads(shares):
     kv = torch.randn((40, *SHAPE), generator=torch.Generator().manual_seed(3))
     host = torch.zeros((30, *SHAPE))
@@ -64,8 +67,7 @@ def test_thread_copier_copies_each_run_of_adjacent_blocks_at_once_split_over_its
         (3, 6, 1), (5, 0, 4), (20, 4, 1), (21, 5, 1), (30, 7, 3), (33, 10, 3)
     ]  # fmt: skip
     names = [name for name, _ in shares]
-    assert len(shares) == 3 and names.count("kvbridge-offload-store_0") == 1  # the dispatch thread copies one
-    assert all(name.startswith("kvbridge-offload-copy") for name in names if name != "kvbridge-offload-store_0")
+    assert len(shares) == 3 and all(name.startswith("kvbridge-offload-copy") for name in names)  # straight to the pool
     shares.clear()
     target = [0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 39]
     assert copier.load(slots, target).wait(10)
@@ -80,7 +82,8 @@ def test_thread_copier_keeps_a_small_copy_in_one_share(shares):
     assert copier.num_threads == 4
     assert copier.store([1, 2, 6], [0, 1, 2]).wait(10)  # 3 blocks of 1.5 KiB: below MIN_SHARE_BYTES
     assert torch.equal(host[:3], kv[[1, 2, 6]])
-    assert shares == [("kvbridge-offload-store_0", [(1, 0, 2), (6, 2, 1)])]  # on the dispatch thread
+    assert len(shares) == 1 and shares[0][1] == [(1, 0, 2), (6, 2, 1)]  # one copy thread
+    assert shares[0][0].startswith("kvbridge-offload-copy")
     handle = copier.load([], [])
     assert handle.wait(10) and handle.error is None  # nothing to copy
     copier.close()
@@ -116,6 +119,29 @@ def test_thread_copier_reports_errors():
 
     handle = copier.load([0], [1], before=fail)
     assert handle.wait(10) and isinstance(handle.error, OSError)
+    copier.close()
+
+
+def test_a_failed_share_fails_the_copy_only_once_every_share_ended(monkeypatch):
+    kv, host = torch.randn((8, *SHAPE)), torch.zeros((8, *SHAPE))
+    copier = make_copier(kv, host, copy_threads=2)
+    copier.MIN_SHARE_BYTES = 1
+    slow_share_ended = threading.Event()
+    copy_share = copier_module._copy_share
+
+    def one_fails_one_is_slow(src, dst, share, *digest_args):
+        if share[0][0] == 0:  # the first share fails at once
+            raise OSError("copy failed")
+        time.sleep(0.2)
+        copy_share(src, dst, share, *digest_args)
+        slow_share_ended.set()
+        return {}
+
+    monkeypatch.setattr(copier_module, "_copy_share", one_fails_one_is_slow)
+    handle = copier.store(list(range(8)), list(range(8)))
+    assert handle.wait(10) and isinstance(handle.error, OSError)
+    assert slow_share_ended.is_set()  # nothing still writes once the copy reports its end
+    assert torch.equal(host[4:], kv[4:])
     copier.close()
 
 
