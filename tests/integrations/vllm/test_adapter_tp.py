@@ -1,9 +1,11 @@
 """P/D between vLLM api_servers of different tensor-parallel sizes through KVBridgeConnector + kvbridge's NixlConnector.
 
-Two servers of one tiny checkpoint (2 KV heads), booted once for the module, both kv_both so each
-serves as the other's prefill: `tp2` (--tensor-parallel-size 2: two vLLM worker processes, one KV
-head each, each with its own NIXL agent) and `tp1`. The colocated reference is a plain request to
-each server; the decode's prefix cache is reset before its P/D request, so it must read the KV.
+Servers of one tiny checkpoint (2 KV heads), booted once for the module: `tp2` and `tp1`, both
+kv_both so each serves as the other's prefill (`tp2`: --tensor-parallel-size 2, two vLLM worker
+processes, one KV head each, each with its own NIXL agent), and `tp2_flips`, a TP 2 decode whose
+rank 1 flips a bit of every read it lands (kvbridge's fault injection). The colocated reference is
+a plain request to each server; the decode's prefix cache is reset before its P/D request, so it
+must read the KV.
 
 What each test attacks from outside:
 * TP 2 prefill -> TP 1 decode: the decode's one rank reads each head from the prefill rank holding
@@ -13,7 +15,9 @@ What each test attacks from outside:
   both prefill workers' finished_sending (vLLM's KVOutputAggregator);
 * TP 1 prefill -> TP 2 decode: each decode rank reads its own head (half the bytes each, per-head
   digests from the prefill, `digest_kv_heads`), the same checks; the decode's request ends only
-  when both of its workers have finished receiving.
+  when both of its workers have finished receiving;
+* a load error on one decode rank only: vLLM recomputes (colocated tokens), and the prefill's lease
+  ends at once, released by one reader rank's confirmation and the other's abandonment.
 """
 
 from __future__ import annotations
@@ -55,24 +59,26 @@ RANK1 = "kvbridge_worker_tp1_"  # gauges of tensor-parallel rank 1's worker half
 
 
 class Servers:
-    def __init__(self, tp2, tp1, block_nbytes: int) -> None:
-        self.tp2, self.tp1, self.block_nbytes = tp2, tp1, block_nbytes
+    def __init__(self, tp2, tp1, tp2_flips, block_nbytes: int) -> None:
+        self.tp2, self.tp1, self.tp2_flips, self.block_nbytes = tp2, tp1, tp2_flips, block_nbytes
 
 
 @pytest.fixture(scope="module")
 def servers(vllm_servers, tiny_checkpoint):
-    def start(name: str, tp: int):
-        config = kvbridge_transfer_config("kv_both", "NixlConnector", policy="recompute", **NIXL_OPTIONS)
+    def start(name: str, tp: int, role: str = "kv_both", **env: str):
+        config = kvbridge_transfer_config(role, "NixlConnector", policy="recompute", **NIXL_OPTIONS)
         return vllm_servers.start(name, tiny_checkpoint, max_model_len=MAX_MODEL_LEN, kv_transfer_config=config,
                                   extra_args=["--tensor-parallel-size", str(tp)],
-                                  env={"VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache  # fmt: skip
+                                  env={"VLLM_SERVER_DEV_MODE": "1", **env})  # POST /reset_prefix_cache  # fmt: skip
 
     start_s = time.monotonic()
     tp2, tp1 = start("tp2", 2), start("tp1", 1)
+    # a decode whose rank 1 alone flips a bit of every read once it landed (a fault in flight)
+    tp2_flips = start("tp2_flips", 2, "kv_consumer", KVBRIDGE_FAULT_FLIP_READ_BIT="1", KVBRIDGE_FAULT_FLIP_READ_BIT_RANK="1")
     vllm_servers.wait()
     print(f"\nservers healthy after {time.monotonic() - start_s:.0f} s "
-          f"(tp2 {tp2.ready_after_s:.0f} s, tp1 {tp1.ready_after_s:.0f} s)")  # fmt: skip
-    return Servers(tp2, tp1, CPU_BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint))
+          f"(tp2 {tp2.ready_after_s:.0f} s, tp1 {tp1.ready_after_s:.0f} s, tp2_flips {tp2_flips.ready_after_s:.0f} s)")  # fmt: skip
+    return Servers(tp2, tp1, tp2_flips, CPU_BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint))
 
 
 def _pd(prefill, decode, seed: int, attempts: int = 2):
@@ -167,3 +173,23 @@ def test_tp1_prefill_feeds_a_tp2_decode(servers):
     _assert_verified(before, after, ("kvbridge_worker_", RANK1))
     _assert_nothing_stranded(servers.tp1, servers.tp2)
     _print_step_cost(servers.tp2)
+
+
+def test_a_load_error_on_one_decode_rank_fails_the_whole_read_and_vllm_recomputes(servers):
+    """Rank 1 of the decode refuses its read (its bytes differ from the prefill's per-head digest); rank 0's
+    read is fine. vLLM unites both workers' invalid blocks and finishes the load once both reported it:
+    the decode recomputes (policy recompute) and decodes its colocated tokens, and the prefill's lease
+    ends at once (rank 1 abandoned its part, rank 0 confirmed), not when it expires."""
+    out, _, decode_colocated, before, after, _ = _pd(servers.tp1, servers.tp2_flips, seed=51)
+    after = wait_for_metrics(servers.tp2_flips.url, lambda m: delta(m, before, RANK1 + "num_digest_mismatches") >= 1)
+
+    assert out.token_ids == decode_colocated, "the decode used KV one of its ranks refused"
+    assert delta(after, before, RANK1 + "num_digest_mismatches") == 1, after
+    assert delta(after, before, RANK1 + "num_load_errors") == NUM_BLOCKS, after
+    assert delta(after, before, "kvbridge_worker_num_digest_mismatches") == 0, after
+    assert delta(after, before, FAILURES) == 0, after
+    prefill = wait_for_metrics(servers.tp1.url, lambda m: m.get(LEASES) == 0 and m.get(HELD) == 0)
+    assert prefill.get(LEASES) == 0 and prefill.get(HELD) == 0, prefill
+    assert prefill.get("kvbridge_worker_num_expired_leases", 0) == 0, prefill
+    decode = wait_for_metrics(servers.tp2_flips.url, lambda m: m.get(TRACKED) == 0 and m.get(HELD) == 0)
+    assert decode.get(TRACKED) == 0 and decode.get(HELD) == 0, decode
