@@ -76,8 +76,8 @@ def servers(vllm_servers, tiny_checkpoint):
     # a decode whose rank 1 alone flips a bit of every read once it landed (a fault in flight)
     tp2_flips = start("tp2_flips", 2, "kv_consumer", KVBRIDGE_FAULT_FLIP_READ_BIT="1", KVBRIDGE_FAULT_FLIP_READ_BIT_RANK="1")
     vllm_servers.wait()
-    print(f"\nservers healthy after {time.monotonic() - start_s:.0f} s "
-          f"(tp2 {tp2.ready_after_s:.0f} s, tp1 {tp1.ready_after_s:.0f} s, tp2_flips {tp2_flips.ready_after_s:.0f} s)")  # fmt: skip
+    ready = ", ".join(f"{s.name} {s.ready_after_s:.0f} s" for s in (tp2, tp1, tp2_flips))
+    print(f"\nservers healthy after {time.monotonic() - start_s:.0f} s ({ready})")
     return Servers(tp2, tp1, tp2_flips, CPU_BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint))
 
 
