@@ -140,7 +140,6 @@ class WorkerSide:
             tp.rank, tp.size, tp.kv_head_start, tp.kv_head_start + layout.num_kv_heads, tp.num_total_kv_heads,
         )  # fmt: skip
 
-
     def handshake(self) -> KVBridgeHandshake:
         if self.context is None or self.layout is None:
             raise RuntimeError("KVBridgeConnector: vLLM asked for handshake metadata before registering its KV cache")
