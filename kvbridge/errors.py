@@ -110,3 +110,8 @@ class EngineStalledError(KVBridgeError, TimeoutError):
 class TensorParallelError(ConfigError):
     """A tensor_parallel_size the model or the machine cannot run (it must divide the attention heads;
     on CUDA, N ranks need N GPUs), or a combination TP does not support yet (a KV connector)."""
+
+
+class PipelineParallelError(ConfigError):
+    """A pipeline_parallel_size > 1 where kvbridge moves KV: its connectors hold every layer of a block on one
+    rank (each TP rank its heads of all layers), and no connector splits a request's layers across stages."""

@@ -466,6 +466,13 @@ class KVConnectorBase(ABC):
         """Ranks > 0, after each step's wait_for_save: connector-specific news for rank 0."""
         return b""
 
+    def has_tp_step_report(self, metadata: KVConnectorMetadata | None) -> bool:
+        """Whether a step that bound `metadata` may give ranks > 0 a `tp_step_report` (or rank 0 a reason to
+        wait for one). Any rank, before that step's exchange. A pure function of the metadata, which every
+        rank binds alike: where all ranks answer False, a driver that exchanges by collective (the vLLM
+        adapter) skips the exchange on all of them together. Default: every step."""
+        return True
+
     def apply_tp_step_reports(self, reports: list[bytes]) -> None:
         """Rank 0, after each step's wait_for_save and before its get_finished: ranks 1..N-1's reports."""
 

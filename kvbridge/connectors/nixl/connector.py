@@ -39,6 +39,10 @@ class NixlConnector(SplitConnector):
         NixlOptions.from_extra(config.extra)
         super().check_config(config)
 
+    def has_tp_step_report(self, metadata: NixlConnectorMetadata | None) -> bool:
+        """Only a step granting leases has news for rank 0 (each rank's digests of its heads, worker.py)."""
+        return metadata is not None and bool(metadata.leases)
+
     def make_scheduler_half(self) -> NixlScheduler:
         opts = self.options
         return NixlScheduler(self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy)

@@ -28,9 +28,9 @@ from typing import Any
 
 import msgspec
 
-from kvbridge.config import KVTransferConfig
+from kvbridge.config import TP_AWARE_CONNECTORS, KVTransferConfig
 from kvbridge.connectors.factory import check_connector_config
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, PipelineParallelError, TensorParallelError
 from kvbridge.transfer.interfaces import advertised_host
 
 # Keys of kv_connector_extra_config that are KVTransferConfig fields rather than connector options.
@@ -50,6 +50,7 @@ class AdapterConfig:
     transfer: KVTransferConfig
     model_id: str  # identity of the weights; also the namespace of the chained block hashes
     block_size: int
+    tp_size: int = 1  # vLLM's workers: one worker half (a kvbridge rank) in each
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> AdapterConfig:
@@ -69,12 +70,6 @@ class AdapterConfig:
         fields = {name: extra.pop(name) for name in _CONFIG_FIELDS if name in extra}
         if "side_channel_host" in fields:  # peers connect to it: a wildcard becomes a reachable address
             fields["side_channel_host"] = advertised_host(str(fields["side_channel_host"]), None)
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ConfigError(
-                f"KVBridgeConnector runs with one worker per engine (tensor and pipeline parallel size 1); this engine has "
-                f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}"
-            )
         try:
             transfer = KVTransferConfig(
                 connector=connector,
@@ -87,10 +82,32 @@ class AdapterConfig:
         except TypeError as exc:
             raise ConfigError(f"KVBridgeConnector: invalid kv_connector_extra_config: {exc}") from exc
         try:
-            check_connector_config(transfer)
+            connector_class = check_connector_config(transfer)
         except ConfigError as exc:
             raise type(exc)(f"KVBridgeConnector: kv_connector_extra_config: {extra_config_names(str(exc))}") from exc
-        return cls(transfer, engine_identity(vllm_config), vllm_config.cache_config.block_size)
+        check_parallelism(vllm_config.parallel_config, connector, connector_class.supports_tensor_parallel)
+        return cls(
+            transfer, engine_identity(vllm_config), vllm_config.cache_config.block_size,
+            vllm_config.parallel_config.tensor_parallel_size,
+        )  # fmt: skip
+
+
+def check_parallelism(parallel: Any, connector: str, supports_tensor_parallel: bool) -> None:
+    """Tensor parallelism with a connector written for it (one worker half per vLLM worker, `tp_ranks.py`);
+    no pipeline parallelism. Raises TensorParallelError / PipelineParallelError saying what to change."""
+    pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+    if pp != 1:
+        raise PipelineParallelError(
+            f"KVBridgeConnector does not run with pipeline parallelism (this engine has pipeline_parallel_size={pp}): "
+            "kvbridge's connectors keep every layer of a block on one worker; use --pipeline-parallel-size 1 "
+            "(tensor parallelism is supported with the NixlConnector)"
+        )
+    if tp != 1 and not supports_tensor_parallel:
+        raise TensorParallelError(
+            f"KVBridgeConnector with tensor_parallel_size={tp} runs only connectors written for tensor parallelism "
+            f"(each worker moving its own KV heads: {', '.join(sorted(TP_AWARE_CONNECTORS))}); {connector!r} is not one: "
+            "run it with --tensor-parallel-size 1"
+        )
 
 
 def engine_identity(vllm_config: Any) -> str:

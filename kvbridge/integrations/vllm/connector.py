@@ -136,13 +136,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self._scheduler is None:
             return
-        ours = [m for m in metadata.values() if isinstance(m, KVBridgeHandshake)]
-        if len(ours) != 1:
+        tp_size = self.setup.tp_size
+        ours = {rank: m for rank, m in metadata.items() if isinstance(m, KVBridgeHandshake)}
+        if sorted(ours) != list(range(tp_size)):
             raise ConfigError(
-                f"KVBridgeConnector: expected start-up metadata from one kvbridge worker, got {len(ours)} of "
-                f"{len(metadata)} ({sorted(type(m).__name__ for m in metadata.values())}); the scheduler half cannot "
-                "grant leases or size its tiers without it"
+                "KVBridgeConnector: expected start-up metadata from one kvbridge worker per tensor-parallel rank, "
+                f"ranks 0..{tp_size - 1}, got ranks {sorted(ours)} of {len(metadata)} "
+                f"({sorted(type(m).__name__ for m in metadata.values())}); the scheduler half cannot grant leases or "
+                "size its tiers without it"
             )
+        incarnations = {m.incarnation for m in ours.values()}
+        if len(incarnations) != 1:  # the workers adopt rank 0's at start-up (tp_ranks.py)
+            raise ConfigError(f"KVBridgeConnector: vLLM's workers named {len(incarnations)} engine incarnations, not one")
+        # Rank 0 speaks for the node: its side channel, its leases (its layout is its own heads' shard).
         self._scheduler.start(ours[0].incarnation, ours[0].step_stats, ours[0].layout)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -8,6 +8,11 @@ attention backend, `backend_layout.py`). Either way the connector gets one strid
 own KV buffer: nothing is copied, NIXL registers vLLM's memory. The other calls map one to one;
 layer names become layer indices.
 
+Under tensor parallelism each vLLM worker process holds one of these over its own KV heads, as a
+kvbridge rank (`tp_ranks.py`): rank 0's incarnation names the whole engine, rank 0 learns the
+other ranks' shards at start-up (its side channel answers for all of them) and their per-step
+reports in `get_finished`; vLLM merges the ranks' finished sets.
+
 A worker registers itself by engine id in this process (`local_worker`), so the scheduler half
 can drain it before vLLM resets its prefix cache: on CPU (and with any single-process executor)
 vLLM's scheduler and its only worker share a process and a thread.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import weakref
 from typing import Any
 
@@ -36,6 +42,7 @@ from kvbridge.integrations.vllm.kv_layout import (
 )
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.integrations.vllm.stats import StatsSnapshots, StepTimer
+from kvbridge.integrations.vllm.tp_ranks import TPRank, all_gather_bytes
 from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -61,7 +68,10 @@ class WorkerSide:
         self.context: ConnectorContext | None = None
         self._inner: KVConnectorBase | None = None
         self._carry = CompletedTransfers(set(), set())  # collected by a drain, reported by the next step
-        self._snapshots = StatsSnapshots("worker")
+        self.tp = TPRank.of_worker(vllm_config)
+        self._exchanges = False  # this step's metadata makes the TP ranks exchange reports in get_finished
+        # rank 0 speaks for the node (its leases, its side channel): its gauges keep the TP 1 names
+        self._snapshots = StatsSnapshots(f"worker_tp{self.tp.rank}" if self.tp.rank else "worker")
         self._has_ended = False  # a request or a transfer ended this step: snapshot the stats
         self.timer = StepTimer()  # start_load_kv + wait_for_save + get_finished + load errors, per step
         self._is_shut_down = False
@@ -103,19 +113,31 @@ class WorkerSide:
             raise RuntimeError("KVBridgeConnector: vLLM registered its KV cache twice")
         self.layout, self.layer_names = layout, list(layer_names)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        tp = self.tp
         self.context = ConnectorContext(
             model_id=self.setup.model_id,
             block_size=self.setup.block_size,
             device=self._device,
             hash_namespace=self.setup.model_id,
             layout=layout,
+            tp_rank=tp.rank,
+            tp_size=tp.size,
+            kv_head_start=tp.kv_head_start,
+            num_total_kv_heads=tp.num_total_kv_heads if tp.is_parallel else None,
+            **({"incarnation": _rank0_incarnation()} if tp.is_parallel else {}),
         )
         self._inner = create_connector(self.setup.transfer, KVConnectorRole.WORKER, self.context)
         self._inner.register_kv_caches(view, layout)
+        if tp.is_parallel:  # rank 0's handshake answers describe every rank's shard
+            infos = all_gather_bytes(self._inner.tp_rank_info())
+            if tp.rank == 0:
+                self._inner.set_tp_rank_infos(infos[1:])
         logger.info(
-            "KVBridgeConnector: %s registered %d layers x %d blocks of vLLM's KV cache (%s; page %s, %d B; %s)",
+            "KVBridgeConnector: %s registered %d layers x %d blocks of vLLM's KV cache (%s; page %s, %d B; %s; "
+            "tensor-parallel rank %d of %d, KV heads [%d, %d) of %d)",
             self.setup.transfer.connector, layout.num_layers, layout.num_blocks, backend_name, layout.page_format,
             layout.page_nbytes, "blocks outermost" if layout.is_block_contiguous else "layers outermost",
+            tp.rank, tp.size, tp.kv_head_start, tp.kv_head_start + layout.num_kv_heads, tp.num_total_kv_heads,
         )  # fmt: skip
 
     def handshake(self) -> KVBridgeHandshake:
@@ -130,8 +152,11 @@ class WorkerSide:
     # ------------------------------------------------------------------ per step
 
     def bind(self, metadata: KVBridgeMetadata | None) -> None:
-        if metadata is not None and metadata.inner is not None and self._inner is not None:
-            self.inner.bind_connector_metadata(metadata.inner)
+        inner = metadata.inner if metadata is not None else None
+        if inner is not None and self._inner is not None:
+            self.inner.bind_connector_metadata(inner)
+        # every worker binds the same metadata, so all of them exchange this step or none does
+        self._exchanges = self.tp.is_parallel and self._inner is not None and self._inner.has_tp_step_report(inner)
 
     def clear(self) -> None:
         if self._inner is not None:
@@ -160,6 +185,10 @@ class WorkerSide:
     @run_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self.timer.timing():
+            if self._exchanges:  # after wait_for_save, before get_finished (connectors/base.py)
+                reports = all_gather_bytes(self.inner.tp_step_report())
+                if self.tp.rank == 0:
+                    self.inner.apply_tp_step_reports(reports[1:])
             done = self.inner.get_finished(set(finished_req_ids))
         sending = done.finished_sending | self._carry.finished_sending
         recving = done.finished_recving | self._carry.finished_recving
@@ -224,6 +253,12 @@ class WorkerSide:
         finally:
             self._inner.shutdown()
             _LOCAL_WORKERS.pop(self.setup.transfer.engine_id, None)
+
+
+def _rank0_incarnation() -> str:
+    """Every TP rank: rank 0's fresh incarnation. One engine, one name: readers check it in rank 0's
+    handshake answer, and the leases rank 0 grants carry it."""
+    return all_gather_bytes(secrets.token_hex(16).encode())[0].decode()
 
 
 def _view(first: Any, layout: KVCacheLayout) -> Any:

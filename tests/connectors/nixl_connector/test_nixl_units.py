@@ -299,3 +299,18 @@ def test_throughput_counts_wall_time_with_transfers_in_flight():
     assert d["bytes_transferred"] == 8 * 10**9
     assert d["throughput_gbps"] == pytest.approx(8 / 1.07)
     assert d["latency_ms_p50"] == pytest.approx(1000.0)
+
+
+def test_only_a_step_granting_leases_asks_tensor_parallel_ranks_for_a_report():
+    """Ranks > 0 report only the digests of leases granted that step; a driver exchanging by collective
+    (the vLLM adapter) skips every other step's exchange on all ranks, so the answer must hold for each."""
+    from kvbridge.connectors.base import ConnectorContext, KVConnectorRole
+    from kvbridge.connectors.nixl.connector import NixlConnector
+    from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata
+
+    config = KVTransferConfig(connector="NixlConnector", role="kv_both")
+    connector = NixlConnector(config, KVConnectorRole.SCHEDULER, ConnectorContext(model_id="m", block_size=BS, device="cpu"))
+    lease = LeaseRef(req_id="r1", token="ab" * 32, block_ids=[0, 1], block_hash="cd" * 32)
+    assert connector.has_tp_step_report(NixlConnectorMetadata(leases={"r1": lease}))
+    assert not connector.has_tp_step_report(NixlConnectorMetadata())
+    assert not connector.has_tp_step_report(None)
