@@ -23,7 +23,8 @@ bench() {  # name, then the command; keeps going when one fails. One JSON line p
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 1500 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="--strict-markers -ra" -s \
-    tests/engine/test_model_runner_gpu.py tests/test_memory_snapshot.py tests/test_shutdown_memory.py \
+    tests/engine/test_model_runner_gpu.py tests/engine/test_fused_ops.py tests/engine/test_paged_decode.py \
+    tests/engine/test_cuda_graphs.py tests/test_memory_snapshot.py tests/test_shutdown_memory.py \
     tests/connectors/offload tests/connectors/nixl_connector tests/transfer/test_endpoint.py \
     tests/transfer/test_digest.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -3
