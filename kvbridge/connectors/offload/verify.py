@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 import torch
 
-from kvbridge.connectors.offload.copier import CopyHandle, DigestFn
+from kvbridge.connectors.offload.copy_base import CopyHandle, DigestFn
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.connectors.offload.metadata import LoadJob, StoreJob
 from kvbridge.layout import KVCacheLayout

@@ -32,7 +32,8 @@ from kvbridge import env
 from kvbridge.connectors.base import CompletedTransfers, FlushReport
 from kvbridge.connectors.latency import LatencyStats
 from kvbridge.connectors.offload.config import OffloadConfig
-from kvbridge.connectors.offload.copier import BlockCopier, CopyHandle, make_copier
+from kvbridge.connectors.offload.copier import make_copier
+from kvbridge.connectors.offload.copy_base import BlockCopier, CopyHandle
 from kvbridge.connectors.offload.disk_tier import DiskTier
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
