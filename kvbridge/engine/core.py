@@ -199,7 +199,9 @@ class EngineCore:
         request = update.request
         token_ids = list(request.output_token_ids)
         try:
-            text = self.tokenizer.decode(token_ids)
+            stream = request.text_stream = request.text_stream or self.tokenizer.stream()
+            stream.add(token_ids[stream.num_tokens :])
+            text = stream.finish(token_ids) if request.is_finished else stream.text
         except Exception as exc:  # noqa: BLE001 - this request's output cannot be read: it alone ends
             text, update = "", fail_request(self.scheduler, update, f"detokenizing raised {type(exc).__name__}: {exc}")
         return RequestOutput(

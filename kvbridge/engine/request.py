@@ -6,12 +6,15 @@ Its status values are the connector contract's `RequestStatus`: connectors read 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.block_hash import BlockHash, hash_full_blocks
 from kvbridge.connectors.base import RequestStatus
 from kvbridge.engine.outputs import TokenLogprobs
 from kvbridge.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvbridge.engine.tokenizer import TextStream
 
 
 class Request:
@@ -45,6 +48,7 @@ class Request:
         self.kv_external_source: str | None = None  # where its external tokens came from ("peer", "host_tier", ...)
         self.num_preemptions = 0
         self.error: str | None = None
+        self.text_stream: TextStream | None = None  # its output decoded so far (EngineCore)
         self.block_hashes: list[BlockHash] = hash_full_blocks(
             self.prompt_token_ids, block_size, namespace=hash_namespace
         )

@@ -4,6 +4,7 @@ Both expose the same small interface the engine uses:
 
     encode(text) -> list[int]      # adds BOS where the tokenizer's own rules say so
     decode(token_ids) -> str       # special tokens skipped
+    stream() -> TextStream         # decode a growing output token by token, not all of it again
     bos_token_id, eos_token_id: int | None
     eos_token_ids: tuple[int, ...] # every id that ends generation (generation_config may list several)
     vocab_size: int
@@ -14,12 +15,43 @@ and a checkpoint without tokenizer.json is refused rather than given a tokenizer
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbridge.engine.presets import BYTE_VOCAB_BOS, BYTE_VOCAB_EOS, BYTE_VOCAB_PAD, BYTE_VOCAB_SIZE
 from kvbridge.errors import ModelLoadError
+
+
+class TextStream:
+    """A request's output text as its tokens come: `add` decodes only the new ones, so a step costs
+    the same at the thousandth token as at the first (decoding the whole output again every step
+    made each step's host work grow with the output). `text` may lag by a character whose bytes or
+    tokens are not all there yet; `finish` gives exactly `decode(every token)`."""
+
+    def __init__(self, step: Callable[[list[int]], str | None], decode_all: Callable[[list[int]], str]) -> None:
+        self._step = step
+        self._decode_all = decode_all
+        self._parts: list[str] = []
+        self.num_tokens = 0  # tokens added so far
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            piece = self._step(list(token_ids))
+            if piece:
+                self._parts.append(piece)
+            self.num_tokens += len(token_ids)
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def finish(self, token_ids: Sequence[int]) -> str:
+        """The whole text of `token_ids` (the tokens added so far): what `decode` gives."""
+        return self._decode_all(list(token_ids))
 
 
 class ByteTokenizer:
@@ -51,6 +83,10 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
+    def stream(self) -> TextStream:
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
+        return TextStream(lambda ids: utf8.decode(bytes(t for t in ids if 0 <= t < 256)), self.decode)
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` read from tokenizer.json."""
@@ -75,6 +111,12 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def stream(self) -> TextStream:
+        from tokenizers.decoders import DecodeStream
+
+        decoder = DecodeStream(skip_special_tokens=True)  # keeps the context a token's text depends on
+        return TextStream(lambda ids: decoder.step(self._tokenizer, ids), self.decode)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

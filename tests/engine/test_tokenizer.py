@@ -75,3 +75,39 @@ def test_malformed_files_raise_model_load_error(tmp_path):
     (tmp_path / "generation_config.json").write_text("[")
     with pytest.raises(ModelLoadError, match="generation_config.json"):
         special_token_ids(str(tmp_path))
+
+
+def feed(stream, token_ids, chunk_sizes):
+    """Add `token_ids` in chunks of the given sizes (cycled); the texts seen after each add."""
+    seen, i, k = [], 0, 0
+    while i < len(token_ids):
+        n = chunk_sizes[k % len(chunk_sizes)]
+        stream.add(token_ids[i : i + n])
+        seen.append(stream.text)
+        i, k = i + n, k + 1
+    return seen
+
+
+def test_byte_stream_decodes_only_new_tokens_and_ends_like_decode():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo → wörld 🙂 ok")[1:] + [tok.eos_token_id]  # multi-byte characters, an id >= 256
+    for chunks in ([1], [2, 3], [len(ids)]):
+        stream = tok.stream()
+        seen = feed(stream, ids, chunks)
+        full = tok.decode(ids)
+        assert all(full.startswith(text) for text in seen), "a stream's text is always a prefix of the whole"
+        assert stream.text == full and stream.finish(ids) == full
+    cut = tok.encode("a🙂")[1:-1]  # the emoji's last byte never comes
+    stream = tok.stream()
+    stream.add(cut)
+    assert stream.text == "a" and stream.finish(cut) == tok.decode(cut) == "a\ufffd"
+
+
+def test_tokenizer_json_stream_ends_like_decode(tmp_path):
+    write_tokenizer_json(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    ids = tok.encode("hello world hello")
+    stream = tok.stream()
+    seen, full = feed(stream, ids, [1]), tok.decode(ids)
+    assert all(full.startswith(text) for text in seen) and stream.text == full and stream.finish(ids) == full
+    assert stream.num_tokens == len(ids)
