@@ -116,7 +116,11 @@ class HFTokenizer:
         from tokenizers.decoders import DecodeStream
 
         decoder = DecodeStream(skip_special_tokens=True)  # keeps the context a token's text depends on
-        return TextStream(lambda ids: decoder.step(self._tokenizer, ids), self.decode)
+
+        def step(ids: list[int]) -> str:  # one id a call: what every tokenizers release since 0.21 takes
+            return "".join(piece for i in ids if (piece := decoder.step(self._tokenizer, i)))
+
+        return TextStream(step, self.decode)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
