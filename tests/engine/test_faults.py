@@ -109,16 +109,23 @@ def test_a_row_whose_sampling_raises_ends_only_its_request(engine, monkeypatch):
 
 
 def test_a_request_whose_output_cannot_be_detokenized_ends_alone(engine, monkeypatch):
-    decode = engine.tokenizer.decode
+    make_stream = engine.tokenizer.stream
     fail_next = [True]
 
-    def decode_failing_once(token_ids):
-        if fail_next and len(token_ids) == 3:
-            fail_next.clear()
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return decode(token_ids)
+    def stream_failing_once():  # the first output to reach 3 tokens cannot be decoded
+        stream = make_stream()
+        add = stream.add
 
-    monkeypatch.setattr(engine.tokenizer, "decode", decode_failing_once)
+        def add_failing_once(token_ids):
+            if fail_next and stream.num_tokens + len(token_ids) == 3:
+                fail_next.clear()
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            add(token_ids)
+
+        stream.add = add_failing_once
+        return stream
+
+    monkeypatch.setattr(engine.tokenizer, "stream", stream_failing_once)
     finals = run(engine, {"a": None, "b": None})
     failed = [out for out in finals.values() if out.error]
     assert len(failed) == 1 and "detokenizing" in failed[0].error, finals
