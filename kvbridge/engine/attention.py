@@ -18,13 +18,14 @@ query axis, so K/V are never repeated. On a GPU with Triton, decode batches skip
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kvbridge.engine.fused_ops import has_triton
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def _lone_decode(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 def decode_kernel(block_size: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
     """`paged_decode` (paged_decode.py) where Triton is installed, as with CUDA builds of torch,
     and runs this geometry."""
-    if importlib.util.find_spec("triton") is None:
+    if not has_triton():
         return None
     from kvbridge.engine.paged_decode import paged_decode, supports
 

@@ -7,8 +7,14 @@ a step whose requests all compute one token is padded to the next bucket, its in
 into the graph's static buffers, and the graph replays. The graphs do not depend on the contexts:
 the block table buffer is as wide as `max_model_len` (a step writes only the columns its longest
 context needs; the kernel reads no column past a request's context) and the decode kernel's grid
-depends on the batch size alone (paged_decode.py). So `capture(max_num_seqs)` at start-up captures
+depends on the batch size alone (paged_decode.py). So `capture` at start-up captures
 every graph the engine will use, and no request waits for a capture.
+
+A step of a few tokens that is not all decodes (a prefix hit's last block, a P/D decode's first
+tokens, a short prompt beside decodes) replays a graph too: its tokens become one-token rows
+(`step_inputs.one_token_rows`), token i of a request a decode at position start + i. Such a step
+uses a graph only when one of its size is already captured: it runs eagerly rather than capture
+on the request path.
 
 Padding repeats the batch's last request (its token, position and block table): the padding rows
 compute the same K/V as that request and write the same bytes into the same slot, and their logits
@@ -29,7 +35,14 @@ from typing import NamedTuple
 import torch
 
 from kvbridge.engine.attention import RequestBatch
-from kvbridge.engine.step_inputs import StepInputs, copy_to_device, num_table_blocks, pack_requests, unpack_requests
+from kvbridge.engine.step_inputs import (
+    StepInputs,
+    copy_to_device,
+    num_table_blocks,
+    one_token_rows,
+    pack_requests,
+    unpack_requests,
+)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -68,12 +81,14 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def bucket_for(self, inputs: StepInputs) -> int | None:
-        """The batch size whose graph runs this step, or None when it must run eagerly (a prefill, a
-        batch past the largest bucket)."""
-        num_reqs = len(inputs.spans)
-        if not inputs.is_decode_only or num_reqs > BATCH_BUCKETS[-1]:
+        """The batch size whose graph runs this step (one row per token), or None when it runs
+        eagerly: more tokens than the largest bucket, or a step that is not all decodes whose bucket
+        `capture` did not capture."""
+        num_rows = len(inputs.token_ids)
+        if num_rows > BATCH_BUCKETS[-1]:
             return None
-        return next(b for b in BATCH_BUCKETS if b >= num_reqs)
+        bucket = next(b for b in BATCH_BUCKETS if b >= num_rows)
+        return bucket if inputs.is_decode_only or bucket in self._graphs else None
 
     def capture(self, max_num_seqs: int) -> None:
         """Capture every bucket a batch of up to `max_num_seqs` requests can use (at start-up, before
@@ -86,9 +101,10 @@ class DecodeGraphs:
 
     def run(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
         """Logits [len(inputs.sample_rows), vocab] of the step, from the graph of `bucket` (captured
-        now if `capture` did not). Writes the step's K/V like the eager forward."""
-        spans, num_pad = inputs.spans, bucket - len(inputs.spans)
-        padded = [*spans, *(replace(spans[-1], offset=row) for row in range(len(spans), bucket))]
+        now if `capture` did not: decodes only). Writes the step's K/V like the eager forward."""
+        rows = one_token_rows(inputs.spans)
+        num_pad = bucket - len(rows)
+        padded = [*rows, *(replace(rows[-1], offset=row) for row in range(len(rows), bucket))]
         token_ids = [*inputs.token_ids, *(inputs.token_ids[-1:] * num_pad)]
         width = num_table_blocks(padded, self.block_size)
         static, sample_rows = copy_to_device(

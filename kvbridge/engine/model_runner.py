@@ -355,12 +355,14 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int) -> None:
         """Capture the decode graphs of every batch size up to `max_num_seqs` now (start-up), so that
-        no request waits for one. Without graphs (CPU, `enforce_eager`, TP), nothing."""
+        no request waits for one; and up to a block of tokens, what a prefix hit computes (its last
+        partial block), so that a hit's step replays a graph too. Without graphs (CPU,
+        `enforce_eager`, TP), nothing."""
         self._check_alive()
         if self._graphs is not None:
             started = time.monotonic()
             with torch.inference_mode():
-                self._graphs.capture(max_num_seqs)
+                self._graphs.capture(max(max_num_seqs, self.layout.block_size))
             logger.info("%d decode graphs captured in %.1f s", self._graphs.num_graphs, time.monotonic() - started)
 
     @property

@@ -37,6 +37,14 @@ class DeviceInputs(NamedTuple):
     requests: list[RequestBatch]
 
 
+def one_token_rows(spans: Sequence[SeqSpan]) -> list[SeqSpan]:
+    """The step's requests as rows of one token each: new token i of a request, at position start + i,
+    attends to the keys up to its position, which is what a one-token decode at start + i does (a
+    step writes every new token's K/V before any attention reads). So a step of a few tokens (a
+    prefix hit's last block, a short prompt beside decodes) runs as a decode batch of its tokens."""
+    return [SeqSpan(s.offset + i, s.start + i, 1, s.block_ids) for s in spans for i in range(s.num_new)]
+
+
 def num_table_blocks(spans: Sequence[SeqSpan], block_size: int) -> int:
     """Block-table width that covers the longest context of `spans`."""
     return max(-(-s.context_len // block_size) for s in spans)

@@ -11,8 +11,10 @@ import torch
 from kvbridge.config import CacheConfig, ModelConfig
 from kvbridge.connectors.base import ScheduledRequest, SchedulerOutput
 from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.model_runner import paged_logits
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.step_inputs import StepInputs, one_token_rows, to_device
 
 GREEDY = SamplingParams(temperature=0.0)
 NUM_BLOCKS = 256
@@ -81,7 +83,7 @@ def test_an_engine_captures_every_graph_at_start_up_and_none_while_serving():
         model=ModelConfig(device="cuda"), cache=CacheConfig(num_blocks=NUM_BLOCKS), scheduler=SchedulerConfig(max_num_seqs=8),
     ))  # fmt: skip
     try:
-        assert engine.runner.num_cuda_graphs == 4, "batch buckets 1, 2, 4 and 8"
+        assert engine.runner.num_cuda_graphs == 5, "batch buckets 1, 2, 4, 8 and 16 (a block of tokens)"
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         for batch, prompt_len in ((1, 20), (3, 300), (8, 40), (5, 900)):  # table widths from 2 to 57 blocks
             for i in range(batch):
@@ -89,7 +91,7 @@ def test_an_engine_captures_every_graph_at_start_up_and_none_while_serving():
             finished = 0
             while finished < batch:
                 finished += sum(o.finished for o in engine.step())
-        assert engine.runner.num_cuda_graphs == 4
+        assert engine.runner.num_cuda_graphs == 5
     finally:
         engine.shutdown()
 
@@ -191,3 +193,55 @@ def test_llm_enforce_eager_captures_no_graph_and_answers_the_same():
         finally:
             llm.shutdown()
     assert answers[True] == answers[False]
+
+
+def mixed_step(runner: ModelRunner) -> SchedulerOutput:
+    """Three requests with their contexts in the cache, then one step of 7 + 1 + 5 tokens: a prefix
+    hit's last tokens after 40 cached, a decode after 20, a short prompt from position 0."""
+    hit, decode, short = (Request(n, [(7 * i + k) % 250 + 1 for i in range(p)], GREEDY, 16)
+                          for k, (n, p) in enumerate((("hit", 47), ("decode", 20), ("short", 5))))  # fmt: skip
+    blocks = {"hit": [3, 9, 5], "decode": [12, 1], "short": [20]}
+    runner.execute(SchedulerOutput([ScheduledRequest(hit, 0, 40, blocks["hit"]), ScheduledRequest(decode, 0, 20, blocks["decode"])]))
+    decode.append_output_token(17)
+    return SchedulerOutput([
+        ScheduledRequest(hit, 40, 7, blocks["hit"]),
+        ScheduledRequest(decode, 20, 1, blocks["decode"]),
+        ScheduledRequest(short, 0, 5, blocks["short"]),
+    ])  # fmt: skip
+
+
+def test_a_step_as_one_token_rows_computes_what_the_step_computes():
+    """What a graph replay of a few-token step relies on: its tokens as one-token decodes give the same
+    logits for every token and write the same K/V (CPU, float32, no graph involved)."""
+    runner = ModelRunner(ModelConfig(dtype="float32"), CacheConfig(block_size=16, num_blocks=32))
+    inputs = runner._prepare(mixed_step(runner))
+    before = runner.kv_cache.clone()
+    rows = StepInputs(inputs.token_ids, one_token_rows(inputs.spans), inputs.sample_rows, inputs.sample_req_ids)
+    assert [(r.start, r.num_new) for r in rows.spans[:8]] == [(40 + i, 1) for i in range(7)] + [(20, 1)]
+    results = []
+    for step in (inputs, rows):
+        runner.kv_cache.copy_(before)
+        dev = to_device(step, 16, runner.device)
+        with torch.inference_mode():
+            logits = paged_logits(runner.model, runner.kv_cache, 16, dev.input_ids, dev.requests)
+        results.append((logits, runner.kv_cache.clone()))
+    (want, want_kv), (got, got_kv) = results
+    assert len(rows.spans) == want.shape[0] == 13
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)  # later layers: other attention kernels
+    runner.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_few_token_step_replays_a_captured_graph_and_equals_eager(dtype):
+    graphs, eager = make_runner(dtype, enforce_eager=False), make_runner(dtype, enforce_eager=True)
+    graphs.capture_decode_graphs(max_num_seqs=1)  # buckets 1 to 16: a block of tokens
+    num_graphs = graphs.num_cuda_graphs
+    tol = TOLERANCE[dtype]
+    got, want = graphs.forward(mixed_step(graphs)), eager.forward(mixed_step(eager))
+    assert graphs.num_cuda_graphs == num_graphs == 5, "the 13-token step used the bucket-16 graph, no new capture"
+    assert got.req_ids == want.req_ids == ["hit", "decode", "short"]
+    assert (got.logits - want.logits).abs().max() < tol
+    graphs.shutdown()
+    eager.shutdown()
