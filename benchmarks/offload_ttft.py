@@ -9,6 +9,8 @@ effect), then `reset_prefix_cache()` (waits for those stores) empties the GPU-si
 same prompt is generated again: its KV comes back from the host tier, only the last token is
 computed. TTFT is the wall time of `generate(prompt, max_tokens=1)`. Warm-up first; median and
 min of `--reps` repetitions. The first token of the hit must equal the recompute's.
+`hit_timeline_ms`: one more hit, step by step (each step's time, and the waits between steps that
+computed nothing), to show where a hit's time goes.
 
 The limits, measured in the same run (benchmarks/limits.py): recompute at best takes the prompt's
 prefill FLOPs over the device's matmul rate (`recompute_limit_s`: a hit is only worth what it saves
@@ -33,6 +35,31 @@ from common import exit_if_missing, machine_info, versions  # noqa: E402
 from limits import host_load_rate, matmul_rate, prefill_flops  # noqa: E402
 
 from kvbridge import LLM, SamplingParams  # noqa: E402
+
+
+def hit_timeline(llm: LLM, prompt: dict, params: SamplingParams) -> list[list]:
+    """Where one more hit's time goes: [what, ms] per engine step ("computed" or "idle", the step's
+    own time) and per wait between steps ("wait"), from `add_request` to the first token. The prompt
+    is generated cold first and its GPU blocks dropped, as in the repetitions."""
+    llm.generate(prompt, params)
+    assert llm.reset_prefix_cache()
+    engine, events = llm.engine, []
+    start = last = time.perf_counter()
+    engine.add_request("timeline", prompt["prompt_token_ids"], params)
+    while True:
+        outputs = engine.step()
+        now = time.perf_counter()
+        events.append(["idle" if engine.is_idle else "computed", round((now - last) * 1e3, 3)])
+        if any(o.finished for o in outputs):
+            break
+        if engine.is_idle:
+            engine.wait_for_work(1e-4)
+            last, now = now, time.perf_counter()
+            events.append(["wait", round((now - last) * 1e3, 3)])
+        last = now
+    events.append(["total", round((time.perf_counter() - start) * 1e3, 3)])
+    assert llm.reset_prefix_cache()
+    return events
 
 
 def main() -> int:
@@ -94,6 +121,7 @@ def main() -> int:
             recompute.append(cold_s)
             hit.append(hit_s)
             hit_tokens = llm.get_stats()["num_external_tokens"] - before
+    timeline = hit_timeline(llm, {"prompt_token_ids": [rng.randrange(256) for _ in range(prompt_len)]}, params)
     stats = llm.get_stats()["connector"]
     flops = prefill_flops(llm.engine.runner.model, prompt_len)
     kv_bytes = hit_tokens * llm.engine.layout.block_nbytes // args.block_size
@@ -118,6 +146,7 @@ def main() -> int:
         "hit_ttft_min_s": min(hit),
         "recompute_ttft_min_s": min(recompute),
         "tokens_from_host_per_hit": hit_tokens,
+        "hit_timeline_ms": timeline,
         "load_latency": stats["worker"]["load_latency"],
         "store_latency": stats["worker"]["store_latency"],
         "params": {
