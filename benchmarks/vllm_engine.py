@@ -186,7 +186,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-engine-") as tmp:
         checkpoint = args.checkpoint or make_tiny_checkpoint(
             os.path.join(tmp, "model"), seed=0, max_position_embeddings=args.prompt_len + args.decode_steps + 64,
-            **geometry,
+            dtype=args.dtype, device="cuda" if args.device.startswith("cuda") else "cpu", **geometry,
         )  # fmt: skip
         vocab_size = json.loads(Path(checkpoint, "config.json").read_text())["vocab_size"]
         flops, step_nbytes = model_figures(checkpoint, args)
