@@ -33,8 +33,8 @@ class CopyHandle(ABC):
         """Block until done or `timeout_s` passed; True when done."""
 
     def on_done(self, callback: Callable[[], object]) -> None:
-        """Call `callback()` once the copy ended, on the thread that ends it. A copy that only
-        polling can see end (a CUDA event) never calls it: its owner polls."""
+        """Call `callback()` once the copy ended, on a copier thread (the owner still polls: this
+        only wakes it early). A copier that cannot tell ends without polling never calls it."""
 
 
 class BlockCopier(ABC):

@@ -1,12 +1,14 @@
 """`CudaCopier`: block copies between a CUDA KV cache and the host pool (copy_base.py has the
 contract, copier.py the CPU copier and the whole design): dedicated streams and a helper thread per
 direction, never the compute stream; scattered blocks gathered through a device staging buffer into
-one DMA; completion by CUDA events."""
+one DMA; completion by CUDA events, which a waiter thread per direction also sleeps on, so that the
+engine is woken the moment a copy ends rather than at its next poll."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -20,10 +22,11 @@ from kvbridge.transfer.progress import drive_until
 class _CudaHandle(CopyHandle):
     """Done when the helper-thread part (if any) finished and the recorded event completed."""
 
-    def __init__(self) -> None:
+    def __init__(self, waiter: ThreadPoolExecutor) -> None:
+        self._waiter = waiter
         self.future: Future | None = None
         self.event: torch.cuda.Event | None = None
-        self._ready = threading.Event()  # set once `event` is recorded (or the job failed)
+        self._ready = threading.Event()  # set once `event` is recorded, or the helper's job failed
         self.digest_job: DigestJob | None = None  # of `digest_ids`, queued before `event`
         self.digest_ids: list[int] = []
 
@@ -36,7 +39,21 @@ class _CudaHandle(CopyHandle):
         if self.future is not None and self.future.done() and self.future.exception() is not None:
             self.error = self.future.exception()
             return True
-        return self._ready.is_set() and self.event.query()
+        return self._ready.is_set() and self.event is not None and self.event.query()
+
+    def on_done(self, callback: Callable[[], object]) -> None:
+        """`callback()` on the direction's waiter thread once the copy ended: it sleeps on the event
+        (a blocking-sync event: no spinning core). Copies of one direction end in order."""
+
+        def wait_then_call() -> None:
+            if self.future is not None:
+                self.future.exception()  # waits for the helper's job (`before`, then the enqueue), failed or not
+            self._ready.wait()
+            if self.event is not None:
+                self.event.synchronize()
+            callback()
+
+        self._waiter.submit(wait_then_call)
 
     def wait(self, timeout_s: float) -> bool:
         # Events have no timed wait: poll, backing off to at most 0.1 ms (how late a copy's end is seen).
@@ -68,6 +85,8 @@ class CudaCopier(BlockCopier):
         self._staging = {d: torch.empty((2, half, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
                          for d in ("store", "load")}  # fmt: skip
         self._helpers = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-cuda-{d}")
+                         for d in ("store", "load")}  # fmt: skip
+        self._waiters = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-cuda-{d}-done")
                          for d in ("store", "load")}  # fmt: skip
 
     def _enqueue(self, direction: str, gpu_ids: list[int], slots: list[int], after: torch.cuda.Event,
@@ -142,12 +161,12 @@ class CudaCopier(BlockCopier):
             handle.digest_ids = [b for ids, _ in segments for b in ids]
             handle.digest_job = self.digest(handle.digest_ids)
         dma.wait_stream(kernels)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # a waiter thread sleeps on it (`on_done`)
         done.record(dma)
         return done
 
     def _submit(self, direction, gpu_ids, slots, before) -> CopyHandle:
-        handle = _CudaHandle()
+        handle = _CudaHandle(self._waiters[direction])
         after = torch.cuda.Event()
         after.record(torch.cuda.current_stream(self.kv_cache.device))  # on the caller's thread: its forward pass
 
@@ -156,8 +175,11 @@ class CudaCopier(BlockCopier):
             return handle
 
         def job() -> None:
-            before()
-            self._enqueue(direction, gpu_ids, slots, after, handle)
+            try:
+                before()
+                self._enqueue(direction, gpu_ids, slots, after, handle)
+            finally:
+                handle._ready.set()  # also when it failed: the waiter must not wait for an event never recorded
 
         handle.future = self._helpers[direction].submit(job)
         return handle
@@ -169,8 +191,8 @@ class CudaCopier(BlockCopier):
         return self._submit("load", gpu_ids, slots, before)
 
     def close(self) -> None:
-        for helper in self._helpers.values():
-            helper.shutdown(wait=True)
+        for pool in (*self._helpers.values(), *self._waiters.values()):
+            pool.shutdown(wait=True)  # helpers first: a waiter waits for its copy's event to be recorded
         for streams in self._streams.values():
             for stream in streams:
                 stream.synchronize()

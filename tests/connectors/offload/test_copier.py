@@ -150,6 +150,35 @@ def test_cuda_copier_round_trip_on_side_streams():
     _check_round_trip("cuda", staging_blocks=2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_on_done_calls_back_once_the_copy_ended(device):
+    """The engine sleeps until a copier wakes it: each copy's callback comes once, after its bytes
+    landed, with or without a `before` job, and also for a copy whose `before` failed."""
+    kv = torch.randn((10, *SHAPE)).to(device)
+    host = torch.zeros((6, *SHAPE), pin_memory=device != "cpu")
+    copier = make_copier(kv, host, 2)
+    ended: list[tuple[str, bool]] = []
+    calls = threading.Semaphore(0)
+
+    def watch(name, handle):
+        handle.on_done(lambda: (ended.append((name, handle.is_done())), calls.release()))
+        return handle
+
+    def fail():
+        raise OSError("disk gone")
+
+    watch("store", copier.store([7, 2, 3, 4, 9], [0, 1, 2, 3, 5]))
+    watch("load", copier.load([0, 1, 5], [0, 1, 6], before=lambda: time.sleep(0.05)))
+    failed = watch("failed", copier.load([2], [8], before=fail))
+    for _ in range(3):
+        assert calls.acquire(timeout=10), f"only {ended} called back"
+    assert sorted(ended) == [("failed", True), ("load", True), ("store", True)]
+    assert isinstance(failed.error, OSError)
+    assert torch.equal(kv[[0, 1, 6]].cpu(), host[[0, 1, 5]])
+    assert not calls.acquire(timeout=0.2), "a callback came twice"
+    copier.close()
+
+
 # vLLM's CPU placement: pages [H, 2, block_size, D], layer-outermost, with room for 2 more blocks per layer
 PAGE = 2 * 4 * 2 * 8 * 4  # page_nbytes in float32
 LAYER_MAJOR = KVCacheLayout(10, 3, 4, 2, 8, "float32", page_format="H2ND", layer_stride=12 * PAGE, block_stride=PAGE)
