@@ -21,6 +21,7 @@ CONFIG_FLAGS = {
     "CacheConfig.memory_fraction": "--memory-fraction",
     "SchedulerConfig.max_num_seqs": "--max-num-seqs",
     "SchedulerConfig.max_num_batched_tokens": "--max-num-batched-tokens",
+    "SchedulerConfig.async_scheduling": "--async-scheduling",
     "KVTransferConfig.connector": "--kv-connector",
     "KVTransferConfig.engine_id": "--engine-id",
     "KVTransferConfig.load_failure_policy": "--load-failure-policy",

@@ -67,8 +67,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_chunked_prefill: bool = True
+    # Schedule and launch the next decode step before waiting for this one's tokens (docs/engine.md,
+    # "Asynchronous scheduling"): outputs come one step() later. Without a KV connector, at TP 1.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"SchedulerConfig.async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"SchedulerConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

@@ -21,13 +21,14 @@ import gc
 import logging
 import time
 import weakref
+from typing import NamedTuple
 
 from kvbridge import env
 from kvbridge.config import EngineConfig
-from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, SchedulerOutput
 from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.faults import fail_request, fail_step
-from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.model_runner import ModelRunner, StepInFlight
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.request_limits import RequestLimits
@@ -101,6 +102,10 @@ class EngineCore:
             max_unchunked_prompt=None if chunked else config.scheduler.max_num_batched_tokens,
         )
         self._pending_outputs: list[RequestOutput] = []  # produced outside step(), returned by the next one
+        self._in_flight: StepLaunched | None = None  # asynchronous scheduling: launched, its tokens not read yet
+        self.is_async = config.scheduler.async_scheduling and self.runner.can_launch
+        if config.scheduler.async_scheduling and not self.is_async:
+            logger.warning("async_scheduling is off: it needs TP 1 and no KV connector; every step runs synchronously")
         self.is_idle = False  # the last step computed nothing
         self._froze_gc = False
         if not env.disable_gc_freeze():
@@ -169,7 +174,12 @@ class EngineCore:
         )
 
     def abort_request(self, request_id: str) -> None:
-        """Finish a request as aborted; its final output comes with the next `step()`. Unknown ids are ignored."""
+        """Finish a request as aborted; its final output comes with the next `step()`. Unknown ids are ignored.
+
+        A step in flight keeps computing a token for it: the device finishes that step before the
+        request's blocks are freed, and the token is dropped (its output holds what was returned)."""
+        if self._in_flight is not None:
+            self.runner.synchronize()
         update = self.scheduler.abort_request(request_id)
         if update is not None:
             self._pending_outputs.append(self._to_output(update))
@@ -179,21 +189,65 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that got a token or finished.
 
+        With asynchronous scheduling a step is launched and left on the device, and the outputs
+        returned are those of the step launched by the call before (docs/engine.md).
+
         A fault while the step works on one request ends that request with the reason (the scheduler
         and the model runner catch their per-request parts); a fault of the step as a whole ends the
         step's requests. Only an engine fault (engine/faults.py) is raised.
         """
         self._check_alive()
-        scheduler_output = self.scheduler.schedule()
-        try:
-            scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(scheduler_output)
-            runner_output = self.runner.execute(scheduler_output)  # load, forward, save, sample, collect finished
-            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        except Exception as exc:  # noqa: BLE001 - fail_step ends the step's requests, or re-raises an engine fault
-            updates = fail_step(self.scheduler, scheduler_output, exc)
-        self.is_idle = scheduler_output.is_empty
+        updates = self._step_async() if self.is_async else self._run(self.scheduler.schedule())
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs + [self._to_output(u) for u in updates]
+
+    def _run(self, scheduler_output: SchedulerOutput) -> list[RequestUpdate]:
+        """Schedule -> connector metadata -> load, forward, save, sample, collect finished -> update."""
+        self.is_idle = scheduler_output.is_empty
+        try:
+            scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(scheduler_output)
+            runner_output = self.runner.execute(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception as exc:  # noqa: BLE001 - fail_step ends the step's requests, or re-raises an engine fault
+            return fail_step(self.scheduler, scheduler_output, exc)
+
+    def _step_async(self) -> list[RequestUpdate]:
+        """Launch the next step, then read the one in flight. When the next step only continues the
+        one in flight, it is scheduled and launched first, its tokens taken on the device; otherwise
+        the one in flight is read first and the next step scheduled as usual."""
+        previous, self._in_flight = self._in_flight, None
+        following = self.scheduler.schedule_after(previous.scheduler_output) if previous is not None else None
+        if following is not None:
+            failed = self._launch(following, previous)
+            return self._finish(previous) + failed
+        updates = self._finish(previous) if previous is not None else []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:  # the runner is still called, and admission failures reported
+            return updates + self._run(scheduler_output)
+        return updates + self._launch(scheduler_output)
+
+    def _launch(self, scheduler_output: SchedulerOutput, previous: StepLaunched | None = None) -> list[RequestUpdate]:
+        """Leave the step in flight; the updates of its requests if launching it failed."""
+        self.is_idle = False
+        try:
+            sampling = self.runner.launch(scheduler_output, previous.sampling if previous is not None else None)
+        except Exception as exc:  # noqa: BLE001 - as in _run
+            return fail_step(self.scheduler, scheduler_output, exc)
+        self._in_flight = StepLaunched(scheduler_output, sampling)
+        return []
+
+    def _finish(self, launched: StepLaunched) -> list[RequestUpdate]:
+        try:
+            return self.scheduler.update_from_output(launched.scheduler_output, self.runner.finish(launched.sampling))
+        except Exception as exc:  # noqa: BLE001 - as in _run
+            return fail_step(self.scheduler, launched.scheduler_output, exc)
+
+    def _settle(self) -> None:
+        """Read the step in flight, if any (its outputs come with the next step()): before the prefix
+        cache is reset, or the engine shut down, no launched step is left."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._pending_outputs.extend(self._to_output(u) for u in self._finish(launched))
 
     def _to_output(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
@@ -219,7 +273,8 @@ class EngineCore:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        """Requests live, outputs not returned yet, or a step in flight (its outputs are not read yet)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or self._in_flight is not None
 
     def has_pending_transfers(self) -> bool:
         return self.scheduler.has_pending_transfers()
@@ -269,6 +324,7 @@ class EngineCore:
         default `kv_transfer.flush_timeout_s`). Returns True; raises FlushTimeoutError naming the
         requests still in flight at the deadline (the cache is then left as it was)."""
         self._check_alive()
+        self._settle()
         timeout_s = timeout_s if timeout_s is not None else self.flush_timeout_s
         pending = self._flush(timeout_s)
         if pending:
@@ -289,6 +345,7 @@ class EngineCore:
         are returned: pass them as `waiting_on` next time, so that transfers started in between do
         not delay the reset (it forgets only what was cached; blocks in use stay in use)."""
         self._check_alive()
+        self._settle()
         if self.worker_connector is not None:
             self._empty_step()
         pending = self.scheduler.pending_transfer_req_ids()
@@ -340,6 +397,7 @@ class EngineCore:
         _LIVE_ENGINES.discard(self)
         device = getattr(self.runner, "device", None)
         try:
+            self._settle()  # no launched step left computing in the KV cache about to be freed
             self._shutdown_connectors()
         finally:
             self.runner.shutdown()
@@ -374,6 +432,13 @@ class EngineCore:
 
     def __repr__(self) -> str:
         return f"EngineCore(model_id={self.model_id!r}, shut_down={self._is_shut_down})"
+
+
+class StepLaunched(NamedTuple):
+    """A step left on the device by asynchronous scheduling."""
+
+    scheduler_output: SchedulerOutput
+    sampling: StepInFlight
 
 
 def _eos_ids(tokenizer) -> tuple[int, ...]:

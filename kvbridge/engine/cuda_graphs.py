@@ -99,9 +99,12 @@ class DecodeGraphs:
             if bucket >= max_num_seqs:
                 break
 
-    def run(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
+    def run(self, inputs: StepInputs, bucket: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(inputs.sample_rows), vocab] of the step, from the graph of `bucket` (captured
-        now if `capture` did not: decodes only). Writes the step's K/V like the eager forward."""
+        now if `capture` did not: decodes only). Writes the step's K/V like the eager forward.
+
+        `input_ids` ([len(inputs.spans)] on the device; decodes only) replaces `inputs.token_ids`: the
+        tokens the step before sampled, copied device to device, so that nothing waits for them."""
         rows = one_token_rows(inputs.spans)
         num_pad = bucket - len(rows)
         padded = [*rows, *(replace(rows[-1], offset=row) for row in range(len(rows), bucket))]
@@ -114,6 +117,9 @@ class DecodeGraphs:
         if graph is None:
             graph = self._graphs[bucket] = self._capture(bucket)
         graph.inputs[: 4 * bucket].copy_(static[: 4 * bucket])
+        if input_ids is not None:
+            graph.inputs[: len(rows)].copy_(input_ids)
+            graph.inputs[len(rows) : bucket].copy_(input_ids[-1:].expand(num_pad))  # padding repeats the last
         # Columns past `width` keep an earlier step's ids: no request reads past its context.
         graph.table(bucket)[:, :width].copy_(static[4 * bucket :].view(bucket, width))
         graph.graph.replay()

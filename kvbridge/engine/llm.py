@@ -41,6 +41,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
@@ -68,6 +69,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
+                async_scheduling=async_scheduling,
             ),
             kv_transfer=kv_transfer_config,
         )

@@ -29,7 +29,7 @@ from kvbridge.engine.kv_cache import allocate_kv_cache, make_layout
 from kvbridge.engine.model import LayerHook, LlamaForCausalLM
 from kvbridge.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from kvbridge.engine.request import Request
-from kvbridge.engine.step_inputs import StepInputs, to_device
+from kvbridge.engine.step_inputs import StepInputs, copy_to_device, to_device
 from kvbridge.engine import tp_connector
 from kvbridge.engine.tensor_parallel import make_shard
 from kvbridge.engine.tp_connector import RankDriver
@@ -79,6 +79,15 @@ def _token_ids(request: Request, start: int, end: int) -> list[int]:
 class StepLogits(NamedTuple):
     req_ids: list[str]  # requests whose step reached request.num_tokens, in scheduled order
     logits: torch.Tensor  # [len(req_ids), vocab] float32
+
+
+class StepInFlight(NamedTuple):
+    """A step's sampling, launched on the device and not waited for (`ModelRunner.finish` reads it)."""
+
+    req_ids: list[str]  # the sampling requests, in scheduled order
+    samples: sampler.DeviceSamples  # token_ids [len(req_ids)] on the device
+    logprob_rows: list[int]  # rows whose request asked for logprobs
+    logprobs: sampler.DeviceLogprobs | None  # of those rows
 
 
 class Sampled(NamedTuple):
@@ -206,10 +215,7 @@ class ModelRunner:
         Called by EngineCore once per step, also when nothing is scheduled (the connector is still
         polled for finished transfers then).
         """
-        self._check_alive()
-        # Finished since the last step: their state goes first (a request id may be reused).
-        for req_id in scheduler_output.finished_req_ids:
-            self._generators.pop(req_id, None)
+        self._forget_finished(scheduler_output)
         connector = self._connector
         sampled = Sampled({}, {}, {})
         kv_output = KVConnectorOutput()
@@ -223,7 +229,7 @@ class ModelRunner:
             if scheduler_output.scheduled:
                 hooks = (connector.wait_for_layer_load, connector.save_kv_layer) if connector else (None, None)
                 step = self.forward(scheduler_output, *hooks)
-                sampled = self._sample(scheduler_output, step)
+                sampled = self._to_host(self._sample(scheduler_output, step))
             if connector is not None:
                 connector.wait_for_save()
                 others = self._tp_kv.collect() if self._tp_kv is not None else []
@@ -242,26 +248,75 @@ class ModelRunner:
                 connector.clear_connector_metadata()
         return ModelRunnerOutput(sampled.tokens, kv_output, sampled.errors, sampled.logprobs)
 
+    @property
+    def can_launch(self) -> bool:
+        """`launch` may run steps: no connector (its hooks and reports frame every step) and TP 1
+        (the other ranks take each step's token ids from the host)."""
+        return self._connector is None and self._workers is None
+
+    def launch(self, scheduler_output: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
+        """Forward and sample a step without waiting for the device (`can_launch` only); `finish`
+        reads its result. With `previous`, a step still in flight, every scheduled request decodes
+        the token `previous` sampled for it, read on the device (the scheduler's `schedule_after`).
+        Called by EngineCore."""
+        self._forget_finished(scheduler_output)
+        if not self.can_launch:
+            raise RuntimeError("ModelRunner.launch needs TP 1 and no connector; use execute")
+        input_ids = None
+        if previous is not None:
+            input_ids = self._tokens_in_flight(scheduler_output, previous)
+        return self._sample(scheduler_output, self.forward(scheduler_output, input_ids=input_ids))
+
+    def _tokens_in_flight(self, scheduler_output: SchedulerOutput, previous: StepInFlight) -> torch.Tensor:
+        """[num_scheduled] on the device: the token `previous` sampled for each scheduled request."""
+        rows = {req_id: row for row, req_id in enumerate(previous.req_ids)}
+        try:
+            index = [rows[s.request.request_id] for s in scheduler_output.scheduled]
+        except KeyError as missing:
+            raise ValueError(f"request {missing} decodes a token that the step in flight does not sample") from None
+        if index == list(range(len(previous.req_ids))):
+            return previous.samples.token_ids
+        return previous.samples.token_ids[copy_to_device([index], self.device)[0]]
+
+    def finish(self, step: StepInFlight) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens and report them."""
+        sampled = self._to_host(step)
+        return ModelRunnerOutput(sampled.tokens, KVConnectorOutput(), sampled.errors, sampled.logprobs)
+
+    def synchronize(self) -> None:
+        """Wait until the device has run every step launched so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forget_finished(self, scheduler_output: SchedulerOutput) -> None:
+        self._check_alive()
+        # Finished since the last step: their state goes first (a request id may be reused).
+        for req_id in scheduler_output.finished_req_ids:
+            self._generators.pop(req_id, None)
+
     def forward(
         self,
         scheduler_output: SchedulerOutput,
         before_layer: LayerHook | None = None,
         after_layer: LayerHook | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> StepLogits:
         """Write the scheduled tokens' KV into their blocks and return the logits of sampling requests.
 
+        `input_ids` ([num_scheduled] on the device): the token each request decodes, not yet among
+        its tokens (asynchronous scheduling); otherwise the tokens come from the requests.
         `execute` uses it; tests call it to compare logits. Does not touch the connector or sample.
         """
         self._check_alive()
-        inputs = self._prepare(scheduler_output)
+        inputs = self._prepare(scheduler_output, num_in_flight=0 if input_ids is None else 1)
         with torch.inference_mode():
             bucket = self._graphs.bucket_for(inputs) if self._graphs is not None else None
             if bucket is None:
-                logits = self._forward_eager(inputs, before_layer, after_layer)
+                logits = self._forward_eager(inputs, before_layer, after_layer, input_ids)
             else:
                 # A graph cannot call Python between layers: each layer's hook runs before / after all of them.
                 self._call_per_layer(before_layer)
-                logits = self._graphs.run(inputs, bucket)
+                logits = self._graphs.run(inputs, bucket, input_ids)
                 self._call_per_layer(after_layer)
         return StepLogits(inputs.sample_req_ids, logits)
 
@@ -271,9 +326,15 @@ class ModelRunner:
                 hook(layer)
 
     def _forward_eager(
-        self, inputs: StepInputs, before_layer: LayerHook | None, after_layer: LayerHook | None
+        self,
+        inputs: StepInputs,
+        before_layer: LayerHook | None,
+        after_layer: LayerHook | None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dev = to_device(inputs, self.layout.block_size, self.device)
+        if input_ids is not None:
+            dev = dev._replace(input_ids=input_ids)
         forward = functools.partial(
             paged_forward, self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests
         )
@@ -293,18 +354,21 @@ class ModelRunner:
         with torch.inference_mode():
             paged_forward(self.model, self.kv_cache, self.layout.block_size, dev.input_ids, dev.requests, *hooks)
 
-    def _prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare(self, scheduler_output: SchedulerOutput, num_in_flight: int = 0) -> StepInputs:
+        """The step's host inputs; each request has `num_in_flight` more tokens than it holds (sampled
+        by a step still on the device), whose ids stand as 0 here."""
         token_ids: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
         for sched in scheduler_output.scheduled:
             req, start, num_new = sched.request, sched.start, sched.num_new_tokens
-            end = start + num_new
-            self._validate(req.request_id, start, num_new, req.num_tokens, sched.block_ids)
+            end, num_tokens = start + num_new, req.num_tokens + num_in_flight
+            self._validate(req.request_id, start, num_new, num_tokens, sched.block_ids)
             spans.append(SeqSpan(len(token_ids), start, num_new, tuple(sched.block_ids)))
-            token_ids.extend(_token_ids(req, start, end))
-            if end == req.num_tokens:
+            known = _token_ids(req, start, end)
+            token_ids.extend(known + [0] * (num_new - len(known)))
+            if end == num_tokens:
                 sample_rows.append(len(token_ids) - 1)
                 sample_req_ids.append(req.request_id)
         return StepInputs(token_ids, spans, sample_rows, sample_req_ids)
@@ -321,7 +385,7 @@ class ModelRunner:
         if min(block_ids) < 0 or max(block_ids) >= self.layout.num_blocks:
             raise ValueError(f"request {req_id}: block ids {block_ids} outside [0, {self.layout.num_blocks})")
 
-    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> Sampled:
+    def _sample(self, scheduler_output: SchedulerOutput, step: StepLogits) -> StepInFlight:
         requests = {s.request.request_id: s.request for s in scheduler_output.scheduled}
         params = [requests[r].sampling_params for r in step.req_ids]
         generators = [self._generator_for(r, p) for r, p in zip(step.req_ids, params)]
@@ -329,19 +393,27 @@ class ModelRunner:
         histories = [
             sampler.TokenHistory(requests[r].prompt_token_ids, requests[r].output_token_ids) for r in step.req_ids
         ]
-        tokens = sampler.sample(step.logits, params, generators, histories, self.tokenizer.eos_token_ids)
+        samples = sampler.sample_on_device(step.logits, params, generators, histories, self.tokenizer.eos_token_ids)
+        # Only the rows that asked: a request without `logprobs` costs nothing.
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and i not in samples.errors]
+        logprobs = None
+        if rows:
+            logprobs = sampler.token_logprobs(step.logits[rows], samples.token_ids[rows], [params[i].logprobs for i in rows])
+        return StepInFlight(step.req_ids, samples, rows, logprobs)
+
+    def _to_host(self, step: StepInFlight) -> Sampled:
         sampled = Sampled({}, {}, {})
+        tokens = sampler.to_host(step.samples)
         for req_id, token in zip(step.req_ids, tokens):
             if isinstance(token, Exception):
                 sampled.errors[req_id] = f"request {req_id} failed: sampling raised {type(token).__name__}: {token}"
             else:
                 sampled.tokens[req_id] = token
-        # Only the rows that asked: a request without `logprobs` costs nothing.
-        rows = [i for i, r in enumerate(step.req_ids) if params[i].logprobs is not None and r in sampled.tokens]
-        if rows:
-            row_tokens = [sampled.tokens[step.req_ids[i]] for i in rows]
-            entries = sampler.token_logprobs(step.logits[rows], row_tokens, [params[i].logprobs for i in rows])
-            sampled.logprobs.update((step.req_ids[i], entry) for i, entry in zip(rows, entries))
+        if step.logprobs is not None:
+            entries = sampler.logprobs_to_host(step.logprobs, [tokens[i] for i in step.logprob_rows])
+            sampled.logprobs.update(
+                (step.req_ids[i], entry) for i, entry in zip(step.logprob_rows, entries) if step.req_ids[i] in sampled.tokens
+            )
         return sampled
 
     def _generator_for(self, req_id: str, params) -> torch.Generator | None:

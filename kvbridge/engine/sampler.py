@@ -10,8 +10,12 @@ is set, from the model's raw logits: before penalties, min_tokens, temperature, 
 vLLM returns them by default. They describe the model's distribution, whatever the sampling settings.
 
 A row whose sampling fails yields its exception instead of a token: one request's bad luck (logits
-that are not finite) ends that request only. Probabilities are checked before `multinomial`,
-which on a GPU answers NaN with a device-side assert that ends the whole process.
+that are not finite) ends that request only. Probabilities that are not finite never reach
+`multinomial`, which on a GPU answers NaN with a device-side assert that ends the whole process.
+
+Sampling is split at the host's wait: `sample_on_device` and `token_logprobs` leave their results
+on the device (nothing waits for the GPU), `to_host` and `logprobs_to_host` read them back. The
+engine's asynchronous scheduling feeds a step's device tokens to the next step before reading them.
 """
 
 from __future__ import annotations
@@ -89,33 +93,50 @@ def adjust_logits(
     return logits
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] float32 -> one token id."""
-    if params.is_greedy:
-        return int(torch.argmax(logits))
+class SampledRow(NamedTuple):
+    token_id: torch.Tensor  # [] int64
+    is_finite: torch.Tensor  # [] bool: False when the token is void (the probabilities were not finite)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> SampledRow:
+    """logits [V] float32 -> one token id, drawn on the device without waiting for it.
+
+    Probabilities that are not finite are replaced by uniform ones before `multinomial` (which on a
+    GPU answers NaN with a device-side assert that ends the process); `is_finite` says the token is void.
+    """
     scaled = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
     probs = scaled.softmax(-1)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError(f"the probabilities at temperature {params.temperature} are not finite (NaN or inf logits)")
-    return int(torch.multinomial(probs, 1, generator=generator))
+    is_finite = torch.isfinite(probs).all()
+    probs = torch.where(is_finite, probs, torch.ones_like(probs))
+    return SampledRow(torch.multinomial(probs, 1, generator=generator)[0], is_finite)
 
 
-def sample(
+class DeviceSamples(NamedTuple):
+    """A step's sampled tokens, still on the device: `to_host` is where the host waits for them."""
+
+    token_ids: torch.Tensor  # [N] int64
+    errors: dict[int, Exception]  # rows whose sampling raised
+    # Rows drawn at a temperature: [] bool, and the row's error should it be False (its token is void).
+    finite_checks: dict[int, tuple[torch.Tensor, ValueError]]
+
+
+def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[TokenHistory] | None = None,
     eos_token_ids: Sequence[int] = (),
-) -> list[int | Exception]:
-    """logits [N, V] -> N token ids, row i sampled with params[i] and generators[i]; a row whose
-    sampling raised holds the exception instead (an engine fault is raised). `histories[i]` holds
-    row i's tokens; it may be None only when no row's params need them (`needs_token_history`).
+) -> DeviceSamples:
+    """logits [N, V] -> N token ids on the device, row i sampled with params[i] and generators[i];
+    an engine fault is raised. `histories[i]` holds row i's tokens; it may be None only when no
+    row's params need them (`needs_token_history`).
 
     Greedy rows without penalties are taken in one argmax; the others one row at a time (each may
-    own a generator and a history).
+    own a generator and a history), written into the same tensor.
     """
     logits = logits.float()
-    tokens: list[int | Exception] = torch.argmax(logits, dim=-1).tolist()
+    token_ids = torch.argmax(logits, dim=-1)  # [N]
+    samples = DeviceSamples(token_ids, {}, {})
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.is_greedy and not p.needs_token_history:
             continue
@@ -125,25 +146,67 @@ def sample(
                 if histories is None:
                     raise ValueError("penalties and min_tokens need the request's tokens; pass `histories`")
                 row = adjust_logits(row, p, histories[i], eos_token_ids)
-            tokens[i] = int(torch.argmax(row)) if p.is_greedy else sample_one(row, p, gen)
+            if p.is_greedy:
+                token_ids[i] = torch.argmax(row)
+            else:
+                token_ids[i], is_finite = sample_row(row, p, gen)
+                error = ValueError(f"the probabilities at temperature {p.temperature} are not finite (NaN or inf logits)")
+                samples.finite_checks[i] = (is_finite, error)
         except Exception as exc:  # noqa: BLE001 - this row's request fails, the others keep their tokens
             if is_engine_fault(exc):
                 raise
-            tokens[i] = exc
+            samples.errors[i] = exc
+    return samples
+
+
+def to_host(samples: DeviceSamples) -> list[int | Exception]:
+    """The token id of each row, or the exception of a row whose sampling failed. Waits for the device."""
+    tokens: list[int | Exception] = samples.token_ids.tolist()
+    if samples.finite_checks:
+        checks = samples.finite_checks
+        for i, is_finite in zip(checks, torch.stack([ok for ok, _ in checks.values()]).tolist()):
+            if not is_finite:
+                tokens[i] = checks[i][1]
+    for i, exc in samples.errors.items():
+        tokens[i] = exc
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
-    """logits [N, V] (the model's raw output), the token sampled from each row and how many of the most
-    likely tokens each row wants -> each row's TokenLogprobs. One log_softmax and one topk for all rows."""
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[TokenHistory] | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> list[int | Exception]:
+    """`sample_on_device`, then `to_host`: N token ids, or a row's exception instead of its token."""
+    return to_host(sample_on_device(logits, params, generators, histories, eos_token_ids))
+
+
+class DeviceLogprobs(NamedTuple):
+    """`token_logprobs` of a step, still on the device."""
+
+    chosen: torch.Tensor  # [R] the sampled token's logprob per row
+    top_values: torch.Tensor  # [R, K] the K = max(num_top) largest logprobs per row
+    top_ids: torch.Tensor  # [R, K]
+    num_top: list[int]  # how many of them each row wants
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> DeviceLogprobs:
+    """logits [R, V] (the model's raw output), the token sampled from each row ([R], on the device) and
+    how many of the most likely tokens each row wants. One log_softmax and one topk for all rows."""
     logprobs = logits.float().log_softmax(-1)
-    rows = torch.arange(len(token_ids), device=logits.device)
-    chosen = logprobs[rows, torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)].tolist()
+    chosen = logprobs.gather(-1, token_ids.view(-1, 1)).view(-1)
     top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return DeviceLogprobs(chosen, top_values, top_ids, list(num_top))
+
+
+def logprobs_to_host(logprobs: DeviceLogprobs, token_ids: Sequence[int]) -> list[TokenLogprobs]:
+    """Each row's TokenLogprobs (`token_ids`: the rows' sampled tokens, on the host). Waits for the device."""
+    chosen, top_values, top_ids = logprobs.chosen.tolist(), logprobs.top_values.tolist(), logprobs.top_ids.tolist()
     return [
         TokenLogprobs(token_id, logprob, list(zip(top_ids[i][:k], top_values[i][:k])))
-        for i, (token_id, logprob, k) in enumerate(zip(token_ids, chosen, num_top))
+        for i, (token_id, logprob, k) in enumerate(zip(token_ids, chosen, logprobs.num_top))
     ]
 
 

@@ -152,6 +152,47 @@ class Scheduler:
         self.stats.num_steps += 1
         return output
 
+    def schedule_after(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `previous`, scheduled before `previous`'s tokens are known (asynchronous
+        scheduling): each of its requests decodes the token `previous` is sampling for it, in the
+        same order, except those that this token ends by length (max_tokens, max_model_len). None
+        unless that is all the next step would do: `previous` sampled for every running request and
+        only for them (none finished, was aborted or preempted since, no chunk is left), nothing
+        waits or failed, no request needs its token history to sample (penalties, min_tokens), no
+        connector, and the blocks for the tokens in flight are free.
+
+        A request that `previous` stops (EOS, a stop token) still has its row here: update_from_output
+        skips it, and its blocks, freed then, never register that slot as a cached prefix (its KV is
+        past the request's computed tokens).
+        """
+        requests = [s.request for s in previous.scheduled]
+        if (
+            requests != self.running or self.waiting or self._failed or self.transfers.connector is not None
+            or len(requests) > self.config.max_num_batched_tokens
+            or any(s.start + s.num_new_tokens != s.request.num_tokens for s in previous.scheduled)
+            or any(r.sampling_params.needs_token_history for r in requests)
+        ):  # fmt: skip
+            return None
+        requests = [r for r in requests if not self._is_last_by_length(r)]
+        if not requests:
+            return None
+        for request in requests:
+            # Blocks taken before a refusal are the ones the next schedule() takes for the request anyway.
+            if not self.kv.allocate_slots(request, request.num_tokens + 1):
+                return None
+        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        for request in requests:
+            self._add_scheduled(output, request, 1, start=request.num_tokens)
+        self.stats.num_steps += 1
+        self.stats.num_async_steps += 1
+        return output
+
+    def _is_last_by_length(self, request: Request) -> bool:
+        """The request's next token ends it by length (as `_stop_status` decides once it is appended)."""
+        num_output = request.num_output_tokens + 1
+        return num_output >= request.sampling_params.max_tokens or request.num_tokens + 1 >= self.max_model_len
+
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -266,9 +307,10 @@ class Scheduler:
             self.waiting.appendleft(request)
         logger.debug("preempted %s", request.request_id)
 
-    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, start: int | None = None) -> None:
         block_ids = list(self.kv.block_ids(request.request_id))
-        output.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids))
+        start = request.num_computed_tokens if start is None else start
+        output.scheduled.append(ScheduledRequest(request, start, num_new, block_ids))
 
     def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata | None:
         return self.transfers.build_meta(output)

@@ -20,6 +20,7 @@ class SchedulerStats:
     num_failed_load_blocks: int = 0  # blocks a connector reported as not loaded
     num_load_recomputes: int = 0  # requests rolled back after a failed load (policy `recompute`)
     num_load_failures: int = 0  # requests failed after a failed load (policy `fail`)
+    num_async_steps: int = 0  # steps scheduled while the step before was still on the device
 
     def record_admission(self, num_local: int, num_external: int) -> None:
         self.num_admissions += 1

@@ -95,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     cache.add_argument("--max-num-seqs", type=int, default=64, help="requests in one step")
     cache.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    cache.add_argument(
+        "--async-scheduling", action="store_true",
+        help="schedule and launch the next decode step before waiting for this one's tokens (hides the host's "
+        "step work behind the GPU's; without a KV connector (--no-connector), at --tensor-parallel-size 1)",
+    )  # fmt: skip
     kv = parser.add_argument_group("KV connector")
     kv.add_argument("--kv-connector", default=DEFAULT_CONNECTOR, help="connector name or module:Class")
     kv.add_argument("--no-connector", action="store_true", help="run a plain engine without a connector")
@@ -188,7 +193,11 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
             memory_fraction=memory_fraction,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=args.async_scheduling,
+        ),
         kv_transfer=kv_transfer,
     )
 

@@ -94,14 +94,14 @@ def test_broken_bookkeeping_after_a_fault_ends_the_engine(engine, monkeypatch, w
 
 
 def test_a_row_whose_sampling_raises_ends_only_its_request(engine, monkeypatch):
-    sample_one = sampler.sample_one
+    sample_row = sampler.sample_row
 
     def failing_for_seed_13(logits, params, generator):
         if params.seed == 13:
             raise ValueError("injected sampling failure")
-        return sample_one(logits, params, generator)
+        return sample_row(logits, params, generator)
 
-    monkeypatch.setattr(sampler, "sample_one", failing_for_seed_13)
+    monkeypatch.setattr(sampler, "sample_row", failing_for_seed_13)
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=13, ignore_eos=True)
     finals = run(engine, {"a": None, "b": None}, params={"b": sampled})
     assert_failed(finals["b"], "sampling", "injected sampling failure")

@@ -64,18 +64,18 @@ def test_temperature_sampling_follows_the_distribution():
     counts = [0, 0, 0]
     n = 3000
     for _ in range(n):
-        counts[sampler.sample_one(probs.log(), params, gen)] += 1
+        counts[sampler.sample(probs.log()[None], [params], [gen])[0]] += 1
     for c, p in zip(counts, probs.tolist()):
         assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n), counts
     # A low temperature sharpens the distribution towards the most likely token.
     cold = SamplingParams(temperature=0.1)
-    assert all(sampler.sample_one(probs.log(), cold, gen) == 0 for _ in range(50))
+    assert all(sampler.sample(probs.log()[None], [cold], [gen]) == [0] for _ in range(50))
 
 
 def test_top_p_below_float32_range_keeps_the_most_likely_token():
     logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
     params = SamplingParams(temperature=1.0, top_p=1e-300)
-    assert all(sampler.sample_one(logits, params, None) == 1 for _ in range(20))
+    assert all(sampler.sample(logits[None], [params], [None]) == [1] for _ in range(20))
 
 
 def test_a_row_that_cannot_be_sampled_yields_its_error_and_the_others_their_tokens():
@@ -90,7 +90,7 @@ def test_a_device_fault_while_sampling_is_raised(monkeypatch):
     def lost_device(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(sampler, "sample_one", lost_device)
+    monkeypatch.setattr(sampler, "sample_row", lost_device)
     with pytest.raises(RuntimeError, match="CUDA error"):
         sampler.sample(torch.zeros(1, 4), [SamplingParams(temperature=1.0)], [None])
 
