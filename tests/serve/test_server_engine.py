@@ -48,6 +48,11 @@ def test_enforce_eager_reaches_the_model_config():
     assert not server.build_engine_config(_args()).model.enforce_eager
 
 
+def test_async_scheduling_reaches_the_scheduler_config():
+    assert server.build_engine_config(_args("--no-connector", "--async-scheduling")).scheduler.async_scheduling
+    assert not server.build_engine_config(_args()).scheduler.async_scheduling
+
+
 @pytest.mark.parametrize("extra", ["{bad", "[1]"])
 def test_bad_connector_extra_is_a_config_error(extra):
     with pytest.raises(ConfigError, match="kv-connector-extra"):
