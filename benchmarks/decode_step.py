@@ -3,20 +3,38 @@
     python benchmarks/decode_step.py --json                                           # tiny, CPU
     python benchmarks/decode_step.py --json --preset kv8b --device cuda --dtype bfloat16 --batch 1 --batch 32
 
-The figure: the wall time of one `EngineCore.step()` whose every request decodes one token
-(scheduler, block bookkeeping, the forward, sampling and output building), with `--batch` requests
-of `--context-len` tokens. Measured twice: CUDA graphs on (the default) and `enforce_eager=True`.
-Each repetition is one step; the clock starts after a device synchronize and stops after one.
+The figure: the wall time of one `EngineCore.step()` in steady state, every request decoding one
+token (scheduler, block bookkeeping, the forward, sampling and output building), with `--batch`
+requests of `--context-len` tokens. A repetition is a run of `--run-steps` consecutive steps, timed
+with one device synchronize before the first and one after the last, divided by the count: a
+synchronize per step would stop the step asynchronous scheduling launched ahead. Measured in three
+modes, each its own engine:
+
+* `graphs`: CUDA graphs, `SchedulerConfig.async_scheduling=True` (the host's work on step k, its
+  tokens, outputs and the scheduling of k+1, hides behind the GPU's work on k+1); the headline;
+* `graphs_sync`: CUDA graphs, synchronous steps (`--no-async` leaves `graphs` out);
+* `eager`: `enforce_eager=True`, synchronous steps.
 
 The limit, measured in the same run (benchmarks/limits.py): a decode step must read the weights
 once and every request's whole KV; those bytes over the device's memory bandwidth (a device-to-device
 copy of a buffer past every cache, read + written bytes per second) give the fastest step this
-device can take. `fraction_of_limit` = limit / step time (1.0 is the hardware's best).
-Each figure: `--warmup` steps (the first captures the graph), then the median and min over `--reps` steps.
+device can take. Each mode: `--warmup` steps (the first captures the graph), then the median and
+min over `--reps` runs.
 
-`--profile` adds, per batch, where a CUDA-graph step's time goes: the GPU time of its kernels and
-copies per step (torch.profiler over `--reps` more steps), the rest of the step (host work the GPU
-waits for), and the kernels that take most of the GPU time.
+JSON keys:
+* `step_ms[batch]`: the `graphs` mode's median ms per step (`graphs_sync`'s with `--no-async`);
+* `fraction_of_limit[batch]`: limit / that step time (1.0 is the hardware's best);
+* `batches[batch][mode]`: `median_ms`, `min_ms` per step over `reps` runs of `run_steps` steps, and
+  `async_steps_fraction`, the fraction of timed steps launched while the step before was in flight
+  (1.0 in steady async decoding, 0 synchronously); `batches[batch]["limit"]`: `bytes_read`,
+  `limit_ms`; `batches[batch][f"{mode}_fraction_of_limit"]`; `batches[batch]["profile"]` with
+  `--profile`;
+* `memory_bandwidth`, `num_cuda_graphs`, `params`, `machine`, `versions`.
+
+`--profile` adds, per batch, where a step's time goes in the headline mode: the GPU time of its
+kernels and copies per step (torch.profiler over `--reps` runs more), the rest of the step (time
+the GPU was not busy: host work the GPU waits for, and the gaps between kernels), and the kernels
+that take most of the GPU time.
 """
 
 from __future__ import annotations
@@ -26,8 +44,6 @@ import json
 import random
 import statistics
 import time
-
-import torch
 
 from common import exit_if_missing, machine_info, versions
 from limits import decode_step_nbytes, memory_bandwidth, sync
@@ -45,11 +61,19 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: int, profile_steps: int = 0):
-    """Prefill `prompts`, then the time of each of `num_steps` steps in which every request decodes;
-    with `profile_steps`, also the device-time profile of that many more steps (else None)."""
+def run_time(engine: EngineCore, device, num_steps: int) -> float:
+    """Seconds per step over `num_steps` consecutive steps, synchronized before the first and after the last."""
+    return timed(lambda: [engine.step() for _ in range(num_steps)], device) / num_steps
+
+
+def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_runs: int, run_steps: int,
+                      profile_runs: int = 0):  # fmt: skip
+    """Prefill `prompts`, then the time per step of each of `num_runs` runs of `run_steps` steps in which
+    every request decodes, and the fraction of those steps launched ahead; with `profile_runs`, also the
+    device-time profile of that many more runs (else None)."""
     # Requests admitted early decode while later ones prefill: max_tokens leaves them all running.
-    params = SamplingParams(max_tokens=num_steps + profile_steps + len(prompts) + 1, temperature=0.0, ignore_eos=True)
+    num_steps = (num_runs + profile_runs) * run_steps
+    params = SamplingParams(max_tokens=num_steps + len(prompts) + 2, temperature=0.0, ignore_eos=True)
     ids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -57,37 +81,41 @@ def engine_step_times(engine: EngineCore, prompts: list[list[int]], num_steps: i
     while len(started) < len(ids):
         started.update(o.request_id for o in engine.step())
     device = engine.runner.device
-    times = [timed(engine.step, device) for _ in range(num_steps)]
-    profile = device_profile(engine, device, profile_steps) if profile_steps else None
+    num_async = engine.get_stats()["num_async_steps"]
+    times = [run_time(engine, device, run_steps) for _ in range(num_runs)]
+    async_fraction = (engine.get_stats()["num_async_steps"] - num_async) / (num_runs * run_steps)
+    profile = device_profile(engine, device, profile_runs, run_steps) if profile_runs else None
     assert engine.get_stats()["num_running"] == len(prompts), "a request finished inside the timed steps"
     for request_id in ids:
         engine.abort_request(request_id)
-    engine.step()
-    return times, profile
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times, async_fraction, profile
 
 
-def device_profile(engine: EngineCore, device, num_steps: int, top: int = 8) -> dict:
+def device_profile(engine: EngineCore, device, num_runs: int, run_steps: int, top: int = 8) -> dict:
     """GPU time per step (kernels and copies, from torch.profiler) against the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = [timed(engine.step, device) for _ in range(num_steps)]
+        wall = [run_time(engine, device, run_steps) for _ in range(num_runs)]
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / num_steps
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / (num_runs * run_steps)
     wall_ms = statistics.median(wall) * 1e3
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return {
-        "steps": num_steps, "wall_ms_median": wall_ms, "gpu_ms_per_step": gpu_ms,
+        "runs": num_runs, "run_steps": run_steps, "wall_ms_median": wall_ms, "gpu_ms_per_step": gpu_ms,
         "not_on_gpu_ms": wall_ms - gpu_ms,
-        "top_kernels_ms_per_step": {e.key[:90]: e.self_device_time_total / 1e3 / num_steps for e in kernels[:top]},
+        "top_kernels_ms_per_step": {
+            e.key[:90]: e.self_device_time_total / 1e3 / (num_runs * run_steps) for e in kernels[:top]
+        },
     }
 
 
-def summarize(times: list[float], warmup: int) -> dict:
-    timed_steps = times[warmup:]
-    return {"median_ms": statistics.median(timed_steps) * 1e3, "min_ms": min(timed_steps) * 1e3,
-            "reps": len(timed_steps)}
+def summarize(times: list[float], async_fraction: float) -> dict:
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "reps": len(times),
+            "async_steps_fraction": async_fraction}
 
 
 def main() -> None:
@@ -98,8 +126,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 32)")
     parser.add_argument("--context-len", type=int, default=1024, help="prompt tokens of every request")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10, help="timed runs")
+    parser.add_argument("--run-steps", type=int, default=20, help="consecutive steps per timed run")
+    parser.add_argument("--warmup", type=int, default=3, help="runs before the timed ones")
+    parser.add_argument("--no-async", action="store_true", help="leave out the asynchronous-scheduling mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="add the GPU-time profile of graph steps")
     parser.add_argument("--json", action="store_true")
@@ -109,26 +139,32 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     prompts = {b: [[rng.randrange(256) for _ in range(args.context_len)] for _ in range(b)] for b in batches}
-    num_steps = args.warmup + args.reps
-    max_tokens = max(batches) * (args.context_len + num_steps * (1 + args.profile) + 1)
+    num_runs = args.warmup + args.reps
+    max_tokens = max(batches) * (args.context_len + num_runs * args.run_steps * (1 + args.profile) + 2)
     results = {b: {} for b in batches}
-    modes = [("graphs", False), ("eager", True)]
-    for mode, enforce_eager in modes:
+    # (mode, enforce_eager, async_scheduling); the first is the headline.
+    modes = [("graphs", False, True), ("graphs_sync", False, False), ("eager", True, False)]
+    if args.no_async:
+        modes = modes[1:]
+    headline = modes[0][0]
+    for mode, enforce_eager, async_scheduling in modes:
         config = EngineConfig(
             model=ModelConfig(args.preset, args.dtype, args.device, seed=args.seed, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=args.block_size, num_blocks=-(-max_tokens // args.block_size) + max(batches),
                               enable_prefix_caching=False),
-            scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(8192, args.context_len)),
+            scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(8192, args.context_len),
+                                      async_scheduling=async_scheduling),
         )
         engine = EngineCore(config)
         try:
             for b in batches:
-                profile_steps = args.reps if args.profile and mode == "graphs" else 0
-                times, profile = engine_step_times(engine, prompts[b], num_steps, profile_steps)
-                results[b][mode] = summarize(times, args.warmup)
+                profile_runs = args.reps if args.profile and mode == headline else 0
+                times, async_fraction, profile = engine_step_times(engine, prompts[b], num_runs, args.run_steps,
+                                                                   profile_runs)  # fmt: skip
+                results[b][mode] = summarize(times[args.warmup :], async_fraction)
                 if profile is not None:
                     results[b]["profile"] = profile
-            if mode == "graphs":
+            if mode == headline:
                 num_graphs = engine.runner.num_cuda_graphs
                 kv_bytes_per_token = engine.layout.block_nbytes // engine.layout.block_size
                 step_nbytes = {b: decode_step_nbytes(engine.runner.model, kv_bytes_per_token, b, args.context_len)
@@ -141,19 +177,20 @@ def main() -> None:
     for b, figures in results.items():
         limit_ms = step_nbytes[b] / bandwidth["bytes_per_s"] * 1e3
         figures["limit"] = {"bytes_read": step_nbytes[b], "limit_ms": limit_ms}
-        for mode in [m for m, _ in modes]:
+        for mode, _, _ in modes:
             figures[f"{mode}_fraction_of_limit"] = limit_ms / figures[mode]["median_ms"]
     report = {
         "benchmark": "decode_step",
-        "step_ms": {b: r["graphs"]["median_ms"] for b, r in results.items()},
-        "fraction_of_limit": {b: r["graphs_fraction_of_limit"] for b, r in results.items()},
+        "step_ms": {b: r[headline]["median_ms"] for b, r in results.items()},
+        "fraction_of_limit": {b: r[f"{headline}_fraction_of_limit"] for b, r in results.items()},
         "baseline": "memory-bandwidth limit: weights + the batch's KV over a device copy's rate, same run",
         "memory_bandwidth": bandwidth,
         "batches": results,
         "num_cuda_graphs": num_graphs,
         "params": {"preset": args.preset, "model_id": model_id, "device": args.device, "dtype": args.dtype,
                    "batches": batches, "context_len": args.context_len, "block_size": args.block_size,
-                   "reps": args.reps, "warmup_steps": args.warmup,
+                   "reps": args.reps, "run_steps": args.run_steps, "warmup_runs": args.warmup,
+                   "modes": [m for m, _, _ in modes],
                    "kv_bytes_per_token": layout.block_nbytes // layout.block_size},
         "machine": machine_info(args.device),
         "versions": versions(),
@@ -162,9 +199,9 @@ def main() -> None:
         print(json.dumps(report, indent=2))
     else:
         for b, r in results.items():
-            print(f"batch {b}: step {r['graphs']['median_ms']:.2f} ms with graphs, "
-                  f"{r['eager']['median_ms']:.2f} ms eager; limit {r['limit']['limit_ms']:.2f} ms "
-                  f"({r['graphs_fraction_of_limit']:.2f} of it)")
+            figures = ", ".join(f"{r[m]['median_ms']:.2f} ms {m}" for m, _, _ in modes)
+            print(f"batch {b}: step {figures}; limit {r['limit']['limit_ms']:.2f} ms "
+                  f"({r[f'{headline}_fraction_of_limit']:.2f} of it with {headline})")
 
 
 if __name__ == "__main__":

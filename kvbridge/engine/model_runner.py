@@ -85,9 +85,12 @@ class StepInFlight(NamedTuple):
     """A step's sampling, launched on the device and not waited for (`ModelRunner.finish` reads it)."""
 
     req_ids: list[str]  # the sampling requests, in scheduled order
-    samples: sampler.DeviceSamples  # token_ids [len(req_ids)] on the device
+    token_ids: torch.Tensor  # [len(req_ids)] int64 on the device: the next step's input
+    # On CUDA, host copies in flight, readable once `copied` passed: waiting for a later step is not needed.
+    samples: sampler.DeviceSamples
     logprob_rows: list[int]  # rows whose request asked for logprobs
     logprobs: sampler.DeviceLogprobs | None  # of those rows
+    copied: torch.cuda.Event | None  # recorded after the copies (CUDA)
 
 
 class Sampled(NamedTuple):
@@ -275,8 +278,8 @@ class ModelRunner:
         except KeyError as missing:
             raise ValueError(f"request {missing} decodes a token that the step in flight does not sample") from None
         if index == list(range(len(previous.req_ids))):
-            return previous.samples.token_ids
-        return previous.samples.token_ids[copy_to_device([index], self.device)[0]]
+            return previous.token_ids
+        return previous.token_ids[copy_to_device([index], self.device)[0]]
 
     def finish(self, step: StepInFlight) -> ModelRunnerOutput:
         """Wait for a launched step's tokens and report them."""
@@ -398,10 +401,20 @@ class ModelRunner:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None and i not in samples.errors]
         logprobs = None
         if rows:
-            logprobs = sampler.token_logprobs(step.logits[rows], samples.token_ids[rows], [params[i].logprobs for i in rows])
-        return StepInFlight(step.req_ids, samples, rows, logprobs)
+            # Indexing with a list would wait for the device (a blocking host -> device copy).
+            index = slice(None) if len(rows) == len(params) else copy_to_device([rows], self.device)[0]
+            logprobs = sampler.token_logprobs(step.logits[index], samples.token_ids[index], [params[i].logprobs for i in rows])
+            logprobs = logprobs.start_host_copy()
+        host_samples = samples.start_host_copy()
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device))
+        return StepInFlight(step.req_ids, samples.token_ids, host_samples, rows, logprobs, copied)
 
     def _to_host(self, step: StepInFlight) -> Sampled:
+        if step.copied is not None:
+            step.copied.synchronize()  # this step's copies only, not the steps launched after it
         sampled = Sampled({}, {}, {})
         tokens = sampler.to_host(step.samples)
         for req_id, token in zip(step.req_ids, tokens):

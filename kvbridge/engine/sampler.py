@@ -116,8 +116,21 @@ class DeviceSamples(NamedTuple):
 
     token_ids: torch.Tensor  # [N] int64
     errors: dict[int, Exception]  # rows whose sampling raised
-    # Rows drawn at a temperature: [] bool, and the row's error should it be False (its token is void).
-    finite_checks: dict[int, tuple[torch.Tensor, ValueError]]
+    drawn_rows: list[int]  # rows drawn at a temperature: void unless their probabilities were finite
+    is_finite: torch.Tensor | None  # [len(drawn_rows)] bool; None when no row was drawn
+    not_finite_errors: list[ValueError]  # each drawn row's error, should it be void
+
+    def start_host_copy(self) -> DeviceSamples:
+        """These samples, their tensors being copied to pinned host memory (CUDA; on the CPU, as they
+        are). Read them once the device passed the copies (an event recorded after this call)."""
+        return self._replace(token_ids=_host_copy(self.token_ids), is_finite=_host_copy(self.is_finite))
+
+
+def _host_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None or tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def sample_on_device(
@@ -136,7 +149,10 @@ def sample_on_device(
     """
     logits = logits.float()
     token_ids = torch.argmax(logits, dim=-1)  # [N]
-    samples = DeviceSamples(token_ids, {}, {})
+    errors: dict[int, Exception] = {}
+    drawn_rows: list[int] = []
+    finite_flags: list[torch.Tensor] = []
+    not_finite_errors: list[ValueError] = []
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.is_greedy and not p.needs_token_history:
             continue
@@ -150,23 +166,25 @@ def sample_on_device(
                 token_ids[i] = torch.argmax(row)
             else:
                 token_ids[i], is_finite = sample_row(row, p, gen)
+                drawn_rows.append(i)
+                finite_flags.append(is_finite)
                 error = ValueError(f"the probabilities at temperature {p.temperature} are not finite (NaN or inf logits)")
-                samples.finite_checks[i] = (is_finite, error)
+                not_finite_errors.append(error)
         except Exception as exc:  # noqa: BLE001 - this row's request fails, the others keep their tokens
             if is_engine_fault(exc):
                 raise
-            samples.errors[i] = exc
-    return samples
+            errors[i] = exc
+    is_finite = torch.stack(finite_flags) if finite_flags else None
+    return DeviceSamples(token_ids, errors, drawn_rows, is_finite, not_finite_errors)
 
 
 def to_host(samples: DeviceSamples) -> list[int | Exception]:
     """The token id of each row, or the exception of a row whose sampling failed. Waits for the device."""
     tokens: list[int | Exception] = samples.token_ids.tolist()
-    if samples.finite_checks:
-        checks = samples.finite_checks
-        for i, is_finite in zip(checks, torch.stack([ok for ok, _ in checks.values()]).tolist()):
+    if samples.is_finite is not None:
+        for i, is_finite, error in zip(samples.drawn_rows, samples.is_finite.tolist(), samples.not_finite_errors):
             if not is_finite:
-                tokens[i] = checks[i][1]
+                tokens[i] = error
     for i, exc in samples.errors.items():
         tokens[i] = exc
     return tokens
@@ -190,6 +208,12 @@ class DeviceLogprobs(NamedTuple):
     top_values: torch.Tensor  # [R, K] the K = max(num_top) largest logprobs per row
     top_ids: torch.Tensor  # [R, K]
     num_top: list[int]  # how many of them each row wants
+
+    def start_host_copy(self) -> DeviceLogprobs:
+        """As `DeviceSamples.start_host_copy`."""
+        return self._replace(
+            chosen=_host_copy(self.chosen), top_values=_host_copy(self.top_values), top_ids=_host_copy(self.top_ids)
+        )
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> DeviceLogprobs:
