@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvbridge.engine.core import EngineCore
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
@@ -26,9 +26,10 @@ Requests = dict[str, tuple[list[int], SamplingParams]]
 React = Callable[[EngineCore, RequestOutput], None]
 
 
-def make_engine(is_async: bool, num_blocks: int = 64, block_size: int = 16, **scheduler) -> EngineCore:
+def make_engine(is_async: bool, num_blocks: int = 64, block_size: int = 16, device: str = "cpu", **scheduler) -> EngineCore:
     return EngineCore(
         EngineConfig(
+            model=ModelConfig(device=device),
             cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
             scheduler=SchedulerConfig(async_scheduling=is_async, **scheduler),
         )
@@ -63,7 +64,8 @@ def run(engine: EngineCore, requests: Requests, react: React | None = None, max_
 
 
 def run_both(
-    requests: Requests, react: React | None = None, setup=None, exact: bool = True, **engine_kw
+    requests: Requests, react: React | None = None, setup=None, exact: bool = True, logprobs_abs: float = 1e-5,
+    **engine_kw,
 ) -> tuple[dict, dict]:
     """`run` on a synchronous and an asynchronous engine; asserts they streamed the same. Returns both
     engines' stats.
@@ -92,7 +94,7 @@ def run_both(
         else:
             assert without_logprobs(async_[request_id]) == without_logprobs(sync[request_id]), request_id
             for got, want in zip(async_[request_id], sync[request_id]):
-                assert_logprobs_close(got[3], want[3])
+                assert_logprobs_close(got[3], want[3], logprobs_abs)
     assert stats[0]["num_async_steps"] == 0
     return stats[0], stats[1]
 
@@ -101,16 +103,16 @@ def without_logprobs(streamed: list[tuple]) -> list[tuple]:
     return [(*out[:3], *out[4:]) for out in streamed]
 
 
-def assert_logprobs_close(got, want) -> None:
+def assert_logprobs_close(got, want, abs_tol: float) -> None:
     assert (got is None) == (want is None)
     for g, w in zip(got or [], want or [], strict=True):
         assert g.token_id == w.token_id and [t for t, _ in g.top] == [t for t, _ in w.top]
-        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
-        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+        assert g.logprob == pytest.approx(w.logprob, abs=abs_tol)
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=abs_tol)
 
 
-def reference(prompt: list[int], sampling_params: SamplingParams) -> list[int]:
-    engine = make_engine(False)
+def reference(prompt: list[int], sampling_params: SamplingParams, device: str = "cpu") -> list[int]:
+    engine = make_engine(False, device=device)
     try:
         return run(engine, {"ref": (prompt, sampling_params)})["ref"][-1][0]
     finally:
@@ -278,3 +280,18 @@ def test_shutdown_with_a_step_in_flight():
     engine.shutdown()
     assert engine.is_shut_down
     engine.check_integrity()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_take_their_tokens_on_the_device():
+    """On CUDA the decode steps replay graphs (3 requests pad to the bucket of 4, then 2 to 2): each
+    step's input tokens are the step before's samples, copied into the graph's input buffer."""
+    greedy = dict(temperature=0.0, ignore_eos=True, logprobs=2)
+    i_stop, stop_token = first_new_token(reference(PROMPTS[1], SamplingParams(max_tokens=20, **greedy), "cuda"), 3)
+    requests = {
+        "length": (PROMPTS[0], SamplingParams(max_tokens=5, **greedy)),
+        "stop": (PROMPTS[1], SamplingParams(max_tokens=20, stop_token_ids=(stop_token,), **greedy)),
+        "seeded": (PROMPTS[2], SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True, logprobs=1)),
+    }
+    sync, async_ = run_both(requests, exact=False, logprobs_abs=1e-3, device="cuda", num_blocks=256)
+    assert async_["num_async_steps"] >= 20
