@@ -10,8 +10,8 @@ is set, from the model's raw logits: before penalties, min_tokens, temperature, 
 vLLM returns them by default. They describe the model's distribution, whatever the sampling settings.
 
 A row whose sampling fails yields its exception instead of a token: one request's bad luck (logits
-that are not finite) ends that request only. Probabilities that are not finite never reach
-`multinomial`, which on a GPU answers NaN with a device-side assert that ends the whole process.
+that are not finite) ends that request only. Probabilities that are not finite are never drawn
+from: on a GPU, NaN would end in a device-side assert that ends the whole process.
 
 Sampling is split at the host's wait: `sample_on_device` and `token_logprobs` leave their results
 on the device (nothing waits for the GPU), `to_host` and `logprobs_to_host` read them back. The
@@ -101,14 +101,17 @@ class SampledRow(NamedTuple):
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> SampledRow:
     """logits [V] float32 -> one token id, drawn on the device without waiting for it.
 
-    Probabilities that are not finite are replaced by uniform ones before `multinomial` (which on a
-    GPU answers NaN with a device-side assert that ends the process); `is_finite` says the token is void.
+    The draw is `torch.multinomial(probs, 1)`'s own one-sample path (argmax of probs / Exp(1) noise:
+    the same token for the same generator state) without its check of `probs`, which waits for the
+    device. Probabilities that are not finite are replaced by uniform ones instead (on a GPU NaN
+    would end in a device-side assert that ends the process); `is_finite` says the token is void.
     """
     scaled = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
     probs = scaled.softmax(-1)
     is_finite = torch.isfinite(probs).all()
     probs = torch.where(is_finite, probs, torch.ones_like(probs))
-    return SampledRow(torch.multinomial(probs, 1, generator=generator)[0], is_finite)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return SampledRow(torch.argmax(probs / noise), is_finite)
 
 
 class DeviceSamples(NamedTuple):

@@ -98,3 +98,16 @@ def test_a_device_fault_while_sampling_is_raised(monkeypatch):
 def test_the_largest_seed_is_accepted_by_torch():
     generator = sampler.make_generator(2**64 - 1, torch.device("cpu"))
     assert generator.initial_seed() == 2**64 - 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_draw_is_the_token_torch_multinomial_draws(seed):
+    """sample_row skips multinomial's check that waits for the device, not its draw: the same token
+    from the same generator state, whatever the temperature, top-k and top-p."""
+    print("seed", seed)
+    logits = torch.randn(384, generator=torch.Generator().manual_seed(seed)) * 3
+    ours, theirs = (sampler.make_generator(seed, torch.device("cpu")) for _ in range(2))
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)) * 20:
+        token, is_finite = sampler.sample_row(logits, params, ours)
+        probs = sampler.apply_top_p(sampler.apply_top_k(logits / params.temperature, params.top_k), params.top_p).softmax(-1)
+        assert bool(is_finite) and int(token) == int(torch.multinomial(probs, 1, generator=theirs))
