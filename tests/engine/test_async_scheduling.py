@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from kvbridge.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvbridge.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from kvbridge.engine.core import EngineCore
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
@@ -280,6 +281,24 @@ def test_shutdown_with_a_step_in_flight():
     engine.shutdown()
     assert engine.is_shut_down
     engine.check_integrity()
+
+
+def test_with_a_kv_connector_every_step_runs_synchronously(monkeypatch, caplog):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "connectors"))  # fault_connector
+    engine = EngineCore(
+        EngineConfig(
+            cache=CacheConfig(num_blocks=32),
+            scheduler=SchedulerConfig(async_scheduling=True),
+            kv_transfer=KVTransferConfig(connector="fault_connector:FaultConnector"),
+        )
+    )
+    try:
+        assert not engine.is_async and "async_scheduling is off" in caplog.text
+        streamed = run(engine, {"a": (PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))})
+        assert [len(out[0]) for out in streamed["a"]] == [1, 2, 3, 4] and streamed["a"][-1][2] == "length"
+        assert engine.get_stats()["num_async_steps"] == 0
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.gpu
