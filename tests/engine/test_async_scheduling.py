@@ -277,9 +277,11 @@ def test_shutdown_with_a_step_in_flight():
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine.get_stats()["num_async_steps"] == 3 and engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats["num_async_steps"] == 3 and stats["num_generated_tokens"] == 3 and engine.has_unfinished_requests()
     engine.shutdown()
     assert engine.is_shut_down
+    assert engine.get_stats()["num_generated_tokens"] == 4  # the step in flight was read, then the KV freed
     engine.check_integrity()
 
 
