@@ -239,3 +239,51 @@ def test_blocks_are_cached_only_once_computed():
     done = run_to_completion(sched, runner)
     assert 4 <= done["b"].num_cached_tokens <= 12
     assert done["b"].output_token_ids == expected_output(p, 2)
+
+
+def test_schedule_after_continues_a_decode_before_its_tokens_are_known():
+    """Asynchronous scheduling: each step is scheduled before the one in flight is recorded; a request
+    that the token in flight ends by length is left out; the outputs are the synchronous ones."""
+    sched, runner = make_scheduler(), FakeRunner(32, 4)
+    prompts = {"short": prompt(6), "long": prompt(7, 3)}
+    requests = {"short": make_request("short", prompts["short"], max_tokens=3),
+                "long": make_request("long", prompts["long"], max_tokens=6)}  # fmt: skip
+    for request in requests.values():
+        sched.add_request(request)
+    in_flight = sched.schedule()
+    computed = runner.execute(in_flight)  # the device runs it; the host schedules the next step meanwhile
+    num_ahead = 0
+    while (following := sched.schedule_after(in_flight)) is not None:
+        num_ahead += 1
+        for s in following.scheduled:  # the token in flight is computed at position num_tokens, its slot allocated
+            assert s.num_new_tokens == 1 and s.start == s.request.num_tokens
+            assert len(s.block_ids) * 4 >= s.start + 1 and s.block_ids == sched.kv.block_ids(s.request.request_id)
+        sched.update_from_output(in_flight, computed)
+        sched.check_integrity()
+        in_flight, computed = following, runner.execute(following)
+    sched.update_from_output(in_flight, computed)
+    assert [s.request.request_id for s in runner.steps[-1].scheduled] == ["long"]  # "short" ended by length
+    assert num_ahead == 5 and sched.stats.num_async_steps == 5
+    assert not sched.has_unfinished_requests() and sched.kv.pool.num_free_blocks == 32
+    for rid, request in requests.items():
+        assert request.output_token_ids == expected_output(prompts[rid], request.sampling_params.max_tokens)
+
+
+@pytest.mark.parametrize("case", ["waiting", "penalties", "min_tokens", "chunk_left", "no_blocks", "aborted"])
+def test_schedule_after_refuses_what_is_not_a_pure_continuation(case):
+    num_blocks = 4 if case == "no_blocks" else 32  # prompts of 8 fill 2 blocks each: no block for token 9
+    sched, runner = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=12 if case == "chunk_left" else 64), FakeRunner(32, 4)
+    params = {"penalties": {"presence_penalty": 0.5}, "min_tokens": {"min_tokens": 2}}.get(case, {})
+    sched.add_request(make_request("a", prompt(8), max_tokens=8, **params))
+    sched.add_request(make_request("b", prompt(8, 5), max_tokens=8))
+    in_flight = sched.schedule()
+    computed = runner.execute(in_flight)
+    if case == "waiting":
+        sched.add_request(make_request("c", prompt(5, 9)))
+    if case == "aborted":
+        sched.abort_request("b")
+    assert sched.schedule_after(in_flight) is None
+    sched.update_from_output(in_flight, computed)
+    sched.check_integrity()
+    assert sched.stats.num_async_steps == 0
+    run_to_completion(sched, runner)
