@@ -316,3 +316,14 @@ def test_cuda_graph_steps_take_their_tokens_on_the_device():
     }
     sync, async_ = run_both(requests, exact=False, logprobs_abs=1e-3, device="cuda", num_blocks=256)
     assert async_["num_async_steps"] >= 20
+
+
+def test_penalties_and_min_tokens_run_every_step_synchronously():
+    """They read the request's tokens, the one in flight too: no step is scheduled ahead of them."""
+    requests = {
+        "penalized": (PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=1.0, logprobs=1)),
+        "min_tokens": (PROMPTS[1], SamplingParams(max_tokens=8, temperature=1.0, seed=3, min_tokens=4)),
+        "plain": (PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0)),
+    }
+    sync, async_ = run_both(requests)
+    assert async_["num_async_steps"] == 0
