@@ -7,7 +7,8 @@
 One random Llama checkpoint (written with transformers, loaded by both engines) and the same prompt
 token ids for both. Each engine runs in a child process of its own, one after the other (vLLM's
 process-wide state and memory never meet the other's), through its offline `LLM` API with the same
-settings: greedy, `ignore_eos`, prefix caching off, CUDA graphs where the engine has them.
+settings: greedy, `ignore_eos`, prefix caching off, CUDA graphs where the engine has them, and on a
+GPU asynchronous scheduling (vLLM 0.25 turns it on by default there; the reference engine is asked).
 
 - prefill: the wall time of `generate(prompt, max_tokens=1)` for a fresh `--prompt-len`-token prompt;
 - decode step at batch B: B fresh prompts generated with `max_tokens=1 + --decode-steps` and, in the
@@ -67,7 +68,8 @@ class Engine:
             blocks = -(-max_len // 16) * max_batch * 2 + 8
             self.llm = LLM(model=args.checkpoint, dtype=args.dtype, device=args.device, block_size=16,
                            num_blocks=blocks, enable_prefix_caching=False, max_num_seqs=max_batch,
-                           max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max_len)  # fmt: skip
+                           max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max_len,
+                           async_scheduling=args.device.startswith("cuda"))  # fmt: skip
         else:
             from vllm import LLM, SamplingParams
 
