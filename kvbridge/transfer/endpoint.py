@@ -24,6 +24,13 @@ a late write out, so a peer that stalls that long is a peer the operator must lo
 not disconnected then: removing an agent with a transfer in flight over a partitioned link blocked
 for tens of seconds and left later reads from that peer failing, measured in tests/serve/test_netns.py.)
 
+The first NIXL read from a peer also opens UCX's connection to it, and NIXL reports that read done
+only once the peer's UCX worker has answered the connection: its bytes may all have landed while it
+still waits (measured between two processes of one host over UCX's default transports). A peer answers from
+NIXL's progress thread, whatever its engine thread is doing (a prefill waiting in a prefix-cache
+reset, say), so a first read that expires in flight names the peer's NIXL progress as the suspect
+(logged, and counted in `num_quarantined_first_reads`).
+
 `read_blocks` never blocks: when the peer is not known yet the record starts HANDSHAKING and the handshake runs on a helper thread (network only); NIXL is only touched from
 the owner's thread, in `poll`. A transfer failure forgets the peer so the next transfer
 handshakes again (a restarted peer is picked up). Every live record has a deadline.
@@ -182,7 +189,9 @@ class KVEndpoint:
         self._quarantine: dict[str, tuple[TransferRecord, float, tuple[str, str]]] = {}
         self._unquarantined: list[TransferRecord] = []  # ended quarantines, reported by the next poll
         self.num_quarantined_reads = self.num_quarantine_timeouts = 0
+        self.num_quarantined_first_reads = 0  # of those, reads from a peer no read had completed from
         self._to_forget: set[str] = set()  # peers to forget once no NIXL read from them is in flight
+        self._connected: set[str] = set()  # peers a NIXL read has completed from: their connection answered
         self._closed = False
         self.server = (
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
@@ -235,6 +244,7 @@ class KVEndpoint:
             self._to_forget.add(address)
             return
         self._to_forget.discard(address)
+        self._connected.discard(address)
         self.peers.forget(address)
 
     def _reads_from(self, address: str) -> bool:
@@ -370,6 +380,8 @@ class KVEndpoint:
                     self.tracker.mark_failed(rec.req_id, f"the staged read from {rec.peer} could not be gathered: {gather_error}")
                 elif state is XferState.DONE:
                     self.tracker.mark_done(rec.req_id)
+                    if isinstance(handle, NixlPost):
+                        self._connected.add(rec.peer)
                 else:
                     self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
                     self.forget_peer(rec.peer)
@@ -417,9 +429,15 @@ class KVEndpoint:
     def _quarantine_read(self, rec: TransferRecord) -> None:
         self._quarantine[rec.req_id] = (rec, self.tracker.clock(), self._peer_instance(rec.peer))
         self.num_quarantined_reads += 1
+        if rec.peer not in self._connected:
+            self.num_quarantined_first_reads += 1
         logger.warning(
             "read %s from %s expired while NIXL still runs it: its %d destination blocks stay quarantined until "
-            "NIXL ends it (at most %.0fs)", rec.req_id, rec.peer, len(rec.payload.local_ids), self.transfer_timeout_s,
+            "NIXL ends it (at most %.0fs)%s", rec.req_id, rec.peer, len(rec.payload.local_ids), self.transfer_timeout_s,
+            "" if rec.peer in self._connected else (
+                "; no read from this peer has completed yet: NIXL reports a first read done only once the peer's UCX "
+                "worker has answered the new connection, so the peer's NIXL progress thread is the first suspect"
+            ),
         )  # fmt: skip
 
     def _end_quarantines(self) -> None:
@@ -563,6 +581,7 @@ class KVEndpoint:
             "num_quarantined": self.num_quarantined,
             "num_quarantined_reads": self.num_quarantined_reads,
             "num_quarantine_timeouts": self.num_quarantine_timeouts,
+            "num_quarantined_first_reads": self.num_quarantined_first_reads,
             "num_direct_plan_reads": self.num_plans[PlanKind.DIRECT],
             "num_staged_plan_reads": self.num_plans[PlanKind.STAGED],
             "num_plan_descriptors": self.num_plan_descriptors,

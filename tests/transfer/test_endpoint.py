@@ -374,6 +374,7 @@ def test_a_read_that_expires_in_flight_keeps_its_blocks_until_it_is_over(tmp_pat
         assert rec.state is TransferState.EXPIRED  # still a failed read: its bytes are never used
         stats = ep.get_stats()
         assert stats["num_quarantined"] == 0 and stats["num_quarantined_reads"] == 1 and stats["num_quarantine_timeouts"] == 0
+        assert stats["num_quarantined_first_reads"] == 1  # no read from the owner had completed before it
         assert owner.address not in ep.peers  # forgotten once the read was over
         canary = kv.view(torch.uint8)
         canary.fill_(0xA5)  # the blocks now belong to someone else

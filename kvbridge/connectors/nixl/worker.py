@@ -352,6 +352,8 @@ class NixlWorker:
             stats["num_quarantined_reads"] = self._endpoint.num_quarantined
             stats["num_quarantined_reads_total"] = self._endpoint.num_quarantined_reads
             stats["num_quarantine_timeouts"] = self._endpoint.num_quarantine_timeouts
+            # of those, reads from a prefill no read had completed from: it may not have answered the connection
+            stats["num_quarantined_first_reads"] = self._endpoint.num_quarantined_first_reads
             ep_stats = self._endpoint.get_stats()  # reads from peers whose pages differ, by plan kind (layout_plan.py)
             for key in ("num_direct_plan_reads", "num_staged_plan_reads", "num_plan_descriptors"):
                 stats[key] = ep_stats[key]
