@@ -66,13 +66,19 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
         first = num_computed_tokens // self.block_size
-        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)  # keep one token
+        # Every full block, the last one too: the engine still computes the last token (it caps a
+        # request's progress at num_tokens - 1) and rewrites that one slot, rather than the whole
+        # last block (16 tokens, whose attention reads the context once per token in a graph step).
+        # The prompt's last block alone is not worth a load: computed here, it costs no wait.
+        last = min(len(request.block_hashes), request.num_tokens // self.block_size)
         num_hit, from_disk = 0, False
         for block_hash in request.block_hashes[first:last]:
             if not self._is_available(block_hash):
                 break
             num_hit += 1
             from_disk = from_disk or not self.host.is_ready(block_hash)
+        if num_hit == 1 and first + 1 == last and request.num_tokens % self.block_size == 0:
+            num_hit = 0  # only the block whose last token is computed anyway
         self._lookups[request.request_id] = (max(0, last - first), num_hit)  # counted at admission
         if num_hit == 0:
             self._matches.pop(request.request_id, None)
