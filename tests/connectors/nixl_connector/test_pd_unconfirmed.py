@@ -101,7 +101,8 @@ def test_early_steps_give_the_colocated_tokens(node: PrefillNode, reference: LLM
         assert stats["num_early_steps_discarded"] == 0
         assert sorted(held) == sorted(w[0] for w in want)  # the held tokens were the first tokens
         assert_all_free(dec)
-    node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
+    state = node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
+    assert state["num_used_blocks"] == 0 and state["connector"]["worker"]["num_leases"] == 0
 
 
 def test_the_early_token_comes_only_after_the_confirmation(node: PrefillNode, reference: LLM, monkeypatch):
@@ -154,7 +155,8 @@ def test_corrupted_bytes_never_reach_an_answer(node: PrefillNode, reference: LLM
         assert_all_free(dec)
     # the early steps sampled on the noise, and not every token they held was right: none was served
     assert len(held) == len(prompts) and sorted(held) != sorted(w[0] for w in want)
-    node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
+    state = node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
+    assert state["num_used_blocks"] == 0 and state["connector"]["worker"]["num_leases"] == 0
 
 
 def test_a_refused_confirmation_drops_the_early_token(reference: LLM, monkeypatch, held: list[int]):
