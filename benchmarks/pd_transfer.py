@@ -209,6 +209,7 @@ def run(args) -> dict:
                 "after_confirmed_s": first_token - read.confirmed,
             })  # fmt: skip
         worker_stats = dec.get_stats()["connector"]["worker"]
+        early_steps_used = dec.get_stats().get("num_early_steps_used", 0)
         layout = dec.engine.layout
         dec.shutdown()
     finally:
@@ -248,12 +249,16 @@ def run(args) -> dict:
         # the decode node's TTFT, step by step (medians): admission -> read posted -> bytes landed ->
         # lease confirmed -> first token. Its floor: the transfer plus `cached_ttft_s`, the TTFT of the
         # same prompt with every block already cached (one token's forward and the engine's step).
+        # With the first step computed early (engine/unconfirmed_loads.py), `confirm` holds that step:
+        # the confirmation is collected when it ends, and its held token comes out then.
         "decode_ttft_breakdown_ms": {
             "until_posted": med("until_posted_s") * 1e3, "transfer": med("transfer_s") * 1e3,
             "confirm": med("confirm_s") * 1e3, "after_confirmed": med("after_confirmed_s") * 1e3,
         },
         "cached_ttft_s": {"median": med("cached_ttft_s"), "min": min(r["cached_ttft_s"] for r in rows)},
         "decode_ttft_over_floor_ms": (med("decode_ttft_s") - med("transfer_s") - med("cached_ttft_s")) * 1e3,
+        # reads whose request's first step ran before the read was confirmed, and whose token was used
+        "early_steps_used": early_steps_used,
         "decode_ttft_vs_colocated": med("decode_ttft_s") / med("colocated_ttft_s"),
         "reps": [{k: round(v * 1e3, 3) if k.endswith("_s") else v for k, v in r.items()} for r in rows],  # in ms
         "params": {k: v for k, v in vars(args).items() if k != "json"},

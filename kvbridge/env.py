@@ -114,6 +114,14 @@ def fault_flip_read_bit_rank() -> int | None:
         raise ConfigError(f"environment variable KVBRIDGE_FAULT_FLIP_READ_BIT_RANK={value!r}; expected a rank number") from None
 
 
+def fault_delay_confirm_s() -> float:
+    """KVBRIDGE_FAULT_DELAY_CONFIRM_S: fault injection for tests. A decode node waits this long (on
+    its side-channel thread) before it sends a read's confirmation (TransferDone), as a slow network
+    would: the read's request then computes its first step early and holds its token that long.
+    Default 0. Never set it in production."""
+    return max(0.0, _get_float("KVBRIDGE_FAULT_DELAY_CONFIRM_S", 0.0))
+
+
 def fault_flip_host_block_bit() -> bool:
     """KVBRIDGE_FAULT_FLIP_HOST_BIT: fault injection for tests. The OffloadingConnector flips one bit
     of the first host-tier slot of every store once the store completed and its digest was recorded,

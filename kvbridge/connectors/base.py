@@ -26,7 +26,7 @@ Per-step order, driven by `EngineCore.step()`:
                build_connector_meta(scheduler_output)
     worker:    bind_connector_metadata -> start_load_kv
                forward, with wait_for_layer_load(i) / save_kv_layer(i) around layer i
-               wait_for_save -> get_finished -> get_block_ids_with_load_errors
+               wait_for_save -> get_finished -> get_block_ids_with_load_errors -> get_landed_recving
                clear_connector_metadata
     scheduler: update_connector_output(KVConnectorOutput)
                request_finished(request, block_ids)             (per finished request)
@@ -178,6 +178,9 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
     load_errors: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed (one line)
     stats: dict[str, Any] = field(default_factory=dict)
+    # Async loads whose bytes landed but are not vouched for yet (get_landed_recving): the scheduler
+    # may compute after them, holding back what that computes until `finished_recving` names them.
+    landed_recving: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -394,6 +397,20 @@ class KVConnectorBase(ABC):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; the scheduler recomputes or fails their requests."""
+        return set()
+
+    def get_landed_recving(self) -> set[str]:
+        """Async loads whose bytes are all in their blocks, with no write to them still in flight,
+        but not yet confirmed: each is named once, before `get_finished` names it in `finished_recving`.
+
+        Called by the model runner once per step, after `get_block_ids_with_load_errors`. The
+        scheduler may then compute the request's tokens after the loaded prefix on those bytes, and
+        holds back everything that computation yields (sampled tokens, prefix-cache hashes) until
+        `finished_recving` names the request without a load error; a load error for any of its
+        blocks discards it and the request recomputes. A connector must therefore report every
+        later doubt about these bytes (a refused confirmation, a digest mismatch) as a load error
+        with its `finished_recving`. Optional: the default names none (nothing is computed early).
+        """
         return set()
 
     def get_load_errors(self) -> dict[str, str]:

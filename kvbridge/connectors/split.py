@@ -133,6 +133,10 @@ class SplitConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_landed_recving(self) -> set[str]:
+        get = getattr(self.worker, "get_landed_recving", None)  # optional for a worker half
+        return get() if get is not None else set()
+
     def get_load_errors(self) -> dict[str, str]:
         get = getattr(self.worker, "get_load_errors", None)  # optional for a worker half
         return get() if get is not None else {}

@@ -106,7 +106,7 @@ class EngineCore:
         self.is_async = config.scheduler.async_scheduling and self.runner.can_launch
         if config.scheduler.async_scheduling and not self.is_async:
             logger.warning("async_scheduling is off: it needs TP 1 and no KV connector; every step runs synchronously")
-        self.is_idle = False  # the last step computed nothing
+        self.is_idle = False  # the last step computed nothing, and made nothing ready for the next
         self._froze_gc = False
         if not env.disable_gc_freeze():
             # Start-up objects (weights, tables) leave the GC's view: no pauses over them in steps.
@@ -203,13 +203,16 @@ class EngineCore:
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[RequestUpdate]:
         """Schedule -> connector metadata -> load, forward, save, sample, collect finished -> update."""
-        self.is_idle = scheduler_output.is_empty
         try:
             scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(scheduler_output)
             runner_output = self.runner.execute(scheduler_output)
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         except Exception as exc:  # noqa: BLE001 - fail_step ends the step's requests, or re-raises an engine fault
-            return fail_step(self.scheduler, scheduler_output, exc)
+            updates = fail_step(self.scheduler, scheduler_output, exc)
+        # A load that ended (or landed) in a step that computed nothing makes work for the next step:
+        # it runs at once, not after the caller's idle wait.
+        self.is_idle = scheduler_output.is_empty and not self.scheduler.has_new_work
+        return updates
 
     def _step_async(self) -> list[RequestUpdate]:
         """Launch the next step, then read the one in flight. When the next step only continues the

@@ -243,8 +243,9 @@ class ModelRunner:
                     invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
                     load_errors=dict(connector.get_load_errors()),
                     stats=dict(connector.get_step_stats()),
+                    landed_recving=set(connector.get_landed_recving()),
                 )
-                if self._tp_kv is not None:  # the node's answer: every rank's
+                if self._tp_kv is not None:  # the node's answer: every rank's (no landed reads: see merge)
                     kv_output = self._tp_kv.merge(kv_output, others)
         finally:
             if connector is not None:

@@ -17,6 +17,11 @@ Policy (first come, first served):
   was preempted this step. Admission takes the local prefix-cache hit, then asks the connector
   for external tokens (`kvbridge/engine/transfer_bookkeeping.py` decides that side; the scheduler
   applies what it decides).
+* A parked request whose load landed but is not confirmed yet (`KVConnectorOutput.landed_recving`)
+  runs its first step early, between the running and the waiting requests, on the loaded KV:
+  what that step samples is held back until the load is confirmed, and dropped if it is not
+  (`kvbridge/engine/unconfirmed_loads.py`). Only requests whose sampling draws on no seeded
+  generator (greedy, or unseeded) compute early: a dropped sample must not shift a seeded stream.
 * A request whose admission raises (a connector hook failed for it) or whose sampling failed
   (`ModelRunnerOutput.request_errors`) finishes with FINISHED_ERROR and the reason; the others
   are not affected. See engine/faults.py for what ends the engine instead.
@@ -41,6 +46,7 @@ from kvbridge.engine.outputs import ModelRunnerOutput
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.scheduler_stats import SchedulerStats
 from kvbridge.engine.transfer_bookkeeping import TransferActions, TransferBookkeeping
+from kvbridge.engine.unconfirmed_loads import HeldToken, UnconfirmedLoads
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +85,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.transfers = TransferBookkeeping(connector, block_size, load_failure_policy)
+        self.unconfirmed = UnconfirmedLoads()  # parked requests computing early on landed, unconfirmed KV
         self._finished_req_ids: set[str] = set()  # since the last schedule()
         self._failed: list[RequestUpdate] = []  # failed at admission; reported by update_from_output
+        self.has_new_work = False  # the last update made a parked request schedulable (resumed, or landed)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -100,6 +108,7 @@ class Scheduler:
         """Mark finished, leave the queues, let the connector decide about the blocks, free or park them."""
         request.status = status
         request.error = error
+        self.unconfirmed.discard(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -145,9 +154,11 @@ class Scheduler:
         """Decide this step's batch. Advances nothing: progress is recorded in `update_from_output`."""
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
+        self.has_new_work = False
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(output, budget)
         if not output.preempted_req_ids:
+            budget = self._schedule_unconfirmed(output, budget)
             self._schedule_waiting(output, budget)
         self.stats.num_steps += 1
         return output
@@ -214,9 +225,26 @@ class Scheduler:
             break  # the request preempted itself: nothing further fits
         return budget
 
+    def _schedule_unconfirmed(self, output: SchedulerOutput, budget: int) -> int:
+        """Loads that landed unconfirmed: the rest of each request's prompt is computed now, whole, on
+        the loaded KV, if the budget and free blocks allow (never by preempting); its sampled token is
+        held back in `update_from_output`."""
+        for request in self.unconfirmed.to_schedule():
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget or not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
+                continue  # asked again next step; or it runs as usual once confirmed
+            self.unconfirmed.mark_scheduled(request.request_id)
+            self._add_scheduled(output, request, num_new)
+            budget -= num_new
+        return budget
+
+    def _num_seqs(self) -> int:
+        """Requests counted against max_num_seqs: the running ones and the ones computing early."""
+        return len(self.running) + len(self.unconfirmed)
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         skipped: deque[Request] = deque()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seqs() < self.config.max_num_seqs:
             request = self.waiting.popleft()
             try:
                 num_new = self._admit(request, budget)
@@ -333,6 +361,9 @@ class Scheduler:
             request = scheduled.request
             if request.is_finished or request.request_id in spoiled:
                 continue
+            if request.request_id in self.unconfirmed:
+                self._hold(scheduled, runner_output)
+                continue
             request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
             error = runner_output.request_errors.get(request.request_id)
@@ -342,13 +373,25 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue
-            request.append_output_token(token_id, runner_output.logprobs.get(request.request_id))
-            self.stats.num_generated_tokens += 1
-            status = self._stop_status(request, token_id)
-            updates.append(self.finish_request(request, status) if status else RequestUpdate(request))
-        # Finished receives resume, finished sends free blocks.
+            updates.append(self._append_token(request, token_id, runner_output.logprobs.get(request.request_id)))
+        # Finished receives resume (releasing tokens computed early), finished sends free blocks.
         self._apply(self.transfers.finished_transfers(kv_output, self.requests), updates)
         return updates
+
+    def _append_token(self, request: Request, token_id: int, logprobs) -> RequestUpdate:
+        request.append_output_token(token_id, logprobs)
+        self.stats.num_generated_tokens += 1
+        status = self._stop_status(request, token_id)
+        return self.finish_request(request, status) if status else RequestUpdate(request)
+
+    def _hold(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> None:
+        """An early step on unconfirmed KV: its token is held, and no block of it is hashed."""
+        request = scheduled.request
+        token_id = runner_output.sampled_token_ids.get(request.request_id)
+        if token_id is None or request.request_id in runner_output.request_errors:
+            return  # nothing held: once confirmed, the request computes this step again, as usual
+        request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
+        self.unconfirmed.hold(request.request_id, HeldToken(token_id, runner_output.logprobs.get(request.request_id)))
 
     def _receive_report(self, kv_output: KVConnectorOutput, updates: list[RequestUpdate]) -> set[str]:
         """Hand the worker's report to the connector and apply its load errors. Returns the requests
@@ -367,6 +410,7 @@ class Scheduler:
             self.kv.pool.uncache_block(block_id)
         for request_id, first_bad in actions.first_bad_block.items():
             request = self.requests[request_id]
+            self.unconfirmed.discard(request_id)  # what it computed early on that KV is dropped
             request.num_failed_load_blocks += max(1, len(self.kv.block_ids(request_id)) - first_bad)
             request.kv_load_error = actions.load_errors.get(request_id)
             self.kv.uncache_from(request_id, first_bad)
@@ -379,7 +423,29 @@ class Scheduler:
         for request_id in actions.free:
             self.kv.free(request_id)
         for request, num_loaded in actions.resume:
-            self._resume(request, num_loaded)
+            held = self.unconfirmed.release(request.request_id)
+            if held is None:
+                self._resume(request, num_loaded)
+            else:
+                updates.append(self._release(request, held))
+        for request, num_loaded in actions.landed:
+            self._compute_early(request, num_loaded)
+        self.has_new_work |= bool(actions.resume) or bool(actions.landed)
+
+    def _compute_early(self, request: Request, num_loaded: int) -> None:
+        """A parked request's load landed, unconfirmed: let its first step run early (unconfirmed_loads.py)."""
+        params = request.sampling_params
+        if not (params.seed is None or params.is_greedy) or self._num_seqs() >= self.config.max_num_seqs:
+            return  # it waits for the confirmation, as every load did before
+        request.num_computed_tokens = min(num_loaded, request.num_tokens - 1)
+        self.unconfirmed.add(request)
+
+    def _release(self, request: Request, held: HeldToken) -> RequestUpdate:
+        """Its load was confirmed after its early step: that step's KV and token become the request's."""
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return self._append_token(request, held.token_id, held.logprobs)
 
     def _roll_back(self, request: Request, num_good_tokens: int) -> None:
         # A parked request's progress is set when its load ends (the bookkeeping caps it there).
@@ -412,7 +478,7 @@ class Scheduler:
 
     def get_stats(self) -> dict:
         pool = self.kv.pool
-        return self.stats.as_dict() | {
+        return self.stats.as_dict() | self.unconfirmed.get_stats() | {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_waiting_for_remote_kvs": self.transfers.num_parked,
@@ -433,5 +499,21 @@ class Scheduler:
         for request in self.running:
             if request.status != RequestStatus.RUNNING or not self.kv.holds_blocks(request.request_id):
                 raise AssertionError(f"Scheduler integrity: running {request} is not RUNNING with blocks")
-        if len(self.running) > self.config.max_num_seqs:
-            raise AssertionError("Scheduler integrity: more running requests than max_num_seqs")
+        if self._num_seqs() > self.config.max_num_seqs:
+            raise AssertionError("Scheduler integrity: more running (or early computing) requests than max_num_seqs")
+        self._check_unconfirmed()
+
+    def _check_unconfirmed(self) -> None:
+        """A request computing on unconfirmed KV is parked, in no queue, and none of its blocks past
+        its local prefix hit is in the prefix cache (no other request can be served them)."""
+        self.unconfirmed.check_integrity()
+        parked = {r.request_id for r in self.transfers.parked_requests()}
+        for request in self.unconfirmed.requests():
+            rid = request.request_id
+            if rid not in parked or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                raise AssertionError(f"Scheduler integrity: {request} computes early but is not parked on its load")
+            if request in self.running or request in self.waiting:
+                raise AssertionError(f"Scheduler integrity: {request} computes early but is queued")
+            table = self.kv.block_ids(rid)
+            if any(self.kv.pool.block_hash(b) is not None for b in table[request.num_cached_tokens // self.block_size :]):
+                raise AssertionError(f"Scheduler integrity: a block of {request} holding unconfirmed KV is in the prefix cache")

@@ -73,7 +73,10 @@ class RankDriver:
         return outputs
 
     def merge(self, own: KVConnectorOutput, others: list[RankOutput]) -> KVConnectorOutput:
-        """The node's output: rank 0's (`own`, its stats included) merged with the other ranks'."""
+        """The node's output: rank 0's (`own`, its stats included) merged with the other ranks'.
+
+        It names no landed reads (`landed_recving`): rank 0 does not know when every rank's read
+        has landed, so a tensor-parallel node computes on loaded KV only once it is confirmed."""
         world = 1 + len(others)
         ranks = [(own.finished_sending, own.finished_recving, own.invalid_block_ids, own.load_errors)]
         ranks += [(o.finished_sending, o.finished_recving, o.invalid_block_ids, o.load_errors) for o in others]

@@ -7,7 +7,8 @@ Pure bookkeeping (no torch), on the engine thread. Without a connector every met
 What it keeps:
 * parked requests (`WAITING_FOR_REMOTE_KVS`): blocks allocated, an async load in flight; they
   resume when the worker names them in `finished_recving`, with the loaded tokens counted as
-  computed;
+  computed; a load the worker names in `landed_recving` first (bytes in, not yet vouched for) is
+  handed to the scheduler to compute early (`engine/unconfirmed_loads.py`) and stays parked;
 * held blocks of finished requests: until `finished_sending` names them (`delay_free_blocks`), and,
   for a request aborted while its load was in flight, until `finished_recving` names it (nothing
   may be reused while a transfer still writes into it);
@@ -47,6 +48,7 @@ class TransferActions:
     load_errors: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed, as the connector said
     free: list[str] = field(default_factory=list)  # finished requests no transfer holds any more
     resume: list[tuple[Request, int]] = field(default_factory=list)  # async load done: (request, tokens loaded)
+    landed: list[tuple[Request, int]] = field(default_factory=list)  # bytes in, unconfirmed: (parked request, tokens loading)
 
 
 class BlockRelease(NamedTuple):
@@ -177,6 +179,9 @@ class TransferBookkeeping:
                     actions.free.append(request_id)
             elif request_id in live_req_ids:
                 self._early_sent.add(request_id)
+        for request_id in kv_output.landed_recving:  # still parked: resumed (or rolled back) at finished_recving
+            if request_id in self._parked and request_id not in self._failed_loads:
+                actions.landed.append((self._parked[request_id], self._parked_tokens[request_id]))
         return actions
 
     def _resume(self, request: Request) -> tuple[Request, int]:

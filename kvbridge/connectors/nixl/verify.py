@@ -49,6 +49,10 @@ class ReadVerifier:
             return  # tried again, and refused with a reason, when the answer comes
         self._started[job.request_id] = (started, self._clock() - start)
 
+    def has_started(self, req_id: str) -> bool:
+        """Whether the landed read's digest was taken (queued on its device, or computed)."""
+        return req_id in self._started
+
     def verify(self, job: RecvJob, digest: m.KVDigest | None) -> str | None:
         """None when the blocks read hold the bytes the prefill digested when it granted the lease;
         otherwise why not (the read is a load error)."""

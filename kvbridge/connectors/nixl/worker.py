@@ -75,6 +75,7 @@ class NixlWorker:
         self._deadlines: dict[str, float] = {}  # local request id -> when its read must be confirmed
         self._admitted: dict[str, float] = {}  # local request id -> when its read began (lease renewals count from it)
         self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
+        self._newly_landed: set[str] = set()  # landed since the last get_landed_recving, still unconfirmed
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
             renew_interval_s=options.renew_interval_s, clock=self._clock, wake=context.wakeup.ring,
@@ -83,6 +84,7 @@ class NixlWorker:
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._flip_landed_bit = env.fault_flip_read_bit() and env.fault_flip_read_bit_rank() in (None, context.tp_rank)
+        self._confirm_delay_s = env.fault_delay_confirm_s()  # fault injection (tests): a slow confirmation
         self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
         self._load_errors: dict[str, str] = {}  # request id -> why its load failed, until reported
         # Tensor parallelism, prefill: rank 0 grants a lease once every rank's digest of its own heads
@@ -257,9 +259,11 @@ class NixlWorker:
                     self._peers.abandon(job.remote, job.lease)
                 self._finish_recv(rec.req_id)
         outcomes = self._peers.progress(self._reading())  # sends the confirmations queued above
-        if self._verifier is not None:
-            for job in landed:  # digested while those confirmations are on the network
+        for job in landed:
+            if self._verifier is not None:  # digested while those confirmations are on the network
                 self._verifier.start(job)
+            if self._may_compute_early(job):
+                self._newly_landed.add(job.request_id)
         for outcome in outcomes:
             job = self._recvs[outcome.req_id]
             if outcome.verdict is Verdict.REFUSED:
@@ -275,6 +279,21 @@ class NixlWorker:
         in_use = {r.address for r in busy} | self._peers.addresses()
         for address in {r.address for r in dropped} - in_use:
             self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
+
+    def _may_compute_early(self, job: RecvJob) -> bool:
+        """Whether the scheduler may compute on this landed read before its verdict (get_landed_recving).
+
+        Only with one rank (under TP the node's read lands when every rank's has, which no rank
+        knows) and only once its digest was taken: the early step may rewrite the prompt's last
+        slot, and the check must see the bytes as they landed.
+        """
+        if self.context.tp_size != 1 or not job.local_block_ids:
+            return False
+        return self._verifier is None or self._verifier.has_started(job.request_id)
+
+    def get_landed_recving(self) -> set[str]:
+        landed, self._newly_landed = self._newly_landed, set()
+        return landed
 
     def _reading(self) -> dict[RemoteEngine, list[Reading]]:
         """Leases of reads still in flight, handshakes included, by prefill engine: renewed while
@@ -298,6 +317,8 @@ class NixlWorker:
 
     def _send(self, remote: RemoteEngine, msg: m.Message) -> m.Message:
         """Side-channel request to a prefill engine; runs on PeerControls' pool."""
+        if self._confirm_delay_s and isinstance(msg, m.TransferDone) and msg.leases:
+            time.sleep(self._confirm_delay_s)
         return self._endpoint.request(remote.address, msg, audience=(remote.engine_id, remote.incarnation))
 
     def _fail(self, job: RecvJob, error: str) -> None:
@@ -312,6 +333,7 @@ class NixlWorker:
         self._deadlines.pop(req_id, None)
         self._admitted.pop(req_id, None)
         self._landed.pop(req_id, None)
+        self._newly_landed.discard(req_id)  # its verdict is in: reported as finished, not as landed
         if self._verifier is not None:
             self._verifier.forget(req_id)
         if job.local_block_ids:  # a release-only job never parked its request

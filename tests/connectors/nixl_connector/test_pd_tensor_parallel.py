@@ -40,6 +40,9 @@ def run_pd(prefill_tp: int, decode_tp: int, prompts, env: dict | None = None):
             outs = dec.generate(prompts, GREEDY, kv_transfer_params=params)
             worker = dec.get_stats()["connector"]["worker"]
             print(worker)
+            # a first step computed before the confirmation: one rank only (engine/unconfirmed_loads.py)
+            num_early = dec.get_stats()["num_early_steps"]
+            assert num_early == 0 if decode_tp > 1 else num_early > 0
             dec.engine.check_integrity()
             assert_all_free_or_cached(dec.get_stats())
         assert_all_free_or_cached(node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10))
