@@ -87,6 +87,7 @@ from kvbridge.transfer.nixl_post import NixlPost, NixlPoster, poll_post
 from kvbridge.transfer.options import DescriptorMode, TransferOp, TransferOptions
 from kvbridge.transfer.peers import PeerDirectory
 from kvbridge.transfer.side_channel import SideChannelServer
+from kvbridge.transfer.stall_watch import StallWatch
 from kvbridge.transfer.tracker import TransferRecord, TransferState, TransferTracker
 
 if TYPE_CHECKING:
@@ -197,6 +198,8 @@ class KVEndpoint:
             SideChannelServer(host, port, self._serve, self._secret, audience=audience_of(engine_id, self.incarnation))
             if serve else None
         )  # fmt: skip
+        # Says in the log when this process was not scheduled for a while (a peer then sees silence).
+        self.stall_watch = StallWatch(f"KV endpoint of engine {engine_id}").start()
 
     def rank_shard(self, rank: int) -> m.RankShard:
         """This endpoint as rank `rank` of a tensor-parallel node, for its rank 0's handshake answers."""
@@ -582,6 +585,8 @@ class KVEndpoint:
             "num_quarantined_reads": self.num_quarantined_reads,
             "num_quarantine_timeouts": self.num_quarantine_timeouts,
             "num_quarantined_first_reads": self.num_quarantined_first_reads,
+            "num_process_stalls": self.stall_watch.num_stalls,
+            "max_process_stall_s": round(self.stall_watch.max_stall_s, 3),
             "num_direct_plan_reads": self.num_plans[PlanKind.DIRECT],
             "num_staged_plan_reads": self.num_plans[PlanKind.STAGED],
             "num_plan_descriptors": self.num_plan_descriptors,
@@ -594,6 +599,7 @@ class KVEndpoint:
         if self._closed:
             return
         self._closed = True
+        self.stall_watch.stop()
         if self.server is not None:
             self.server.close()
         for rec in [*self.tracker.live(), *(entry[0] for entry in self._quarantine.values())]:

@@ -10,6 +10,7 @@ prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
     {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
     {"cmd": "block_digests", "ids": [...]} -> {"alg": ..., "values": [...]}  (the endpoint's lease digests)
+    {"cmd": "stats"}                  -> the endpoint's get_stats()
     {"cmd": "quit"}                   -> exits 0 after closing the endpoint
 """
 
@@ -124,6 +125,8 @@ def main() -> int:
             case "block_digests":  # what a lease on those blocks would carry
                 got = ep.digest_blocks(cmd["ids"])
                 out = {"alg": got.alg, "values": list(got.values)}
+            case "stats":
+                out = ep.get_stats()
             case "quit":
                 ep.close()
                 reply({"bye": True})

@@ -580,3 +580,32 @@ def _closed_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_frozen_owner_delays_a_read_without_spoiling_it_and_its_log_names_the_freeze(tmp_path):
+    """The owner is stopped (SIGSTOP) for 2.5 s between its handshake and the first read from it: the
+    read ends once it runs again, with the owner's bytes, and the owner's log and gauges say how long
+    it did not run (what a peer's timed-out read or handshake is matched against)."""
+    owner = Peer(tmp_path, engine_id="frozen-owner", seed=23)
+    ep, kv = _local_endpoint()
+    try:
+        ep.handshake(owner.address)
+        os.kill(owner.proc.pid, signal.SIGSTOP)
+        try:
+            ep.read_blocks("while-frozen", owner.address, [0, 1, 2], [5, 6, 7])
+            time.sleep(2.5)
+        finally:
+            os.kill(owner.proc.pid, signal.SIGCONT)
+        rec = _wait_final(ep, "while-frozen")
+        assert rec.state is TransferState.DONE, rec.error
+        expected = torch.empty_like(kv)
+        fill_kv(expected, 23)
+        assert torch.equal(kv[[0, 1, 2]].view(torch.uint8), expected[[5, 6, 7]].view(torch.uint8))
+
+        stats = owner.ask("stats")
+        assert stats["num_process_stalls"] >= 1, stats  # a loaded machine may add stalls of its own
+        assert 2.0 <= stats["max_process_stall_s"] < 60, stats
+        assert "this process did not run for" in owner.log.read_text()
+    finally:
+        ep.close()
+        owner.quit()

@@ -377,7 +377,8 @@ class NixlWorker:
             # of those, reads from a prefill no read had completed from: it may not have answered the connection
             stats["num_quarantined_first_reads"] = self._endpoint.num_quarantined_first_reads
             ep_stats = self._endpoint.get_stats()  # reads from peers whose pages differ, by plan kind (layout_plan.py)
-            for key in ("num_direct_plan_reads", "num_staged_plan_reads", "num_plan_descriptors"):
+            for key in ("num_direct_plan_reads", "num_staged_plan_reads", "num_plan_descriptors",
+                        "num_process_stalls", "max_process_stall_s"):  # fmt: skip
                 stats[key] = ep_stats[key]
         stats["num_refused_lease_requests"] = self._leases.num_refused
         stats["num_peers"] = len(self._peers)
