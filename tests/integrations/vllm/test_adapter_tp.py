@@ -51,10 +51,14 @@ MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8
 PROMPT_LEN = 300  # two full blocks and a partial one: two blocks move
 NUM_BLOCKS = PROMPT_LEN // CPU_BLOCK_SIZE
-# Short deadlines, so a missed handshake costs seconds; per-head digests, so a wider decode can verify its heads.
-NIXL_OPTIONS = dict(lease_s=30.0, handshake_timeout_s=5.0, handshake_retries=1, transfer_timeout_s=15.0,
+# Deadlines are not what these tests measure, and they are generous: five vLLM processes per pair of
+# servers on 2 cores, and CI has seen a prefill go silent for 16 s at a decode's first read from it (the
+# read expired at 15 s and the decode recomputed). Each P/D line prints both servers' num_process_stalls
+# (stall_watch.py). Per-head digests, so a wider decode can verify its heads.
+NIXL_OPTIONS = dict(lease_s=90.0, handshake_timeout_s=20.0, handshake_retries=1, transfer_timeout_s=60.0,
                     digest_kv_heads=True)  # fmt: skip
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+STALLS = "kvbridge_worker_num_process_stalls"
 RANK1 = "kvbridge_worker_tp1_"  # gauges of tensor-parallel rank 1's worker half (rank 0's keep the TP 1 names)
 
 
@@ -103,8 +107,9 @@ def _pd(prefill, decode, seed: int, attempts: int = 2):
         after = wait_for_metrics(decode.url, lambda m: _num_reads(m, before) >= 1)
         external = scrape_metrics(decode.url).get(EXTERNAL_HITS, 0.0) - hits_before
         if external > 0 or attempt == attempts - 1:
+            stalls = {s.name: kvbridge_metrics(s.url).get(STALLS, 0.0) for s in (prefill, decode)}
             print(f"P/D {prefill.name} -> {decode.name}: {elapsed_s * 1e3:.0f} ms, {external:.0f} external tokens, "
-                  f"tokens {out.token_ids}")  # fmt: skip
+                  f"tokens {out.token_ids}; process stalls (rank 0) {stalls}")  # fmt: skip
             return out, prefill_colocated, decode_colocated, before, after, external
     pytest.fail(f"P/D {prefill.name} -> {decode.name} failed {attempts} times")
 

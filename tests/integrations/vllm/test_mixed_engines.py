@@ -20,6 +20,7 @@ digest, and the tokens were wrong: K was read as if it were [block_size, head_di
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -50,7 +51,10 @@ MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8
 PROMPT_LEN = 300
 REF_BLOCK_SIZE = 16  # `kvbridge serve`'s default
-NIXL_OPTIONS = dict(lease_s=30.0, handshake_timeout_s=5.0, handshake_retries=2, transfer_timeout_s=20.0)
+# Generous deadlines (not what these tests measure): CI's 2-core machines have seen a server go silent
+# for 16 s at the first read from it (stall_watch.py logs such silences).
+NIXL_OPTIONS = dict(lease_s=90.0, handshake_timeout_s=20.0, handshake_retries=2, transfer_timeout_s=60.0)
+REF_OPTIONS = json.dumps({k: NIXL_OPTIONS[k] for k in ("lease_s", "handshake_timeout_s", "transfer_timeout_s")})
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 NODE_START_TIMEOUT_S = 300.0
 
@@ -68,7 +72,7 @@ def engines(vllm_servers, tiny_checkpoint, tmp_path_factory):
     ref = start_node(
         "kvbridge", "both", str(tmp_path_factory.mktemp("kvbridge-node")), model=tiny_checkpoint,
         extra_args=["--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1",
-                    "--kv-connector-extra", '{"lease_s": 30.0, "handshake_timeout_s": 5.0, "transfer_timeout_s": 20.0}'],
+                    "--kv-connector-extra", REF_OPTIONS],
     )  # fmt: skip
     try:
         vllm_servers.wait()
