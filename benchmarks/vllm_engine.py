@@ -182,11 +182,11 @@ def main() -> int:
     import torch
 
     from limits import matmul_rate, memory_bandwidth
-    from vllm_checkpoint import make_tiny_checkpoint
+    from vllm_checkpoint import make_random_llama_checkpoint
 
     geometry = GEOMETRIES[args.geometry]
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-engine-") as tmp:
-        checkpoint = args.checkpoint or make_tiny_checkpoint(
+        checkpoint = args.checkpoint or make_random_llama_checkpoint(
             os.path.join(tmp, "model"), seed=0, max_position_embeddings=args.prompt_len + args.decode_steps + 64,
             dtype=args.dtype, device="cuda" if args.device.startswith("cuda") else "cpu", **geometry,
         )  # fmt: skip

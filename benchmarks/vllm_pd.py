@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
 from common import machine_info, versions  # noqa: E402
-from vllm_checkpoint import kv_bytes_per_token, make_tiny_checkpoint  # noqa: E402
+from vllm_checkpoint import kv_bytes_per_token, make_random_llama_checkpoint  # noqa: E402
 from vllm_client import VLLMRequestError, complete, pd_complete, scrape_metrics, warm_up_pd  # noqa: E402
 from vllm_server import (  # noqa: E402
     VLLMServer,
@@ -445,7 +445,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="vllm-pd-") as tmp:
         log_dir = args.log_dir or tmp
         spec = CUDA_BENCH_MODEL if args.device == "cuda" else BENCH_MODEL
-        model = args.model or make_tiny_checkpoint(os.path.join(tmp, "model"), **spec)
+        model = args.model or make_random_llama_checkpoint(os.path.join(tmp, "model"), **spec)
         with open(os.path.join(model, "config.json")) as f:
             vocab_size = json.load(f)["vocab_size"]
         dtype_nbytes = 2 if args.device == "cuda" else 4  # served in bf16 on CUDA, float32 on CPU

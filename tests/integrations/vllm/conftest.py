@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from vllm_checkpoint import make_tiny_checkpoint
+from vllm_checkpoint import make_random_llama_checkpoint
 from vllm_server import STARTUP_TIMEOUT_S, VLLMServer, start_vllm_server, stop_all, wait_ready
 
 HERE = Path(__file__).parent
@@ -49,7 +49,7 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """A random float32 Llama with a BPE tokenizer (TINY_MODEL), built once per session."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), **TINY_MODEL)
+    return make_random_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"), **TINY_MODEL)
 
 
 class ServerGroup:

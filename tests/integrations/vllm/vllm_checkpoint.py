@@ -1,11 +1,12 @@
-"""A tiny random Llama checkpoint with a locally trained BPE tokenizer, for tests against real engines.
+"""A random Llama checkpoint with a locally trained BPE tokenizer, for tests and benchmarks against real
+engines: tiny for the tests, of a real model's geometry (llama3-8b) for GPU benchmarks.
 
-    path = make_tiny_checkpoint(tmp / "model", num_layers=4, hidden_size=128, num_heads=2,
-                                num_kv_heads=2, head_dim=64, vocab_size=1024, seed=0)
+    path = make_random_llama_checkpoint(tmp / "model", num_layers=4, hidden_size=128, num_heads=2,
+                                        num_kv_heads=2, head_dim=64, vocab_size=1024, seed=0)
 
 vLLM, transformers and kvbridge's engine (`LLM(model=path)`) load the directory; in float32 their
 greedy tokens agree. Nothing is downloaded. Importing this module needs neither torch nor
-transformers: `make_tiny_checkpoint` imports them.
+transformers: `make_random_llama_checkpoint` imports them.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def save_sharded(path: str, tensors: Iterator[tuple[str, "torch.Tensor"]], shard
         json.dump(index, f)
 
 
-def make_tiny_checkpoint(
+def make_random_llama_checkpoint(
     path: str | os.PathLike,
     *,
     num_layers: int,
