@@ -3,12 +3,11 @@
 A transfer's peer only sees a stalled process as silence: a side channel that does not answer, a
 NIXL read that is never reported done (a first read waits for the owner's UCX worker to answer the
 new connection, endpoint.py). Whether the owner was slow or frozen is then a guess. A thread that
-should wake every `period_s` and wakes `threshold_s` or more late is evidence: for that long this
-process's Python threads did not run (the process was not scheduled, or one thread held the GIL;
-NIXL's own progress thread, in C++, needs no GIL, but a frozen process stops it too). Causes seen or possible: an overloaded
-host, a stopped process (SIGSTOP, a debugger), a page-cache or memory-reclaim stall, a thread that
-held the GIL in a long C call. The warning names the span in wall-clock time, so it can be matched
-with a peer's expired read or handshake timeout.
+should wake every `period_s` and wakes `threshold_s` or more late is evidence that for that long this
+process's Python threads did not run: the process was not scheduled (an overloaded host, a memory or
+I/O stall), it was stopped (SIGSTOP, a debugger), or one thread held the GIL in a long call. The
+warning names the span in wall-clock time, to be matched with a peer's expired read or handshake
+timeout.
 
     watch = StallWatch("prefill engine e1").start()
     ...   watch.num_stalls, watch.max_stall_s   (gauges)
