@@ -28,13 +28,6 @@ def make_prompts(seed: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> LLM:
-    llm = LLM(num_blocks=96, block_size=BLOCK_SIZE)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
 def node():
     with prefill_node(**engine_kwargs("prefill-main", "kv_producer")) as n:
         yield n

@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 from prefill_node import BLOCK_SIZE, PrefillNode, engine_kwargs, prefill_node
+from test_pd import GREEDY, colocated, decode_engine
 
-from kvbridge import LLM, SamplingParams
+from kvbridge import LLM
 from kvbridge.engine.unconfirmed_loads import UnconfirmedLoads
 from kvbridge.transfer.endpoint import KVEndpoint
 
 pytestmark = pytest.mark.nixl
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 FAST_FAIL = {"handshake_timeout_s": 0.5, "handshake_retries": 0, "transfer_timeout_s": 5.0}
 
 
@@ -29,24 +29,9 @@ def make_prompts(seed: int, lengths=(3 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7, 90)) ->
 
 
 @pytest.fixture(scope="module")
-def reference() -> LLM:
-    llm = LLM(num_blocks=96, block_size=BLOCK_SIZE)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
 def node():
     with prefill_node(**engine_kwargs("prefill-early", "kv_producer")) as n:
         yield n
-
-
-def colocated(reference: LLM, prompts) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
-
-
-def decode_engine(engine_id: str, **kv) -> LLM:
-    return LLM(**engine_kwargs(engine_id, "kv_consumer", kv=kv))
 
 
 def assert_all_free(dec: LLM) -> None:
