@@ -65,8 +65,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8
 PROMPT_LEN = 300  # two full blocks and a partial one: two blocks move
-# Short deadlines, so a dead or lying peer costs seconds (kvbridge/connectors/nixl/options.py).
-NIXL_OPTIONS = dict(lease_s=30.0, handshake_timeout_s=3.0, handshake_retries=1, transfer_timeout_s=10.0)
+# Short handshakes, so a dead or lying peer costs seconds (kvbridge/connectors/nixl/options.py); a read
+# may take 30 s: CI's 2-core machines have seen a server go silent for 16-20 s at the first read from it.
+NIXL_OPTIONS = dict(lease_s=60.0, handshake_timeout_s=3.0, handshake_retries=1, transfer_timeout_s=30.0)
 DEAD_PREFILL_DEADLINE_S = NIXL_OPTIONS["transfer_timeout_s"] + 10.0  # the read's deadline, plus a loaded machine
 INPROCESS_SCRIPT = Path(__file__).with_name("inprocess_llm.py")
 READ_DELAY_S = 2.0  # the decode leg starts this long after the in-process prefill's reset began
@@ -179,7 +180,7 @@ def test_kvbridge_proxy_frees_prefill_blocks_when_the_decode_node_fails(pd, tmp_
             prefill_before = _wait_leases_ended(pd)
             with pytest.raises(VLLMRequestError, match="answered 502"):
                 complete(proxy.url, greedy(random_prompt(seed=20, num_tokens=PROMPT_LEN), MAX_TOKENS))
-            # Freed at once by the proxy's release, well before the 30 s lease would expire.
+            # Freed at once by the proxy's release, well before the 60 s lease would expire.
             after = _wait_leases_ended(pd)
             health = _wait_proxy_health(proxy.url, lambda h: h["num_kv_releases"] + h["num_kv_release_failures"] > 0)
         finally:
