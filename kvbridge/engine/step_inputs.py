@@ -2,8 +2,9 @@
 
 The host side only lists each request's token ids, start, new-token count, row offset and block
 table (Python work per request, none per token); everything per token is derived on the device by
-`attention.build_metadata`. Decodes and prefills form separate `RequestBatch`es, so a step is at
-most two padded attention calls per layer and decodes never pad to a prefill's length.
+`attention.build_metadata`. Decodes, prefills from position 0 and chunks that continue a context
+form separate `RequestBatch`es, so a step is at most three padded attention calls per layer and
+no request pads to another kind's length.
 """
 
 from __future__ import annotations
@@ -77,10 +78,15 @@ def copy_to_device(segments: Sequence[Sequence[int]], device: torch.device) -> l
 
 
 def split_decodes(spans: Sequence[SeqSpan]) -> list[list[SeqSpan]]:
-    """The non-empty groups among (decodes, prefills): each is one padded attention call."""
+    """The non-empty groups among (decodes, prefills from position 0, chunks that continue a
+    context): each is one padded attention call. Prefills from position 0 attend only their own
+    tokens (causal flash attention on a GPU); were a continuing chunk of a few tokens among them,
+    every one of them would be padded to a masked call over the whole table (a prompt's last chunk
+    beside the next prompt's first: 1 real query padded to 4,096, over 4,096 gathered keys)."""
     decodes = [s for s in spans if s.num_new == 1]
-    prefills = [s for s in spans if s.num_new > 1]
-    return [group for group in (decodes, prefills) if group]
+    from_start = [s for s in spans if s.num_new > 1 and s.start == 0]
+    continuing = [s for s in spans if s.num_new > 1 and s.start > 0]
+    return [group for group in (decodes, from_start, continuing) if group]
 
 
 def to_device(inputs: StepInputs, block_size: int, device: torch.device) -> DeviceInputs:

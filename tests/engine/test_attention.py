@@ -147,3 +147,16 @@ def test_dense_reference_is_causal():
     prefix = DenseCausalAttention([3])(0, q[:3], k[:3], v[:3])
     torch.testing.assert_close(full[:3], prefix)
     assert not torch.allclose(full[3:], DenseCausalAttention([2])(0, q[3:], k[3:], v[3:]))
+
+
+def test_a_step_splits_into_decodes_prompts_from_the_start_and_continuing_chunks():
+    """A prompt's last chunk beside the next prompt's first: the two never share a padded call
+    (the continuing chunk would pad the fresh prompt's queries onto the whole table, and the
+    fresh prompt would pad the chunk to its length)."""
+    spans = [SeqSpan(0, 40, 1, (0, 1, 2)), SeqSpan(1, 30, 3, (3, 4)), SeqSpan(4, 0, 20, (5, 6)), SeqSpan(24, 0, 1, (7,))]
+    requests = to_device(StepInputs([0] * 25, spans, [], []), 16, torch.device("cpu")).requests
+    assert [(r.num_new.tolist(), r.starts.tolist(), r.num_queries, r.is_from_start) for r in requests] == [
+        ([1, 1], [40, 0], 1, False),
+        ([20], [0], 20, True),
+        ([3], [30], 3, False),
+    ]
