@@ -106,6 +106,8 @@ STEPS = [
     (4, 4, 16, 8, "float32", 32, [(0, 20), (9, 1), (9, 1), (33, 2)]),
     # one-token blocks: every row of the run reads one block more than the row before
     (4, 2, 16, 1, "float32", 4, [(6, 3)]),
+    # 16 query heads per KV head fill a tile: one row per tile, runs or not
+    (16, 1, 32, 16, "float32", 4, [(20, 3)]),
 ]
 
 
