@@ -56,6 +56,9 @@ class RequestBatch(NamedTuple):
     # Every request starts at position 0: its keys are its new tokens, read from k/v as they are
     # rather than gathered back from the cache.
     is_from_start: bool
+    # [B] (decode batches) the first row of each row's run, rows that read the same blocks (a
+    # request's tokens as one-token rows), which `paged_decode` attends together. None: every row its own.
+    first_rows: torch.Tensor | None = None
 
 
 class PaddedBatch(NamedTuple):
@@ -73,6 +76,7 @@ class PaddedBatch(NamedTuple):
     context_lens: torch.Tensor | None = None  # [B] keys of each request (decode batches: for paged_decode)
     # Decodes that `paged_decode` attends in place (on a GPU with Triton): no mask, no key_pad.
     is_paged_decode: bool = False
+    first_rows: torch.Tensor | None = None  # [B] `RequestBatch.first_rows` for paged_decode, never None there
 
 
 class AttentionMetadata(NamedTuple):
@@ -125,7 +129,8 @@ def _pad(
     query_rows = req.offsets[:, None] + index  # [B, Q]
     context_lens = req.starts + req.num_new if req.num_queries == 1 else None
     if req.num_queries == 1 and not req.is_from_start and device.type == "cuda" and decode_kernel(block_size, head_dim):
-        batch = PaddedBatch(query_rows.reshape(-1), req.block_table, None, None, 1, context_lens, is_paged_decode=True)
+        first_rows = torch.arange(num_reqs, device=device) if req.first_rows is None else req.first_rows
+        batch = PaddedBatch(query_rows.reshape(-1), req.block_table, None, None, 1, context_lens, True, first_rows)
     else:
         key_pos = torch.arange(num_keys, device=device)  # [L]
         # None: causal over the batch's own tokens, which flash attention does without a mask (`_attend_causal`).
@@ -251,7 +256,9 @@ class PagedAttention:
         queries = q if batch.query_rows is None else q[batch.query_rows]
         if batch.is_paged_decode:  # decodes on a GPU: attend while reading the blocks, no gathered copy
             kernel = decode_kernel(kv_layer.shape[2], q.shape[-1])
-            return kernel(queries, kv_layer[:, 0], kv_layer[:, 1], batch.block_table, batch.context_lens, self.scale)
+            return kernel(
+                queries, kv_layer[:, 0], kv_layer[:, 1], batch.block_table, batch.context_lens, batch.first_rows, self.scale
+            )
         if batch.mask is None:
             return _attend_causal(queries, k, v, batch, self.scale)
         qf = _fold_gqa(queries.view(num_reqs, num_queries, *q.shape[1:]), k.shape[1])

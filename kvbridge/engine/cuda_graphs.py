@@ -12,13 +12,16 @@ every graph the engine will use, and no request waits for a capture.
 
 A step of a few tokens that is not all decodes (a prefix hit's last block, a P/D decode's first
 tokens, a short prompt beside decodes) replays a graph too: its tokens become one-token rows
-(`step_inputs.one_token_rows`), token i of a request a decode at position start + i. Such a step
+(`step_inputs.one_token_rows`), token i of a request a decode at position start + i. A request's
+rows form a run (`RequestBatch.first_rows`, a static input like the block table) that the decode
+kernel attends together, reading the request's context once per tile of rows rather than once per
+row; runs are data, not the grid, so one graph serves every grouping of its rows. Such a step
 uses a graph only when one of its size is already captured: it runs eagerly rather than capture
 on the request path.
 
-Padding repeats the batch's last request (its token, position and block table): the padding rows
-compute the same K/V as that request and write the same bytes into the same slot, and their logits
-are dropped.
+Padding repeats the batch's last request (its token, position and block table, and it joins its
+run): the padding rows compute the same K/V as that request and write the same bytes into the same
+slot, and their logits are dropped.
 
 Memory: the graphs share one private pool; `release()` frees them (the runner calls it before it
 drops the KV cache). Warm-up and capture run on one side stream per device for the whole process,
@@ -34,13 +37,14 @@ from typing import NamedTuple
 
 import torch
 
-from kvbridge.engine.attention import RequestBatch
+from kvbridge.engine.attention import RequestBatch, SeqSpan
 from kvbridge.engine.step_inputs import (
     StepInputs,
     copy_to_device,
     num_table_blocks,
     one_token_rows,
     pack_requests,
+    run_first_rows,
     unpack_requests,
 )
 
@@ -50,14 +54,41 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LogitsFn = Callable[[torch.Tensor, list[RequestBatch]], torch.Tensor]
 
 
+# Per row of a graph's inputs: token id, first row of its run, then `pack_requests`'s start, num_new, offset.
+NUM_ROW_INPUTS = 5
+
+
 class DecodeGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [num_reqs] token ids, then `pack_requests` of the padded batch at the widest table
+    # [num_reqs] token ids, [num_reqs] `RequestBatch.first_rows`, then `pack_requests` of the padded
+    # batch at the widest table
+    inputs: torch.Tensor
     logits: torch.Tensor  # [num_reqs, vocab] float32, rewritten by every replay
 
     def table(self, num_reqs: int) -> torch.Tensor:
         """The block table part of `inputs`: [num_reqs, max table width], a view."""
-        return self.inputs[4 * num_reqs :].view(num_reqs, -1)
+        return self.inputs[NUM_ROW_INPUTS * num_reqs :].view(num_reqs, -1)
+
+
+class PaddedRows(NamedTuple):
+    """A step's tokens as the rows of a graph's batch."""
+
+    token_ids: list[int]
+    rows: list[SeqSpan]  # one token each
+    first_rows: list[int]  # `RequestBatch.first_rows`
+
+
+def pad_rows(inputs: StepInputs, bucket: int) -> PaddedRows:
+    """The step's tokens as `bucket` one-token rows; the padding repeats the last row (token, position,
+    blocks) and joins its run."""
+    rows = one_token_rows(inputs.spans)
+    num_pad = bucket - len(rows)
+    first_rows = run_first_rows(inputs.spans)
+    return PaddedRows(
+        [*inputs.token_ids, *(inputs.token_ids[-1:] * num_pad)],
+        [*rows, *(replace(rows[-1], offset=row) for row in range(len(rows), bucket))],
+        [*first_rows, *(first_rows[-1:] * num_pad)],
+    )
 
 
 @functools.cache
@@ -105,32 +136,35 @@ class DecodeGraphs:
 
         `input_ids` ([len(inputs.spans)] on the device; decodes only) replaces `inputs.token_ids`: the
         tokens the step before sampled, copied device to device, so that nothing waits for them."""
-        rows = one_token_rows(inputs.spans)
-        num_pad = bucket - len(rows)
-        padded = [*rows, *(replace(rows[-1], offset=row) for row in range(len(rows), bucket))]
-        token_ids = [*inputs.token_ids, *(inputs.token_ids[-1:] * num_pad)]
+        token_ids, padded, first_rows = pad_rows(inputs, bucket)
+        num_rows = len(inputs.token_ids)
         width = num_table_blocks(padded, self.block_size)
         static, sample_rows = copy_to_device(
-            [token_ids + pack_requests(padded, self.block_size, width), inputs.sample_rows], self.device
+            [token_ids + first_rows + pack_requests(padded, self.block_size, width), inputs.sample_rows], self.device
         )
         graph = self._graphs.get(bucket)
         if graph is None:
             graph = self._graphs[bucket] = self._capture(bucket)
-        graph.inputs[: 4 * bucket].copy_(static[: 4 * bucket])
+        num_row_inputs = NUM_ROW_INPUTS * bucket
+        graph.inputs[:num_row_inputs].copy_(static[:num_row_inputs])
         if input_ids is not None:
-            graph.inputs[: len(rows)].copy_(input_ids)
-            graph.inputs[len(rows) : bucket].copy_(input_ids[-1:].expand(num_pad))  # padding repeats the last
+            graph.inputs[:num_rows].copy_(input_ids)
+            graph.inputs[num_rows:bucket].copy_(input_ids[-1:].expand(bucket - num_rows))  # padding repeats the last
         # Columns past `width` keep an earlier step's ids: no request reads past its context.
-        graph.table(bucket)[:, :width].copy_(static[4 * bucket :].view(bucket, width))
+        graph.table(bucket)[:, :width].copy_(static[num_row_inputs:].view(bucket, width))
         graph.graph.replay()
         return graph.logits[sample_rows]
 
     def _capture(self, num_reqs: int) -> DecodeGraph:
         # One token at position 0 per request, its K/V in block 0 (the padded table): any valid step.
         # Outside the graph's pool: the inputs outlive every replay.
-        inputs = torch.zeros(4 * num_reqs + num_reqs * self.max_table_blocks, dtype=torch.long, device=self.device)
-        inputs[2 * num_reqs : 3 * num_reqs] = 1  # num_new
-        inputs[3 * num_reqs : 4 * num_reqs] = torch.arange(num_reqs)  # offsets
+        inputs = torch.zeros(
+            NUM_ROW_INPUTS * num_reqs + num_reqs * self.max_table_blocks, dtype=torch.long, device=self.device
+        )
+        _, first_rows, _, num_new, offsets = inputs[: NUM_ROW_INPUTS * num_reqs].view(NUM_ROW_INPUTS, num_reqs)
+        first_rows.copy_(torch.arange(num_reqs))  # every row its own run
+        num_new.fill_(1)
+        offsets.copy_(torch.arange(num_reqs))
         stream = _capture_stream(self.device.index if self.device.index is not None else torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -145,8 +179,9 @@ class DecodeGraphs:
     def _logits(self, inputs: torch.Tensor, num_reqs: int) -> torch.Tensor:
         if self._logits_fn is None:
             raise RuntimeError("DecodeGraphs used after release()")
-        input_ids, packed = inputs.split((num_reqs, inputs.numel() - num_reqs))
-        requests = [unpack_requests(packed, num_reqs, 1, is_whole_step=True, is_from_start=False)]
+        input_ids, first_rows, packed = inputs.split((num_reqs, num_reqs, inputs.numel() - 2 * num_reqs))
+        batch = unpack_requests(packed, num_reqs, 1, is_whole_step=True, is_from_start=False)
+        requests = [batch._replace(first_rows=first_rows)]
         return self._logits_fn(input_ids, requests)
 
     def release(self) -> None:

@@ -46,6 +46,13 @@ def one_token_rows(spans: Sequence[SeqSpan]) -> list[SeqSpan]:
     return [SeqSpan(s.offset + i, s.start + i, 1, s.block_ids) for s in spans for i in range(s.num_new)]
 
 
+def run_first_rows(spans: Sequence[SeqSpan]) -> list[int]:
+    """For each of `one_token_rows(spans)`, the row of its request's first token: a request's rows
+    read the same blocks, so `RequestBatch.first_rows` lets the decode kernel attend them together."""
+    firsts = itertools.accumulate((s.num_new for s in spans), initial=0)
+    return [first for s, first in zip(spans, firsts) for _ in range(s.num_new)]
+
+
 def num_table_blocks(spans: Sequence[SeqSpan], block_size: int) -> int:
     """Block-table width that covers the longest context of `spans`."""
     return max(-(-s.context_len // block_size) for s in spans)

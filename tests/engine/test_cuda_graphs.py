@@ -245,3 +245,39 @@ def test_a_few_token_step_replays_a_captured_graph_and_equals_eager(dtype):
     assert (got.logits - want.logits).abs().max() < tol
     graphs.shutdown()
     eager.shutdown()
+
+
+def hit_step(runner: ModelRunner) -> SchedulerOutput:
+    """A prefix hit's last 16 tokens after 100 cached (positions 100 to 115, across a block boundary)."""
+    hit = Request("hit16", [(5 * i) % 250 + 1 for i in range(116)], GREEDY, 16)
+    blocks = list(range(30, 38))
+    runner.execute(SchedulerOutput([ScheduledRequest(hit, 0, 100, blocks)]))
+    return SchedulerOutput([ScheduledRequest(hit, 100, 16, blocks)])
+
+
+def decodes_step(runner: ModelRunner) -> SchedulerOutput:
+    """16 requests decoding one token each after prompts of 20 to 35 tokens."""
+    reqs = [Request(f"d{i}", [(3 * i + k) % 250 + 1 for k in range(20 + i)], GREEDY, 16) for i in range(16)]
+    blocks = {r.request_id: [40 + 3 * i, 41 + 3 * i, 42 + 3 * i] for i, r in enumerate(reqs)}
+    runner.execute(SchedulerOutput([ScheduledRequest(r, 0, r.num_tokens, blocks[r.request_id]) for r in reqs]))
+    for r in reqs:
+        r.append_output_token(11)
+    return SchedulerOutput([ScheduledRequest(r, r.num_tokens - 1, 1, blocks[r.request_id]) for r in reqs])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_captured_graph_replays_every_grouping_of_its_rows(dtype):
+    """The bucket-16 graph, captured once, replays a run of 16 rows (a hit's last block), runs of 7, 1
+    and 5 rows with 3 padding rows (the mixed step), and 16 rows of their own (decodes): each equals eager."""
+    graphs, eager = make_runner(dtype, enforce_eager=False), make_runner(dtype, enforce_eager=True)
+    graphs.capture_decode_graphs(max_num_seqs=1)  # buckets 1 to 16
+    tol = TOLERANCE[dtype]
+    for make_step in (hit_step, mixed_step, decodes_step):
+        got, want = graphs.forward(make_step(graphs)), eager.forward(make_step(eager))
+        assert got.req_ids == want.req_ids
+        for req_id, g, w in zip(want.req_ids, got.logits, want.logits):
+            assert (g - w).abs().max() < tol, f"{make_step.__name__}, {req_id}: logits differ by {(g - w).abs().max()}"
+    assert graphs.num_cuda_graphs == 5, "every step replayed a graph captured at start-up"
+    graphs.shutdown()
+    eager.shutdown()

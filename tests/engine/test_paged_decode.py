@@ -61,10 +61,110 @@ def test_the_kernel_matches_the_reference(device, num_reqs, q_heads, kv_heads, h
     lens = torch.tensor([table_width * block_size] + [rng.randint(1, table_width * block_size) for _ in range(num_reqs - 1)],
                         device=device)  # fmt: skip
     q = torch.randn(num_reqs, q_heads, head_dim, device=device).to(dtype)
-    got = paged_decode(q, k_cache, v_cache, table, lens, head_dim**-0.5)
+    got = paged_decode(q, k_cache, v_cache, table, lens, torch.arange(num_reqs, device=device), head_dim**-0.5)
     want = reference(q, k_cache, v_cache, table, lens, head_dim**-0.5)
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and (got.float() - want).abs().max().item() < tolerance
+
+
+def step_rows(spans, bucket, block_size, device):
+    """What a graph replay of the step `spans` gives the kernel: (block table, context lens, first rows),
+    one row per token, padded to `bucket` rows (cuda_graphs.pad_rows)."""
+    from kvbridge.engine.cuda_graphs import pad_rows
+    from kvbridge.engine.step_inputs import StepInputs, pack_requests, unpack_requests
+
+    num_tokens = sum(s.num_new for s in spans)
+    _, rows, first_rows = pad_rows(StepInputs([0] * num_tokens, spans, [], []), bucket)
+    packed = torch.tensor(pack_requests(rows, block_size), device=device)
+    batch = unpack_requests(packed, bucket, 1, is_whole_step=True, is_from_start=False)
+    return batch.block_table, batch.starts + batch.num_new, torch.tensor(first_rows, device=device)
+
+
+def spans_of(runs, block_size, num_blocks, rng):
+    """SeqSpans of a step: (start, num_new) per request, distinct random blocks covering each context."""
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    spans, offset = [], 0
+    for start, num_new in runs:
+        num_table = -(-(start + num_new) // block_size)
+        spans.append(attention.SeqSpan(offset, start, num_new, tuple(blocks[:num_table])))
+        blocks, offset = blocks[num_table:], offset + num_new
+    return spans
+
+
+# (q heads, KV heads, head dim, block size, dtype, bucket, (start, new tokens) of each request)
+STEPS = [
+    # llama3-8b shapes: a host-tier hit's last 16 tokens, 4 rows per tile (4 query heads per KV head)
+    (32, 8, 128, 16, "bfloat16", 16, [(1000, 16)]),
+    # 3 query heads per KV head (4 rows per tile); a run across a block boundary, longer than a tile (7 > 4)
+    (12, 4, 32, 16, "float32", 8, [(29, 7), (44, 1)]),
+    # a 16-token request between decodes, contexts off the block boundaries; 2 padding rows join the last run
+    (8, 2, 16, 16, "float16", 32, [(5, 1), (40, 16), (100, 1), (17, 12)]),
+    # 8 query heads per KV head: 2 rows per tile; a run of 4 and its 3 padding rows: 4 tiles
+    (8, 1, 64, 16, "float32", 8, [(3, 1), (70, 4)]),
+    # no GQA: 16 rows per tile, a run of 20 takes two; two requests at one position; 8 padding rows
+    (4, 4, 16, 8, "float32", 32, [(0, 20), (9, 1), (9, 1), (33, 2)]),
+    # one-token blocks: every row of the run reads one block more than the row before
+    (4, 2, 16, 1, "float32", 4, [(6, 3)]),
+    # 16 query heads per KV head fill a tile: one row per tile, runs or not
+    (16, 1, 32, 16, "float32", 4, [(20, 3)]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_size, dtype, bucket, runs", STEPS)
+def test_the_rows_of_a_request_attended_together_match_the_reference(
+    device, q_heads, kv_heads, head_dim, block_size, dtype, bucket, runs
+):
+    """Rows of one request (a run: same blocks, each row one key more) against the reference per row,
+    and against the same rows attended one by one (no runs)."""
+    from kvbridge.engine.paged_decode import paged_decode
+
+    seed = len(runs) * 100 + bucket
+    print("seed", seed)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = getattr(torch, dtype)
+    num_blocks = sum(-(-(start + n) // block_size) for start, n in runs) + 5
+    cache = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, device=device).to(dtype)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    table, lens, first_rows = step_rows(spans_of(runs, block_size, num_blocks, rng), bucket, block_size, device)
+    assert (first_rows[1:] == first_rows[:-1]).any(), "the step has a run"
+    q = torch.randn(bucket, q_heads, head_dim, device=device).to(dtype)
+    got = paged_decode(q, k_cache, v_cache, table, lens, first_rows, head_dim**-0.5)
+    alone = paged_decode(q, k_cache, v_cache, table, lens, torch.arange(bucket, device=device), head_dim**-0.5)
+    want = reference(q, k_cache, v_cache, table, lens, head_dim**-0.5)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    assert (got.float() - want).abs().max().item() < tolerance
+    assert (got.float() - alone.float()).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_launch_shape_serves_every_grouping_of_its_rows(device):
+    """What one captured graph does: the same buffers, refilled with steps whose rows group differently
+    (a 16-token hit, decodes, a mix), through the same launch."""
+    from kvbridge.engine.paged_decode import paged_decode
+
+    rng = random.Random(5)
+    print("seed", 5)
+    torch.manual_seed(5)
+    bucket, block_size, num_blocks, width = 16, 16, 300, 40
+    cache = torch.randn(num_blocks, 2, 2, block_size, 2, 32, device=device)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    q = torch.randn(bucket, 8, 32, device=device)
+    table = torch.zeros(bucket, width, dtype=torch.long, device=device)
+    lens = torch.zeros(bucket, dtype=torch.long, device=device)
+    first_rows = torch.zeros(bucket, dtype=torch.long, device=device)
+    for runs in ([(600, 16)], [(i * 30 + 1, 1) for i in range(16)], [(47, 7), (20, 1), (0, 5)], [(17, 3)]):
+        step_table, step_lens, step_first_rows = step_rows(spans_of(runs, block_size, num_blocks, rng), bucket,
+                                                           block_size, device)  # fmt: skip
+        table[:, : step_table.shape[1]].copy_(step_table)  # columns past the step's keep the last step's ids
+        lens.copy_(step_lens)
+        first_rows.copy_(step_first_rows)
+        got = paged_decode(q, k_cache, v_cache, table, lens, first_rows, 32**-0.5)
+        want = reference(q, k_cache, v_cache, table, lens, 32**-0.5)
+        assert (got - want).abs().max().item() < 2e-5, runs
 
 
 @pytest.mark.gpu
