@@ -174,11 +174,12 @@ def main() -> int:
     from common import exit_if_missing, machine_info, versions
 
     exit_if_missing("vllm_engine", args.device)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        print(json.dumps({"benchmark": "vllm_engine", "skipped": "needs vLLM (scripts/vllm-env builds an environment)"}))
-        return 0
+    if "vllm" in args.engines.split(","):
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            print(json.dumps({"benchmark": "vllm_engine", "skipped": "needs vLLM (scripts/vllm-env builds an environment)"}))
+            return 0
     import torch
 
     from limits import matmul_rate, memory_bandwidth
