@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvbridge.block_runs import run_lengths, run_starts
+from kvbridge.block_runs import run_starts
 from kvbridge.transfer.messages import KVDigest
 
 if TYPE_CHECKING:
@@ -228,14 +228,22 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch
     words = region.view(torch.int32)  # [region_nbytes / 4]
     page_words, block_w, layer_w = layout.page_nbytes // 4, layout.block_stride_bytes // 4, layout.layer_stride_bytes // 4
     c = _multipliers(layout.num_layers * page_words, region.device).view(layout.num_layers, page_words)
+    # [num_blocks, num_layers, page_words] int32: every block, pages in layer order (as_strided's offset is absolute)
+    blocks = words.as_strided((layout.num_blocks, layout.num_layers, page_words), (block_w, layer_w, 1), words.storage_offset())
     per_chunk = max(1, _WSUM_CHUNK_NBYTES // (2 * layout.block_nbytes))  # int64 products: twice the bytes
+    # A few reductions per chunk of blocks, never per block: a load's blocks are scattered over the
+    # cache, and 256 blocks one by one were 512 kernel launches (milliseconds of a host-tier hit).
+    # Scattered chunks are gathered through one upload of the ids, from pinned memory: a pageable
+    # upload would wait for everything queued on the stream (the copies being digested).
+    index = torch.from_numpy(ids)
+    if region.is_cuda:
+        index = index.pin_memory().to(region.device, non_blocking=True)
     sums = []
-    starts = run_starts(ids)
-    for start, length in zip(starts.tolist(), run_lengths(starts, len(ids)).tolist()):
-        for first in range(start, start + length, per_chunk):
-            k = min(per_chunk, start + length - first)
-            # [k, num_layers, page_words] int32: blocks ids[first:first+k] (adjacent), pages in layer order
-            at = words.storage_offset() + int(ids[first]) * block_w  # as_strided's offset is absolute
-            view = words.as_strided((k, layout.num_layers, page_words), (block_w, layer_w, 1), at)
-            sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
+    for first in range(0, len(ids), per_chunk):
+        chunk = ids[first : first + per_chunk]
+        if len(run_starts(chunk)) == 1:  # adjacent blocks: a view, no copy
+            view = blocks[int(chunk[0]) : int(chunk[0]) + len(chunk)]
+        else:
+            view = blocks.index_select(0, index[first : first + len(chunk)])
+        sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=region.device)  # [n] int64

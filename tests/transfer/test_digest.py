@@ -159,3 +159,19 @@ def test_digest_of_a_blocks_bytes_equals_its_block_digest_wherever_it_lies(alg):
         assert digest_of_bytes(flipped, alg) != expected
     with pytest.raises(DigestError, match="unknown"):
         digest_of_bytes(flat, "md5")
+
+
+def test_wsum_in_chunks_of_adjacent_and_scattered_blocks_equals_the_reference(monkeypatch):
+    """wsum64 reduces a chunk of blocks at a time (a view for adjacent ids, a gather otherwise):
+    with chunks of 2 blocks, every mix of both gives each block's own digest, on a strided layout too."""
+    import kvbridge.transfer.digest as digest
+
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=7)
+    monkeypatch.setattr(digest, "_WSUM_CHUNK_NBYTES", 4 * layout.block_nbytes)  # 2 blocks per chunk
+    kv = _kv(layout, seed=7)
+    blocks = kv.contiguous().view(torch.uint8).view(layout.num_blocks, -1)
+    other, strided = _strided_copy(kv, layout)
+    ids = [2, 3, 6, 0, 4, 5, 1]  # chunks (2, 3) adjacent, (6, 0) scattered, (4, 5) adjacent, (1) alone
+    want = [_wsum_reference(blocks[i].numpy().tobytes()) for i in ids]
+    assert block_digests(region_bytes(kv, layout), layout, ids, WSUM).values == want
+    assert block_digests(region_bytes(other, strided), strided, ids, WSUM).values == want
