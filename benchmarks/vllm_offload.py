@@ -287,7 +287,7 @@ def main() -> int:
     from limits import host_load_rate, host_store_rate, matmul_rate, prefill_flops
     from vllm_checkpoint import kv_bytes_per_token
 
-    arms = args.arms.split(",")
+    arms = list(dict.fromkeys(args.arms.split(",")))
     if unknown := set(arms) - set(ARMS):
         parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-offload-") as tmp:
