@@ -43,12 +43,17 @@ def summarize(samples: list[float]) -> dict:
 def write_checkpoint(directory: str, geometry: str, max_model_len: int, dtype: str, device: str) -> str:
     """A random Llama of `geometry` in `directory`/model, its weights drawn on `device` (a GPU draws 8B
     in seconds); returns its path."""
+    import torch
     from vllm_checkpoint import make_random_llama_checkpoint
 
-    return make_random_llama_checkpoint(
+    is_cuda = device.startswith("cuda")
+    path = make_random_llama_checkpoint(
         os.path.join(directory, "model"), seed=0, max_position_embeddings=max_model_len + 64, dtype=dtype,
-        device="cuda" if device.startswith("cuda") else "cpu", **GEOMETRIES[geometry],
+        device="cuda" if is_cuda else "cpu", **GEOMETRIES[geometry],
     )  # fmt: skip
+    if is_cuda:
+        torch.cuda.empty_cache()  # the engines' children size their KV caches by the GPU's free memory
+    return path
 
 
 def vocab_size_of(checkpoint: str) -> int:
