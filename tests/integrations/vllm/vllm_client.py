@@ -167,6 +167,12 @@ def scrape_metrics(base_url: str, prefixes: Sequence[str] = ("vllm:",), timeout_
     status, text = http_json(f"{base_url}/metrics", timeout_s=timeout_s)
     if status != 200 or not isinstance(text, str):
         raise VLLMRequestError(f"GET {base_url}/metrics answered {status}")
+    return metric_totals(text, prefixes)
+
+
+def metric_totals(text: str, prefixes: Sequence[str]) -> dict[str, float]:
+    """The samples of Prometheus text `text` whose names start with one of `prefixes`, summed over
+    their label sets (what `scrape_metrics` returns; in-process: `prometheus_client.generate_latest()`)."""
     totals: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith(tuple(prefixes)):
