@@ -30,6 +30,15 @@ GEOMETRIES = {
 FIRST_TOKEN_ID = 3  # 0-2 are the checkpoint's BOS/EOS/PAD
 
 
+def add_model_args(parser) -> None:
+    """The options every vLLM benchmark shares: output, device, dtype and the checkpoint to run."""
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
+    parser.add_argument("--checkpoint", default=None, help="a Llama checkpoint directory (default: write one)")
+
+
 def prompts(seed: int, count: int, length: int, vocab_size: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length)] for _ in range(count)]

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_common import (  # noqa: E402
     GEOMETRIES,
+    add_model_args,
     engine_versions,
     has_vllm,
     meta_model,
@@ -120,11 +121,7 @@ def model_figures(checkpoint: str, args: argparse.Namespace) -> tuple[int, dict[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
-    parser.add_argument("--checkpoint", default=None, help="a Llama checkpoint directory (default: write one)")
+    add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--batch", type=int, action="append", help="decode batch size (repeatable; default 1 and 8)")
     parser.add_argument("--decode-steps", type=int, default=32)

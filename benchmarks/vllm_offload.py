@@ -61,6 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_common import (  # noqa: E402
     GEOMETRIES,
+    add_model_args,
     engine_versions,
     has_vllm,
     meta_model,
@@ -254,11 +255,7 @@ def arm_report(samples: dict, kv_bytes_per_token: int, limits: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
-    parser.add_argument("--checkpoint", default=None, help="a Llama checkpoint directory (default: write one)")
+    add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=1000, help="tokens (default 1,000: ends inside a block)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
