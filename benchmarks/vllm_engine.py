@@ -109,11 +109,13 @@ def measure(args: argparse.Namespace) -> dict:
 def model_figures(checkpoint: str, args: argparse.Namespace) -> tuple[int, dict[int, int]]:
     """(prefill FLOPs, decode-step bytes per batch) of the checkpoint, counted by the reference
     engine's model on the meta device (no weights allocated)."""
+    import torch
+
     from limits import decode_step_nbytes, prefill_flops
+    from vllm_checkpoint import kv_bytes_per_token
 
     model = meta_model(checkpoint, args.dtype)
-    model_args = model.args
-    kv_per_token = 2 * model_args.num_layers * model_args.num_kv_heads * model_args.head_dim * model.lm_head.weight.element_size()
+    kv_per_token = kv_bytes_per_token(checkpoint, getattr(torch, args.dtype).itemsize)
     flops = prefill_flops(model, args.prompt_len)
     context = args.prompt_len + args.decode_steps // 2
     return flops, {b: decode_step_nbytes(model, kv_per_token, b, context) for b in args.batch}

@@ -290,7 +290,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-offload-") as tmp:
         checkpoint = args.checkpoint or write_checkpoint(tmp, args.geometry, args.prompt_len, args.dtype, args.device)
         flops = prefill_flops(meta_model(checkpoint, args.dtype), args.prompt_len)
-        kv_per_token = kv_bytes_per_token(checkpoint, torch.tensor([], dtype=getattr(torch, args.dtype)).element_size())
+        kv_per_token = kv_bytes_per_token(checkpoint, getattr(torch, args.dtype).itemsize)
         # room for every prompt of the run, a block of slack each: nothing is evicted
         host_nbytes = (args.warmup + args.reps + 1) * (args.prompt_len + 256) * kv_per_token
         results = {}
