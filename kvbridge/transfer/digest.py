@@ -233,17 +233,20 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch
     per_chunk = max(1, _WSUM_CHUNK_NBYTES // (2 * layout.block_nbytes))  # int64 products: twice the bytes
     # A few reductions per chunk of blocks, never per block: a load's blocks are scattered over the
     # cache, and 256 blocks one by one were 512 kernel launches (milliseconds of a host-tier hit).
-    # Scattered chunks are gathered through one upload of the ids, from pinned memory: a pageable
-    # upload would wait for everything queued on the stream (the copies being digested).
-    index = torch.from_numpy(ids)
-    if region.is_cuda:
-        index = index.pin_memory().to(region.device, non_blocking=True)
+    # Scattered chunks are gathered through one upload of the ids (made at the first such chunk), from
+    # pinned memory: a pageable upload would wait for everything queued on the stream (the copies
+    # being digested).
+    index = None
     sums = []
     for first in range(0, len(ids), per_chunk):
         chunk = ids[first : first + per_chunk]
         if len(run_starts(chunk)) == 1:  # adjacent blocks: a view, no copy
             view = blocks[int(chunk[0]) : int(chunk[0]) + len(chunk)]
         else:
+            if index is None:
+                index = torch.from_numpy(ids)
+                if region.is_cuda:
+                    index = index.pin_memory().to(region.device, non_blocking=True)
             view = blocks.index_select(0, index[first : first + len(chunk)])
         sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=region.device)  # [n] int64
