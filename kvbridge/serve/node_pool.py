@@ -2,8 +2,17 @@
 
 Each node is HEALTHY (in rotation) or EJECTED (skipped by routing). Two things move it:
 
-    HEALTHY --a real request fails (unreachable, reset, 5xx, silent), or a health check fails--> EJECTED
+    HEALTHY --a real request fails (unreachable, reset, 5xx, silent), a health check fails,---> EJECTED
+              or `silent_checks` health checks in a row get no answer within `check_timeout_s`
     EJECTED --GET /health answers 200, from a check started after the ejection-------------> HEALTHY
+
+A check that is refused or answered with an error is proof enough: the node is down or says it is
+unwell. A check that is not answered in time is not: a node whose cores are busy computing (a CPU
+node beside others on a small machine, a loaded API server) can leave /health waiting for seconds
+while it serves what it has. Ejecting it on one such check turned every request away with a 503
+although the node was serving; so silence ejects only when it lasts `silent_checks` checks in a
+row (about `silent_checks` x (`check_timeout_s` + `check_interval_s`)), and a real request that fails
+on the node ejects it at once as before.
 
 `start()` checks every node once before the proxy serves, so routing starts from what the nodes
 say. Then one asyncio task per node checks it: every `check_interval_s` while it is healthy; when
@@ -40,7 +49,8 @@ logger = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 2.0  # between checks of a healthy node
 MIN_BACKOFF_S = 0.25  # first check of an ejected node; doubles while it stays down
 MAX_BACKOFF_S = 5.0
-CHECK_TIMEOUT_S = 5.0  # a node busy with a burst of requests still answers /health well within this
+CHECK_TIMEOUT_S = 5.0  # a check not answered within this is "silent"
+SILENT_CHECKS = 3  # silent checks in a row that eject a healthy node
 
 
 def node_url(role: str, url: str) -> str:
@@ -99,6 +109,7 @@ class _Node:
     num_ejections: int = 0
     num_readmissions: int = 0
     has_been_healthy: bool = False  # answered 200 to a check since the proxy started
+    num_silent_checks: int = 0  # checks in a row not answered in time while healthy
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -107,19 +118,23 @@ class NodePool:
 
     def __init__(
         self, role: str, urls: Sequence[str], *, check_interval_s: float = CHECK_INTERVAL_S,
-        min_backoff_s: float = MIN_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
+        min_backoff_s: float = MIN_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S, silent_checks: int = SILENT_CHECKS,
+        check_timeout_s: float = CHECK_TIMEOUT_S,
     ) -> None:  # fmt: skip
         if not urls:
             raise ConfigError(f"give at least one {role} node URL")
         if not 0 < min_backoff_s <= max_backoff_s or check_interval_s <= 0:
             raise ConfigError(f"need check_interval_s > 0 and 0 < min_backoff_s <= max_backoff_s, got {check_interval_s}, "
                               f"{min_backoff_s}, {max_backoff_s}")
+        if silent_checks < 1 or check_timeout_s <= 0:
+            raise ConfigError(f"need silent_checks >= 1 and check_timeout_s > 0, got {silent_checks}, {check_timeout_s}")
         self.role = role
         urls = [node_url(role, url) for url in urls]
         self._nodes = {url: _Node(url, backoff_s=min_backoff_s) for url in urls}
         if len(self._nodes) != len(urls):
             raise ConfigError(f"{role} node URLs must be distinct, got {list(urls)}")
         self._check_interval_s, self._min_backoff_s, self._max_backoff_s = check_interval_s, min_backoff_s, max_backoff_s
+        self._silent_checks, self._check_timeout_s = silent_checks, check_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -176,6 +191,7 @@ class NodePool:
 
     def _eject(self, node: _Node, reason: str) -> None:
         node.last_error = reason
+        node.num_silent_checks = 0
         if node.state is NodeState.EJECTED:
             return
         loop = asyncio.get_running_loop()
@@ -191,6 +207,12 @@ class NodePool:
         now = asyncio.get_running_loop().time()
         if check.error is not None:
             if node.state is NodeState.HEALTHY:
+                node.num_silent_checks = node.num_silent_checks + 1 if check.is_silent else 0
+                if 0 < node.num_silent_checks < self._silent_checks:
+                    logger.info("%s node %s: %s (%d of %d silent checks before it is ejected)", self.role, node.url,
+                                check.error, node.num_silent_checks, self._silent_checks)
+                    node.next_check_at = now + self._check_interval_s
+                    return
                 self._eject(node, f"health check: {check.error}")
                 return
             node.last_error = f"health check: {check.error}"
@@ -200,6 +222,7 @@ class NodePool:
             node.next_check_at = now + node.backoff_s
             return
         node.has_been_healthy = True
+        node.num_silent_checks = 0
         if node.state is NodeState.EJECTED and started_at >= node.ejected_at:
             node.state = NodeState.HEALTHY
             node.num_readmissions += 1
@@ -213,7 +236,7 @@ class NodePool:
 
     async def _check(self, node: _Node) -> None:
         started_at = asyncio.get_running_loop().time()
-        self._record_check(node, started_at, await probe(self._session, node.url))
+        self._record_check(node, started_at, await probe(self._session, node.url, self._check_timeout_s))
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """Check every node once, concurrently, then keep checking them, with `session`, one task per node."""
@@ -244,12 +267,13 @@ class Check(NamedTuple):
 
     error: str | None  # None: the node answered 200
     is_starting: bool = False  # it answered 503 {"status": "starting"}: a node still loading its engine
+    is_silent: bool = False  # no answer within CHECK_TIMEOUT_S: a node down or only busy
 
 
-async def probe(session: aiohttp.ClientSession, url: str) -> Check:
-    """GET `url`/health. Never raises."""
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = CHECK_TIMEOUT_S) -> Check:
+    """GET `url`/health, waiting at most `timeout_s`. Never raises."""
     try:
-        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as resp:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status == 200:
                 return Check(None)
             try:
@@ -259,6 +283,6 @@ async def probe(session: aiohttp.ClientSession, url: str) -> Check:
             is_starting = isinstance(body, dict) and body.get("status") == "starting"
             return Check(f"/health answered HTTP {resp.status}{' (starting)' if is_starting else ''}", is_starting)
     except TimeoutError:
-        return Check(f"/health did not answer within {CHECK_TIMEOUT_S:g}s")
+        return Check(f"/health did not answer within {timeout_s:g}s", is_silent=True)
     except aiohttp.ClientError as exc:
         return Check(f"unreachable: {type(exc).__name__}: {exc}")

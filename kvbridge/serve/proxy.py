@@ -41,7 +41,9 @@ from kvbridge import env
 from kvbridge.cli_errors import error_line
 from kvbridge.errors import ConfigError, InvalidRequestError
 from kvbridge.serve.chat_protocol import parse_chat_request
-from kvbridge.serve.node_pool import CHECK_INTERVAL_S, MAX_BACKOFF_S, MIN_BACKOFF_S, NodePool, NodeState, NodeStats
+from kvbridge.serve.node_pool import (
+    CHECK_INTERVAL_S, CHECK_TIMEOUT_S, MAX_BACKOFF_S, MIN_BACKOFF_S, SILENT_CHECKS, NodePool, NodeState, NodeStats,
+)
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.http_errors import error_response, openai_errors
 from kvbridge.serve.protocol import parse_completion_request
@@ -90,13 +92,15 @@ class PDProxy:
     def __init__(
         self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, *,
         routing: str = "load-prefix", max_retries: int = MAX_RETRIES, deadline_s: float | None = None,
-        check_interval_s: float = CHECK_INTERVAL_S, max_backoff_s: float = MAX_BACKOFF_S,
+        check_interval_s: float = CHECK_INTERVAL_S, max_backoff_s: float = MAX_BACKOFF_S, silent_checks: int = SILENT_CHECKS,
     ) -> None:  # fmt: skip
         if max_retries < 0 or timeout_s <= 0 or check_interval_s <= 0 or (deadline_s is not None and deadline_s <= 0):
             raise ConfigError("--timeout, --deadline and --health-interval must be positive, --max-retries at least 0")
         if max_backoff_s < MIN_BACKOFF_S:
             raise ConfigError(f"--max-probe-backoff must be at least {MIN_BACKOFF_S:g} s, the first wait of an ejected node")
-        checks = {"check_interval_s": check_interval_s, "max_backoff_s": max_backoff_s}
+        if silent_checks < 1:
+            raise ConfigError(f"--silent-checks must be at least 1, got {silent_checks}")
+        checks = {"check_interval_s": check_interval_s, "max_backoff_s": max_backoff_s, "silent_checks": silent_checks}
         prefill_pool, decode_pool = NodePool("prefill", prefill_urls, **checks), NodePool("decode", decode_urls, **checks)
         prefill_policy, decode_policy = make_policies(routing, prefill_pool.urls, decode_pool.urls)
         self.prefill_pool, self.decode_pool = prefill_pool, decode_pool
@@ -295,6 +299,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-probe-backoff", type=float, default=MAX_BACKOFF_S,
         help="longest wait between health checks of an ejected node (they start at 0.25 s and double)",
     )  # fmt: skip
+    parser.add_argument(
+        "--silent-checks", type=int, default=SILENT_CHECKS,
+        help=f"health checks in a row that a healthy node may leave unanswered for {CHECK_TIMEOUT_S:g} s before it "
+        "is ejected (a refused or failed check ejects it at once)",
+    )  # fmt: skip
 
 
 async def serve(app: web.Application, sock, url: str) -> None:
@@ -314,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_proxy_app(
             args.prefill, args.decode, args.timeout, routing=args.routing, max_retries=args.max_retries,
             deadline_s=args.deadline, check_interval_s=args.health_interval, max_backoff_s=args.max_probe_backoff,
+            silent_checks=args.silent_checks,
         )  # fmt: skip
         sock = bind(args.host, args.port)
     except ConfigError as exc:

@@ -1,5 +1,6 @@
-"""The proxy's node pool (serve/node_pool.py): ejection on a failure or a failed check, re-admission
-by a health check, in-flight counts, and a checker that sleeps between checks."""
+"""The proxy's node pool (serve/node_pool.py): ejection on a failure, a failed check or a run of
+silent ones, re-admission by a health check, in-flight counts, and a checker that sleeps between
+checks."""
 
 from __future__ import annotations
 
@@ -16,18 +17,25 @@ from kvbridge.serve.node_pool import NodePool, NodeState
 
 class HealthServer:
     """A node that only answers GET /health, with `status` (a 503 says "failed", or "starting"
-    with `is_starting`); counts the checks it got."""
+    with `is_starting`); counts the checks it got. The next `num_silent` checks get no answer for
+    `silent_s` (a node too busy to answer)."""
 
     def __init__(self) -> None:
         self.status = 200
         self.is_starting = False
         self.num_checks = 0
+        self.num_answered = 0
+        self.num_silent, self.silent_s = 0, 0.0
         app = web.Application()
         app.router.add_get("/health", self._health)
         self.server = TestServer(app)
 
     async def _health(self, request: web.Request) -> web.Response:
         self.num_checks += 1
+        if self.num_silent > 0:
+            self.num_silent -= 1
+            await asyncio.sleep(self.silent_s)
+        self.num_answered += 1
         status = "ok" if self.status == 200 else "starting" if self.is_starting else "failed"
         return web.json_response({"status": status}, status=self.status)
 
@@ -76,6 +84,46 @@ def test_a_failure_ejects_at_once_and_a_health_check_readmits():
                 await _until(lambda: pool.has_healthy(), "re-admission")
                 (stats,) = [s for s in pool.snapshot() if s.url == node.url]
                 assert (stats.num_ejections, stats.num_readmissions, stats.num_failures) == (2, 2, 1)
+                pool.check_integrity()
+            finally:
+                await pool.close()
+                await node.server.close()
+
+    _run(main())
+
+
+def test_a_busy_node_is_ejected_only_when_it_is_silent_for_several_checks_in_a_row():
+    """A check not answered in time may only mean the node is busy serving: two in a row keep it in
+    rotation, an answer forgives them, and the third in a row ejects it. A refused check still
+    ejects at once (first test)."""
+
+    async def main():
+        node = HealthServer()
+        node.silent_s = 1.0
+        await node.server.start_server()
+        pool = NodePool("decode", [node.url], check_interval_s=0.02, check_timeout_s=0.1, silent_checks=3)
+        async with aiohttp.ClientSession() as session:
+            await pool.start(session)
+            try:
+                node.num_silent = 2
+                answered = node.num_answered
+                await _until(lambda: node.num_silent == 0 and node.num_answered > answered, "an answer after two silent checks")
+                await asyncio.sleep(0.1)  # room for the answer to be recorded
+                (stats,) = pool.snapshot()
+                assert stats.state is NodeState.HEALTHY and stats.num_ejections == 0, stats
+
+                node.num_silent = 2  # two more: only the count in a row matters
+                answered = node.num_answered
+                await _until(lambda: node.num_silent == 0 and node.num_answered > answered, "an answer again")
+                await asyncio.sleep(0.1)
+                assert pool.snapshot()[0].num_ejections == 0, pool.snapshot()
+
+                node.num_silent = 3
+                await _until(lambda: not pool.has_healthy(), "ejection after three silent checks in a row")
+                (stats,) = pool.snapshot()
+                assert stats.last_error == "health check: /health did not answer within 0.1s", stats
+                await _until(pool.has_healthy, "re-admission once it answers")
+                assert pool.snapshot()[0].num_readmissions == 1
                 pool.check_integrity()
             finally:
                 await pool.close()
@@ -138,3 +186,5 @@ def test_bad_pools_are_config_errors():
         NodePool("decode", ["http://a/", "http://a"])
     with pytest.raises(ConfigError):
         NodePool("decode", ["http://a"], max_backoff_s=0.1)
+    with pytest.raises(ConfigError, match="silent_checks"):
+        NodePool("decode", ["http://a"], silent_checks=0)
