@@ -14,7 +14,14 @@ end a lease early, and nobody can get a read confirmed that no lease covered.
 * a renewal or release that arrives before the lease is granted (the client got the prefill's
   response before the prefill engine ran its next step) is answered "pending": the blocks are
   still allocated then, and the reader asks again. Leases that were granted once and have ended are
-  remembered (bounded, as a hash of the exact lease) and answered "unknown" instead.
+  remembered (bounded, as a hash of the exact lease) and answered "unknown" instead;
+* a lease abandoned before it is granted (a decode node that refused the request at once, or a
+  proxy whose decode leg failed: `TransferDone.failed_leases`, sent once and never asked again) is
+  remembered by the hash of the exact lease, for `EARLY_ABANDON_S` and at most `MAX_EARLY_ABANDONS`
+  of them. The grant that matches one ends the lease at once, so its blocks are freed at the next
+  `collect` instead of when the lease expires. Only the exact lease matches, token included, so
+  nobody but the token's holder can end a lease this way; a flood of made-up abandons only evicts
+  real ones, whose leases then expire as before.
 
 Only the holder of a lease's token learns anything about it: a renewal or release whose token,
 blocks or hash differ from the lease of that id (live or ended) is answered "pending", exactly as an
@@ -38,6 +45,10 @@ from typing import NamedTuple
 from kvbridge.transfer.messages import KVDigest, LeaseRef, encode_lease
 
 _MAX_ENDED = 65536  # ended request ids remembered, oldest forgotten first
+# Leases abandoned before their grant: a grant follows within a step of the prefill engine, so a
+# few seconds cover a loaded node; beyond them the lease expires as it would have anyway.
+EARLY_ABANDON_S = 30.0
+MAX_EARLY_ABANDONS = 4096
 
 
 class LeaseState(enum.Enum):
@@ -53,6 +64,15 @@ class _Lease:
     digest: KVDigest | None = None  # of the leased blocks' bytes when granted; returned on release
     state: LeaseState = LeaseState.ACTIVE
     readers: set[int] = field(default_factory=set)  # ranks of a TP reader node that confirmed it
+
+
+@dataclass
+class _EarlyAbandon:
+    """Abandons of one exact lease that came before its grant."""
+
+    at: float
+    readers: set[int]
+    num_readers: int
 
 
 class LeaseAnswer(NamedTuple):
@@ -72,9 +92,12 @@ class LeaseTable:
         self._leases: dict[str, _Lease] = {}
         # released or expired: request id -> hash of the exact lease, answered "unknown" on an exact match
         self._ended: OrderedDict[str, bytes] = OrderedDict()
+        # abandoned before granted: hash of the exact lease -> who abandoned it, oldest first
+        self._abandoned_early: OrderedDict[bytes, _EarlyAbandon] = OrderedDict()
         self.num_expired = 0
         self.num_released = 0
         self.num_refused = 0  # renewals and releases that matched no lease
+        self.num_abandoned_before_grant = 0  # leases ended at their grant by an earlier abandon
 
     def grant(self, ref: LeaseRef, now: float, digest: KVDigest | None = None) -> None:
         """Hold `ref.block_ids` for `ref.req_id` until released or `lease_s` without a renewal.
@@ -83,7 +106,14 @@ class LeaseTable:
         """
         with self._lock:
             self._ended.pop(ref.req_id, None)
-            self._leases[ref.req_id] = _Lease(ref, now + self.lease_s, digest)
+            lease = self._leases[ref.req_id] = _Lease(ref, now + self.lease_s, digest)
+            early = self._abandoned_early.pop(_fingerprint(ref), None) if self._abandoned_early else None
+            if early is not None and now - early.at < EARLY_ABANDON_S:
+                lease.readers |= early.readers
+                if len(lease.readers) >= early.num_readers:
+                    lease.state = LeaseState.RELEASED
+                    self.num_released += 1
+                    self.num_abandoned_before_grant += 1
 
     def renew(self, incarnation: str, refs: list[LeaseRef], now: float) -> LeaseAnswer:
         """Extend the leases that match exactly."""
@@ -99,16 +129,23 @@ class LeaseTable:
         return answer
 
     def release(
-        self, incarnation: str, refs: list[LeaseRef], now: float, reader_rank: int = 0, num_readers: int = 1
-    ) -> LeaseAnswer:
-        """The reader is done with these leases. `matched`: each was held until now (reads valid).
+        self, incarnation: str, refs: list[LeaseRef], now: float, reader_rank: int = 0, num_readers: int = 1,
+        abandoned: list[LeaseRef] = (),
+    ) -> LeaseAnswer:  # fmt: skip
+        """The reader is done with these leases: it read `refs` and will not read `abandoned`.
+        `matched`: each was held until now (reads valid).
 
         A tensor-parallel reader node confirms once per rank (`reader_rank` of `num_readers`): a lease
         ends once that many distinct ranks confirmed or abandoned it (or it expires), so no rank's
-        read is cut short by another rank's confirmation."""
+        read is cut short by another rank's confirmation. An abandon of a lease not granted yet is
+        remembered for its grant (module docstring); a confirmation is not: the reader asks again."""
         answer = LeaseAnswer([], [], [], {})
+        reader_rank, num_readers = min(max(reader_rank, 0), 1024), max(num_readers, 1)
         with self._lock:
-            for ref in refs:
+            for ref in abandoned:
+                if incarnation == self.incarnation and ref.req_id not in self._leases and ref.req_id not in self._ended:
+                    self._remember_early_abandon(ref, now, reader_rank, num_readers)
+            for ref in [*refs, *abandoned]:
                 lease = self._match(incarnation, ref, answer)
                 if lease is None:
                     continue
@@ -117,14 +154,21 @@ class LeaseTable:
                 if lease.state is LeaseState.EXPIRED:
                     self._refuse(ref, answer)
                     continue
-                lease.readers.add(min(max(reader_rank, 0), 1024))
-                if lease.state is LeaseState.ACTIVE and len(lease.readers) >= max(num_readers, 1):
+                lease.readers.add(reader_rank)
+                if lease.state is LeaseState.ACTIVE and len(lease.readers) >= num_readers:
                     lease.state = LeaseState.RELEASED
                     self.num_released += 1
                 answer.matched.append(ref.req_id)
                 if lease.digest is not None:
                     answer.digests[ref.req_id] = lease.digest
         return answer
+
+    def _remember_early_abandon(self, ref: LeaseRef, now: float, reader_rank: int, num_readers: int) -> None:
+        early = self._abandoned_early
+        while early and (len(early) >= MAX_EARLY_ABANDONS or now - next(iter(early.values())).at >= EARLY_ABANDON_S):
+            early.popitem(last=False)
+        entry = early.setdefault(_fingerprint(ref), _EarlyAbandon(now, set(), num_readers))
+        entry.readers.add(reader_rank)
 
     def _match(self, incarnation: str, ref: LeaseRef, answer: LeaseAnswer) -> _Lease | None:
         """The lease `ref` names exactly, or None after filing `ref` as pending or unknown."""

@@ -134,7 +134,7 @@ class NixlWorker:
                 return m.LeaseRenewReply(held=held, pending=pending, unknown=unknown)
             case m.TransferDone(incarnation=incarnation, leases=leases, failed_leases=failed):
                 released, pending, unknown, digests = self._leases.release(
-                    incarnation, leases + failed, self._clock(), msg.reader_rank, msg.num_readers
+                    incarnation, leases, self._clock(), msg.reader_rank, msg.num_readers, abandoned=failed
                 )
                 return m.TransferDoneReply(released=released, pending=pending, unknown=unknown, digests=digests)
             case _:
@@ -369,6 +369,7 @@ class NixlWorker:
         stats = self.stats.as_dict()
         stats["num_leases"] = len(self._leases)
         stats["num_expired_leases"] = self._leases.num_expired
+        stats["num_leases_abandoned_before_grant"] = self._leases.num_abandoned_before_grant
         stats["num_recvs_in_flight"] = len(self._recvs)
         if self._endpoint is not None:  # reads that expired in flight, blocks held until NIXL ends them
             stats["num_quarantined_reads"] = self._endpoint.num_quarantined

@@ -7,7 +7,7 @@ import pytest
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
-from kvbridge.connectors.nixl.leases import LeaseTable
+from kvbridge.connectors.nixl.leases import EARLY_ABANDON_S, MAX_EARLY_ABANDONS, LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_policy import PeerPolicy
 from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, NixlScheduler
@@ -278,6 +278,60 @@ def test_lease_table_acts_only_on_an_exact_match():
     assert leases.release("inc", [real], now=3) == ([], [], ["victim"], {})
     for forged in forgeries:
         assert leases.release("inc", [forged], now=3) == ([], ["victim"], [], {})
+
+
+def test_a_lease_abandoned_before_its_grant_ends_at_the_grant():
+    """A decode node that refuses a request at once (vLLM's 404 for an unknown model) or a proxy whose
+    decode leg failed fast sends the abandon once, before the prefill engine's next step granted
+    the lease: it is answered "pending" as always, and the grant that matches it ends the lease, so
+    the blocks do not wait out the whole term."""
+    leases = LeaseTable(lease_s=60, incarnation="inc")
+    real = lease("r", token="s" * 64, block_ids=(4, 5), block_hash="h5")
+    assert leases.release("inc", [], now=0, abandoned=[real]) == ([], ["r"], [], {})  # nothing to tell apart
+    leases.grant(real, now=0.01)
+    assert leases.collect(now=0.01) == {"r"} and len(leases) == 0
+    assert leases.num_abandoned_before_grant == 1 and leases.num_expired == 0
+
+    # Only the exact lease counts: a forged abandon (another token, blocks or hash) leaves the grant held.
+    victim = lease("v", token="s" * 64, block_ids=(6,), block_hash="h6")
+    for forged in [lease("v", token="x" * 64, block_ids=(6,), block_hash="h6"), lease("v", token="s" * 64, block_ids=(7,), block_hash="h6"),
+                   lease("v", token="s" * 64, block_ids=(6,), block_hash="h7")]:  # fmt: skip
+        leases.release("inc", [], now=1, abandoned=[forged])
+    leases.release("inc-of-another-instance", [], now=1, abandoned=[victim])
+    leases.grant(victim, now=1)
+    assert leases.collect(now=1) == set() and leases.pending(now=1) == {"v"}
+
+    # A confirmation before the grant is not remembered: the reader asks again and must get "released".
+    read = lease("c", block_ids=(8,))
+    assert leases.release("inc", [read], now=2) == ([], ["c"], [], {})
+    leases.grant(read, now=2)
+    assert leases.collect(now=2) == set()
+    assert leases.release("inc", [read], now=2) == (["c"], [], [], {})
+
+    # Remembered for EARLY_ABANDON_S only: a grant after that holds the blocks (they expire as before).
+    late = lease("late", block_ids=(9,))
+    leases.release("inc", [], now=3, abandoned=[late])
+    leases.grant(late, now=3 + EARLY_ABANDON_S)
+    assert "late" in leases.pending(now=3 + EARLY_ABANDON_S)
+
+
+def test_early_abandons_are_bounded_and_need_every_tensor_parallel_rank():
+    leases = LeaseTable(lease_s=60, incarnation="inc")
+    first = lease("first", block_ids=(1,))
+    leases.release("inc", [], now=0, abandoned=[first])
+    flood = [lease(f"made-up-{i}", block_ids=(i,)) for i in range(MAX_EARLY_ABANDONS)]
+    leases.release("inc", [], now=0, abandoned=flood)
+    assert len(leases._abandoned_early) == MAX_EARLY_ABANDONS  # bounded: the oldest went first
+    leases.grant(first, now=0)
+    assert leases.collect(now=0) == set()  # pushed out by the flood: held until released or expired
+
+    # A reader node of 2 ranks: the lease ends once both gave up on it, before or after the grant.
+    two = lease("two", block_ids=(2,))
+    leases.release("inc", [], now=1, reader_rank=0, num_readers=2, abandoned=[two])
+    leases.grant(two, now=1)
+    assert leases.collect(now=1) == set()
+    assert leases.release("inc", [], now=1, reader_rank=1, num_readers=2, abandoned=[two]).matched == ["two"]
+    assert leases.collect(now=1) == {"two"}
 
 
 def test_lease_table_returns_the_digest_granted_with_a_lease_on_release():
