@@ -28,8 +28,10 @@ def release_remote_kv(
 ) -> bool:
     """Tell the prefill engine named in `kv_transfer_params` (as it returned them) to free the blocks.
 
-    Blocking, up to about `timeout_s`. True when the prefill released the lease, False when it no
-    longer held it (expired, released, restarted) or could not be reached; never raises for those.
+    Blocking, up to about `timeout_s`. True when the prefill released the lease (an abandon that
+    comes before the lease's grant is answered "pending", remembered, and ends the lease at the
+    grant; the retry then hears "released"), False when it no longer held it (expired, released,
+    restarted) or could not be reached; never raises for those.
     Raises InvalidRequestError for params that name no lease.
     """
     params = parse_remote_prefill({**kv_transfer_params, "do_remote_prefill": True})

@@ -64,6 +64,7 @@ class _Lease:
     digest: KVDigest | None = None  # of the leased blocks' bytes when granted; returned on release
     state: LeaseState = LeaseState.ACTIVE
     readers: set[int] = field(default_factory=set)  # ranks of a TP reader node that confirmed it
+    abandoned_early: bool = False  # ended at its grant by an abandon that came before it
 
 
 @dataclass
@@ -90,8 +91,10 @@ class LeaseTable:
         self.incarnation = incarnation
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
-        # released or expired: request id -> hash of the exact lease, answered "unknown" on an exact match
-        self._ended: OrderedDict[str, bytes] = OrderedDict()
+        # released or expired: request id -> (hash of the exact lease, whether an abandon that came
+        # before the grant ended it), answered "unknown" on an exact match, except that abandon's
+        # retry: "released", as it asked
+        self._ended: OrderedDict[str, tuple[bytes, bool]] = OrderedDict()
         # abandoned before granted: hash of the exact lease -> who abandoned it, oldest first
         self._abandoned_early: OrderedDict[bytes, _EarlyAbandon] = OrderedDict()
         self.num_expired = 0
@@ -112,6 +115,7 @@ class LeaseTable:
                 lease.readers |= early.readers
                 if len(lease.readers) >= early.num_readers:
                     lease.state = LeaseState.RELEASED
+                    lease.abandoned_early = True
                     self.num_released += 1
                     self.num_abandoned_before_grant += 1
 
@@ -145,8 +149,8 @@ class LeaseTable:
             for ref in abandoned:
                 if incarnation == self.incarnation and ref.req_id not in self._leases and ref.req_id not in self._ended:
                     self._remember_early_abandon(ref, now, reader_rank, num_readers)
-            for ref in [*refs, *abandoned]:
-                lease = self._match(incarnation, ref, answer)
+            for ref, is_abandon in [*((ref, False) for ref in refs), *((ref, True) for ref in abandoned)]:
+                lease = self._match(incarnation, ref, answer, is_abandon)
                 if lease is None:
                     continue
                 if lease.state is LeaseState.ACTIVE and now >= lease.deadline:
@@ -170,16 +174,20 @@ class LeaseTable:
         entry = early.setdefault(_fingerprint(ref), _EarlyAbandon(now, set(), num_readers))
         entry.readers.add(reader_rank)
 
-    def _match(self, incarnation: str, ref: LeaseRef, answer: LeaseAnswer) -> _Lease | None:
-        """The lease `ref` names exactly, or None after filing `ref` as pending or unknown."""
+    def _match(self, incarnation: str, ref: LeaseRef, answer: LeaseAnswer, is_abandon: bool = False) -> _Lease | None:
+        """The lease `ref` names exactly, or None after filing `ref` as pending or unknown (or, for the
+        retry of an abandon that ended the lease at its grant, as matched: it asked for that)."""
         if incarnation != self.incarnation:
             self._refuse(ref, answer)
             return None
         lease = self._leases.get(ref.req_id)
         if lease is None:
-            ended = self._ended.get(ref.req_id)
-            if ended is not None and hmac.compare_digest(ended, _fingerprint(ref)):
-                self._refuse(ref, answer)  # the requester of an ended lease learns that it ended
+            fingerprint, abandoned_early = self._ended.get(ref.req_id, (None, False))
+            if fingerprint is not None and hmac.compare_digest(fingerprint, _fingerprint(ref)):
+                if is_abandon and abandoned_early:
+                    answer.matched.append(ref.req_id)
+                else:
+                    self._refuse(ref, answer)  # the requester of an ended lease learns that it ended
             else:
                 self._refuse_unseen(ref, answer)
             return None
@@ -212,7 +220,7 @@ class LeaseTable:
                     self._expire(lease)
                 if lease.state is not LeaseState.ACTIVE:
                     del self._leases[req_id]
-                    self._ended[req_id] = _fingerprint(lease.ref)
+                    self._ended[req_id] = (_fingerprint(lease.ref), lease.abandoned_early)
                     while len(self._ended) > _MAX_ENDED:
                         self._ended.popitem(last=False)
                     done.add(req_id)

@@ -1,7 +1,9 @@
 """A prefill engine in its own OS process, driven over a multiprocessing pipe (test helper).
 
 The process keeps stepping its engine between commands, as a server would, so leases are
-granted, renewed, released and expired while the test process (the decode side) works.
+granted, renewed, released and expired while the test process (the decode side) works; `pause`
+stops that after a prefill, until `resume` (a prefill engine slow to reach its next step, the one
+that grants the lease: its side channel still answers meanwhile).
 Commands are plain tuples; the pipe is private to the test, between two of its own processes.
 """
 
@@ -27,14 +29,18 @@ def _serve(conn, kwargs: dict) -> None:
     llm = LLM(**kwargs)
     engine = llm.engine
     conn.send(("ready", None))
+    paused = False
     while True:
         if conn.poll(0.001):
             cmd, arg = conn.recv()
             if cmd == "prefill":
-                prompts, max_tokens = arg
+                prompts, max_tokens, paused = arg
                 outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
                                     kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
                 conn.send(("ok", [o.kv_transfer_params for o in outs]))
+            elif cmd == "resume":
+                paused = False
+                conn.send(("ok", None))
             elif cmd == "state":
                 engine.check_integrity()
                 conn.send(("ok", engine.get_stats()))
@@ -42,7 +48,7 @@ def _serve(conn, kwargs: dict) -> None:
                 llm.shutdown()
                 conn.send(("ok", None))
                 return
-        elif engine.has_unfinished_requests() or engine.has_pending_transfers():
+        elif not paused and (engine.has_unfinished_requests() or engine.has_pending_transfers()):
             engine.step()
 
 
@@ -65,8 +71,12 @@ class PrefillNode:
         self._conn.send((cmd, arg))
         return self._expect("ok", timeout_s)
 
-    def prefill(self, prompts: list[str], max_tokens: int = 1) -> list[dict]:
-        return [dict(p, do_remote_prefill=True) for p in self.call("prefill", (prompts, max_tokens))]
+    def prefill(self, prompts: list[str], max_tokens: int = 1, pause: bool = False) -> list[dict]:
+        """The prompts' kv_transfer_params; `pause`: step no more (no lease granted) until `resume()`."""
+        return [dict(p, do_remote_prefill=True) for p in self.call("prefill", (prompts, max_tokens, pause))]
+
+    def resume(self) -> None:
+        self.call("resume")
 
     def state(self) -> dict:
         return self.call("state")

@@ -291,6 +291,10 @@ def test_a_lease_abandoned_before_its_grant_ends_at_the_grant():
     leases.grant(real, now=0.01)
     assert leases.collect(now=0.01) == {"r"} and len(leases) == 0
     assert leases.num_abandoned_before_grant == 1 and leases.num_expired == 0
+    # The abandoner asks again (a proxy does, on "pending"): it hears "released". A read's confirmation
+    # of the same lease is still refused: nothing was held for a read.
+    assert leases.release("inc", [], now=0.02, abandoned=[real]) == (["r"], [], [], {})
+    assert leases.release("inc", [real], now=0.02) == ([], [], ["r"], {})
 
     # Only the exact lease counts: a forged abandon (another token, blocks or hash) leaves the grant held.
     victim = lease("v", token="s" * 64, block_ids=(6,), block_hash="h6")
@@ -313,6 +317,9 @@ def test_a_lease_abandoned_before_its_grant_ends_at_the_grant():
     leases.release("inc", [], now=3, abandoned=[late])
     leases.grant(late, now=3 + EARLY_ABANDON_S)
     assert "late" in leases.pending(now=3 + EARLY_ABANDON_S)
+    # An abandon of a lease that expired is "unknown": its blocks were held to the end of the term.
+    assert leases.collect(now=4 + 2 * EARLY_ABANDON_S + 60) >= {"late"}
+    assert leases.release("inc", [], now=4 + 2 * EARLY_ABANDON_S + 60, abandoned=[late]) == ([], [], ["late"], {})
 
 
 def test_early_abandons_are_bounded_and_need_every_tensor_parallel_rank():
