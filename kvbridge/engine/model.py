@@ -257,7 +257,8 @@ class DecoderStack(nn.Module):
         # Left uninitialised (weights.py fills every parameter): nn.Embedding's own init would run
         # torch's reference normal_ on the meta device, whose first call imports torch._dynamo, 1-1.5 s
         # of every process's start-up.
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size))
+        unset = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=unset)
         self.layers = nn.ModuleList(DecoderLayer(args, i, all_reduce) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -298,9 +298,12 @@ def test_a_lease_abandoned_before_its_grant_ends_at_the_grant():
 
     # Only the exact lease counts: a forged abandon (another token, blocks or hash) leaves the grant held.
     victim = lease("v", token="s" * 64, block_ids=(6,), block_hash="h6")
-    for forged in [lease("v", token="x" * 64, block_ids=(6,), block_hash="h6"), lease("v", token="s" * 64, block_ids=(7,), block_hash="h6"),
-                   lease("v", token="s" * 64, block_ids=(6,), block_hash="h7")]:  # fmt: skip
-        leases.release("inc", [], now=1, abandoned=[forged])
+    forgeries = [
+        lease("v", token="x" * 64, block_ids=(6,), block_hash="h6"),
+        lease("v", token="s" * 64, block_ids=(7,), block_hash="h6"),
+        lease("v", token="s" * 64, block_ids=(6,), block_hash="h7"),
+    ]
+    leases.release("inc", [], now=1, abandoned=forgeries)
     leases.release("inc-of-another-instance", [], now=1, abandoned=[victim])
     leases.grant(victim, now=1)
     assert leases.collect(now=1) == set() and leases.pending(now=1) == {"v"}
