@@ -12,7 +12,9 @@ node beside others on a small machine, a loaded API server) can leave /health wa
 while it serves what it has. Ejecting it on one such check turned every request away with a 503
 although the node was serving; so silence ejects only when it lasts `silent_checks` checks in a
 row (about `silent_checks` x (`check_timeout_s` + `check_interval_s`)), and a real request that fails
-on the node ejects it at once as before.
+on the node ejects it at once as before. Meanwhile the node is *suspect*: routing skips it while
+another node of its role answers (a frozen node then gets no new request that would wait out the
+proxy's timeout), and uses it when it is the only one left.
 
 `start()` checks every node once before the proxy serves, so routing starts from what the nodes
 say. Then one asyncio task per node checks it: every `check_interval_s` while it is healthy; when
@@ -145,11 +147,11 @@ class NodePool:
     # ------------------------------------------------------------------ what routing asks
 
     def candidates(self, exclude: Sequence[str] = ()) -> list[NodeLoad]:
-        """The healthy nodes not in `exclude`, with their load, in the order given."""
-        return [
-            NodeLoad(n.url, n.num_in_flight) for n in self._nodes.values()
-            if n.state is NodeState.HEALTHY and n.url not in exclude
-        ]  # fmt: skip
+        """The healthy nodes not in `exclude`, with their load, in the order given; suspects (their
+        last health check went unanswered) only when no other healthy node is left."""
+        healthy = [n for n in self._nodes.values() if n.state is NodeState.HEALTHY and n.url not in exclude]
+        answering = [n for n in healthy if not n.num_silent_checks]
+        return [NodeLoad(n.url, n.num_in_flight) for n in answering or healthy]
 
     def has_healthy(self) -> bool:
         return any(n.state is NodeState.HEALTHY for n in self._nodes.values())

@@ -132,6 +132,38 @@ def test_a_busy_node_is_ejected_only_when_it_is_silent_for_several_checks_in_a_r
     _run(main())
 
 
+def test_a_suspect_node_gets_requests_only_when_no_other_node_answers():
+    """Between its first silent check and its ejection a node may be frozen, not busy: while another
+    node answers, routing skips it (a request sent there would wait out the proxy's timeout)."""
+
+    async def main():
+        busy, other = HealthServer(), HealthServer()
+        busy.silent_s = 1.0
+        for node in (busy, other):
+            await node.server.start_server()
+        pool = NodePool("decode", [busy.url, other.url], check_interval_s=0.02, check_timeout_s=0.1, silent_checks=100)
+        async with aiohttp.ClientSession() as session:
+            await pool.start(session)
+            try:
+                assert [c.url for c in pool.candidates()] == [busy.url, other.url]
+                busy.num_silent = 10**6
+                await _until(lambda: [c.url for c in pool.candidates()] == [other.url], "the suspect left out")
+                assert pool.has_healthy() and pool.snapshot()[0].state is NodeState.HEALTHY
+                assert [c.url for c in pool.candidates(exclude=[other.url])] == [busy.url]  # the only one left
+                with pool.attempt(other.url):
+                    pool.report_failure(other.url, "decode node reset the connection")
+                assert [c.url for c in pool.candidates()] == [busy.url]
+                busy.num_silent = 0
+                await _until(lambda: len(pool.candidates()) == 2, "both back: the suspect answered, the other readmitted")
+                pool.check_integrity()
+            finally:
+                await pool.close()
+                for node in (busy, other):
+                    await node.server.close()
+
+    _run(main())
+
+
 @pytest.mark.parametrize("is_starting", [False, True])
 def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop(is_starting):
     async def main():
