@@ -95,6 +95,7 @@ class NodeStats(NamedTuple):
     num_failures: int  # real requests that failed on it (health checks not counted)
     num_ejections: int
     num_readmissions: int
+    num_silent_checks: int = 0  # health checks in a row it left unanswered while healthy: suspect if > 0
 
 
 @dataclass
@@ -176,7 +177,7 @@ class NodePool:
     def snapshot(self) -> list[NodeStats]:
         return [
             NodeStats(self.role, n.url, n.state, n.last_error, n.num_in_flight, n.num_requests, n.num_failures,
-                      n.num_ejections, n.num_readmissions)
+                      n.num_ejections, n.num_readmissions, n.num_silent_checks)
             for n in self._nodes.values()
         ]  # fmt: skip
 

@@ -247,7 +247,11 @@ class PDProxy:
 
 
 def _node_status(node: NodeStats) -> str:
-    return "ok" if node.state is NodeState.HEALTHY else f"ejected: {node.last_error}"
+    if node.state is not NodeState.HEALTHY:
+        return f"ejected: {node.last_error}"
+    if node.num_silent_checks:
+        return f"suspect: {node.num_silent_checks} health check(s) in a row unanswered; used only when no other node answers"
+    return "ok"
 
 
 def _outcome(status: int) -> str:
