@@ -4,9 +4,9 @@ One step's attention is at most three padded SDPA calls per layer, however many 
 the decodes (one new token each), the prefills from position 0, and the chunks that continue a
 context, each a batch of its own (`RequestBatch`). A batch pads each request's new tokens to
 `num_queries` query slots and its keys to the table's `NB * block_size` slots, gathered through its
-block table; a mask keeps query i of a request (position start + i) on keys <= start + i. Per layer it (1) writes the step's new K/V into
-their slots, (2) attends. It reads only the strided per-layer view `kv_cache[:, layer]`
-([num_blocks, 2, block_size, num_kv_heads, head_dim]).
+block table; a mask keeps query i of a request (position start + i) on keys <= start + i. Per
+layer it (1) writes the step's new K/V into their slots, (2) attends. It reads only the strided
+per-layer view `kv_cache[:, layer]` ([num_blocks, 2, block_size, num_kv_heads, head_dim]).
 
 Everything per token (positions, slots, masks) is derived on the device from a few per-request
 tensors with fixed-shape ops (`build_metadata`): nothing waits on the host, and a CUDA graph can

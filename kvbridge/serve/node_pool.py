@@ -270,7 +270,7 @@ class Check(NamedTuple):
 
     error: str | None  # None: the node answered 200
     is_starting: bool = False  # it answered 503 {"status": "starting"}: a node still loading its engine
-    is_silent: bool = False  # no answer within CHECK_TIMEOUT_S: a node down or only busy
+    is_silent: bool = False  # no answer within the check's timeout: a node down or only busy
 
 
 async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = CHECK_TIMEOUT_S) -> Check:
