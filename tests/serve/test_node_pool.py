@@ -5,6 +5,7 @@ checks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
@@ -56,38 +57,50 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def test_a_failure_ejects_at_once_and_a_health_check_readmits():
-    async def main():
-        node = HealthServer()
+@contextlib.asynccontextmanager
+async def _checking(nodes: list[HealthServer], *other_urls: str, role: str = "decode", **options):
+    """A pool over `nodes` (started here) and then `other_urls`, checking them while the block
+    runs; the pool and the nodes are closed after it (its `snapshot()` still answers)."""
+    for node in nodes:
         await node.server.start_server()
-        pool = NodePool("decode", [node.url, "http://127.0.0.1:9"], check_interval_s=0.05, max_backoff_s=0.5)
+    try:
+        pool = NodePool(role, [node.url for node in nodes] + list(other_urls), **options)
         async with aiohttp.ClientSession() as session:
             await pool.start(session)
             try:
-                (dead,) = [s for s in pool.snapshot() if s.url.endswith(":9")]
-                assert dead.state is NodeState.EJECTED and dead.last_error.startswith("health check: unreachable"), dead
-                assert [c.url for c in pool.candidates()] == [node.url]  # ejected nodes are never offered
-
-                with pool.attempt(node.url):
-                    assert pool.candidates()[0].num_in_flight == 1
-                    pool.report_failure(node.url, "decode node reset the connection")
-                    assert not pool.has_healthy() and pool.candidates() == []
-                await _until(lambda: pool.has_healthy(), "re-admission by a health check")
-                (stats,) = [s for s in pool.snapshot() if s.url == node.url]
-                assert (stats.num_requests, stats.num_in_flight, stats.num_failures) == (1, 0, 1)
-                assert (stats.num_ejections, stats.num_readmissions) == (1, 1)
-                assert stats.last_error == "decode node reset the connection"
-
-                node.status = 503  # e.g. restarting: a failed check ejects it too, without a request
-                await _until(lambda: not pool.has_healthy(), "ejection by a failed check")
-                node.status = 200
-                await _until(lambda: pool.has_healthy(), "re-admission")
-                (stats,) = [s for s in pool.snapshot() if s.url == node.url]
-                assert (stats.num_ejections, stats.num_readmissions, stats.num_failures) == (2, 2, 1)
-                pool.check_integrity()
+                yield pool
             finally:
                 await pool.close()
-                await node.server.close()
+    finally:
+        for node in nodes:
+            await node.server.close()
+
+
+def test_a_failure_ejects_at_once_and_a_health_check_readmits():
+    async def main():
+        node = HealthServer()
+        async with _checking([node], "http://127.0.0.1:9", check_interval_s=0.05, max_backoff_s=0.5) as pool:
+            (dead,) = [s for s in pool.snapshot() if s.url.endswith(":9")]
+            assert dead.state is NodeState.EJECTED and dead.last_error.startswith("health check: unreachable"), dead
+            assert [c.url for c in pool.candidates()] == [node.url]  # ejected nodes are never offered
+
+            with pool.attempt(node.url):
+                assert pool.candidates()[0].num_in_flight == 1
+                pool.report_failure(node.url, "decode node reset the connection")
+                assert not pool.has_healthy() and pool.candidates() == []
+            await _until(lambda: pool.has_healthy(), "re-admission by a health check")
+            (stats,) = [s for s in pool.snapshot() if s.url == node.url]
+            assert (stats.num_requests, stats.num_in_flight, stats.num_failures) == (1, 0, 1)
+            assert (stats.num_ejections, stats.num_readmissions) == (1, 1)
+            assert stats.last_error == "decode node reset the connection"
+
+            node.status = 503  # e.g. restarting: a failed check ejects it too, without a request
+            await _until(lambda: not pool.has_healthy(), "ejection by a failed check")
+            node.status = 200
+            await _until(lambda: pool.has_healthy(), "re-admission")
+            (stats,) = [s for s in pool.snapshot() if s.url == node.url]
+            assert (stats.num_ejections, stats.num_readmissions, stats.num_failures) == (2, 2, 1)
+            pool.check_integrity()
 
     _run(main())
 
@@ -100,34 +113,27 @@ def test_a_busy_node_is_ejected_only_when_it_is_silent_for_several_checks_in_a_r
     async def main():
         node = HealthServer()
         node.silent_s = 1.0
-        await node.server.start_server()
-        pool = NodePool("decode", [node.url], check_interval_s=0.02, check_timeout_s=0.1, silent_checks=3)
-        async with aiohttp.ClientSession() as session:
-            await pool.start(session)
-            try:
-                node.num_silent = 2
-                answered = node.num_answered
-                await _until(lambda: node.num_silent == 0 and node.num_answered > answered, "an answer after two silent checks")
-                await asyncio.sleep(0.1)  # room for the answer to be recorded
-                (stats,) = pool.snapshot()
-                assert stats.state is NodeState.HEALTHY and stats.num_ejections == 0, stats
+        async with _checking([node], check_interval_s=0.02, check_timeout_s=0.1, silent_checks=3) as pool:
+            node.num_silent = 2
+            answered = node.num_answered
+            await _until(lambda: node.num_silent == 0 and node.num_answered > answered, "an answer after two silent checks")
+            await asyncio.sleep(0.1)  # room for the answer to be recorded
+            (stats,) = pool.snapshot()
+            assert stats.state is NodeState.HEALTHY and stats.num_ejections == 0, stats
 
-                node.num_silent = 2  # two more: only the count in a row matters
-                answered = node.num_answered
-                await _until(lambda: node.num_silent == 0 and node.num_answered > answered, "an answer again")
-                await asyncio.sleep(0.1)
-                assert pool.snapshot()[0].num_ejections == 0, pool.snapshot()
+            node.num_silent = 2  # two more: only the count in a row matters
+            answered = node.num_answered
+            await _until(lambda: node.num_silent == 0 and node.num_answered > answered, "an answer again")
+            await asyncio.sleep(0.1)
+            assert pool.snapshot()[0].num_ejections == 0, pool.snapshot()
 
-                node.num_silent = 3
-                await _until(lambda: not pool.has_healthy(), "ejection after three silent checks in a row")
-                (stats,) = pool.snapshot()
-                assert stats.last_error == "health check: /health did not answer within 0.1s", stats
-                await _until(pool.has_healthy, "re-admission once it answers")
-                assert pool.snapshot()[0].num_readmissions == 1
-                pool.check_integrity()
-            finally:
-                await pool.close()
-                await node.server.close()
+            node.num_silent = 3
+            await _until(lambda: not pool.has_healthy(), "ejection after three silent checks in a row")
+            (stats,) = pool.snapshot()
+            assert stats.last_error == "health check: /health did not answer within 0.1s", stats
+            await _until(pool.has_healthy, "re-admission once it answers")
+            assert pool.snapshot()[0].num_readmissions == 1
+            pool.check_integrity()
 
     _run(main())
 
@@ -139,27 +145,18 @@ def test_a_suspect_node_gets_requests_only_when_no_other_node_answers():
     async def main():
         busy, other = HealthServer(), HealthServer()
         busy.silent_s = 1.0
-        for node in (busy, other):
-            await node.server.start_server()
-        pool = NodePool("decode", [busy.url, other.url], check_interval_s=0.02, check_timeout_s=0.1, silent_checks=100)
-        async with aiohttp.ClientSession() as session:
-            await pool.start(session)
-            try:
-                assert [c.url for c in pool.candidates()] == [busy.url, other.url]
-                busy.num_silent = 10**6
-                await _until(lambda: [c.url for c in pool.candidates()] == [other.url], "the suspect left out")
-                assert pool.has_healthy() and pool.snapshot()[0].state is NodeState.HEALTHY
-                assert [c.url for c in pool.candidates(exclude=[other.url])] == [busy.url]  # the only one left
-                with pool.attempt(other.url):
-                    pool.report_failure(other.url, "decode node reset the connection")
-                assert [c.url for c in pool.candidates()] == [busy.url]
-                busy.num_silent = 0
-                await _until(lambda: len(pool.candidates()) == 2, "both back: the suspect answered, the other readmitted")
-                pool.check_integrity()
-            finally:
-                await pool.close()
-                for node in (busy, other):
-                    await node.server.close()
+        async with _checking([busy, other], check_interval_s=0.02, check_timeout_s=0.1, silent_checks=100) as pool:
+            assert [c.url for c in pool.candidates()] == [busy.url, other.url]
+            busy.num_silent = 10**6
+            await _until(lambda: [c.url for c in pool.candidates()] == [other.url], "the suspect left out")
+            assert pool.has_healthy() and pool.snapshot()[0].state is NodeState.HEALTHY
+            assert [c.url for c in pool.candidates(exclude=[other.url])] == [busy.url]  # the only one left
+            with pool.attempt(other.url):
+                pool.report_failure(other.url, "decode node reset the connection")
+            assert [c.url for c in pool.candidates()] == [busy.url]
+            busy.num_silent = 0
+            await _until(lambda: len(pool.candidates()) == 2, "both back: the suspect answered, the other readmitted")
+            pool.check_integrity()
 
     _run(main())
 
@@ -169,13 +166,8 @@ def test_an_ejected_node_is_checked_with_backoff_not_in_a_loop(is_starting):
     async def main():
         node = HealthServer()
         node.status, node.is_starting = 503, is_starting
-        await node.server.start_server()
-        pool = NodePool("prefill", [node.url], check_interval_s=0.01, max_backoff_s=0.5)
-        async with aiohttp.ClientSession() as session:
-            await pool.start(session)
+        async with _checking([node], role="prefill", check_interval_s=0.01, max_backoff_s=0.5) as pool:
             await asyncio.sleep(1.5)
-            await pool.close()
-        await node.server.close()
         return node.num_checks, pool.snapshot()[0]
 
     num_checks, stats = _run(main())
@@ -194,16 +186,11 @@ def test_a_node_never_seen_healthy_is_checked_as_if_starting():
     async def main():
         node = HealthServer()
         node.status = 503  # down, not saying "starting": a node that once served would back off
-        await node.server.start_server()
-        pool = NodePool("prefill", [node.url], check_interval_s=10.0, max_backoff_s=5.0)
-        async with aiohttp.ClientSession() as session:
-            await pool.start(session)
+        async with _checking([node], role="prefill", check_interval_s=10.0, max_backoff_s=5.0) as pool:
             await asyncio.sleep(2.5)
             num_down_checks = node.num_checks
             node.status = 200
             await _until(pool.has_healthy, "admission of the node once it answers")
-            await pool.close()
-        await node.server.close()
         return num_down_checks
 
     # Every 0.25 s: about 11 checks in 2.5 s. Doubling would give 4 (at 0, 0.25, 0.75 and 1.75 s),
