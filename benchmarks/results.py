@@ -32,12 +32,15 @@ NOT_HEADLINES = {"benchmark", "params", "machine", "versions", "recorded"}
 # numbers (fnmatch patterns, `*` one or more keys). Others: top-level numbers and maps of numbers.
 NESTED_HEADLINES = {
     "vllm_pd": [
-        "arms.*.by_prompt_len.*.ttft_s.p50", "arms.*.by_prompt_len.*.ttft_s.p99", "arms.*.by_prompt_len.*.decode_ttft_s.p50",
+        "arms.*.failed", "arms.*.by_prompt_len.*.ttft_s.p50", "arms.*.by_prompt_len.*.ttft_s.p99",
+        "arms.*.by_prompt_len.*.decode_ttft_s.p50", "arms.*.by_prompt_len.*.cached_hit_ttft_s.p50",
+        "arms.*.by_prompt_len.*.handoff_s.p50",
         "arms.*.by_prompt_len.*.prefill_leg_s.p50", "arms.*.by_prompt_len.*.transfer.ms.p50",
         "arms.*.by_prompt_len.*.transfer.gb_per_s", "arms.*.by_prompt_len.*.transfer.vs_raw_copy",
         "arms.*.by_prompt_len.*.ttft_vs_colocated", "arms.*.by_prompt_len.*.tokens_equal_colocated",
         "colocated.by_prompt_len.*.ttft_s.p50", "raw_device_copy_gbps.*", "step_overhead.*.mean_itl_ms",
-        "step_overhead.colocated_itl.mean_itl_ms.p50",
+        "step_overhead.colocated_itl.mean_itl_ms.p50", "tokens_equal_between_arms.*", "targets.*.by_prompt_len.*.*.met",
+        "targets.*.itl_overhead_ms.met", "kvbridge_ttft_vs_best_vllm.*",
     ],
     "vllm_offload": [
         "arms.*.skipped", "arms.*.recompute_ttft_ms.median_ms", "arms.*.host_hit_ttft_ms.median_ms",

