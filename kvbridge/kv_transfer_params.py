@@ -43,6 +43,9 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float = 0.0  # how long the prefill holds the blocks without a renewal
     remote_incarnation: str = ""  # the prefill engine instance that holds the lease
     remote_lease_token: str = ""  # the lease's secret: only the requester received it
+    # The lease granted when the request finished, signed by the prefill (transfer/grants.py): the
+    # decode verifies what it read against it and needs no answer from the prefill. "": ask the prefill.
+    remote_grant: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

@@ -78,6 +78,7 @@ from kvbridge.transfer.digest import (
     region_bytes,
     start_block_digests,
 )
+from kvbridge.transfer.grants import GrantSigner
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.layout_gather import rebuild_blocks
@@ -156,6 +157,7 @@ class KVEndpoint:
         self._kv = kv_cache
         self._region_bytes = region_bytes(kv_cache, layout)  # [region_nbytes] uint8, for digests
         self.digest_alg = algorithm_for(kv_cache)
+        self.grants = GrantSigner()  # random per endpoint: its key reaches readers in handshake answers only
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
             self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
@@ -174,6 +176,7 @@ class KVEndpoint:
             cuda_ipc=cuda_ipc_export(region) if use_ipc else None, digest_alg=self.digest_alg,
             model_hash=layout.model_hash(model_id, self.shard.total_kv_heads),
             kv_head_start=kv_head_start, num_total_kv_heads=num_total_kv_heads or 0,
+            grant_key=self.grants.key if serve else b"",
         )
         self.num_plans = {kind: 0 for kind in PlanKind}  # translated reads posted, by plan kind
         self.num_plan_descriptors = 0  # descriptors those reads posted

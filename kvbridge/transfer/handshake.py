@@ -41,6 +41,7 @@ class LocalIdentity:
     kv_head_start: int = 0  # tensor parallelism: the first global KV head this rank's pages hold
     num_total_kv_heads: int = 0  # the model's KV heads (0: layout.num_kv_heads, tensor parallel 1)
     ranks: tuple[m.RankShard, ...] = ()  # the node's other ranks, when this is the rank 0 of a TP node
+    grant_key: bytes = b""  # what this engine signs lease grants with (transfer/grants.py), given to readers
 
     @property
     def shard(self) -> KVShard:
@@ -75,6 +76,7 @@ class PeerInfo:
     kv_head_start: int = 0  # tensor parallelism: the global KV heads of `layout` start here
     num_total_kv_heads: int = 0  # the model's KV heads (0: layout.num_kv_heads)
     ranks: tuple[PeerRank, ...] = ()  # the peer node's other tensor-parallel ranks
+    grant_key: bytes = b""  # the key the peer signs its lease grants with (b"": it signs none)
 
     @property
     def shard(self) -> KVShard:
@@ -148,6 +150,7 @@ def answer_handshake(req: m.HandshakeRequest, me: LocalIdentity) -> m.HandshakeR
         num_kv_heads=me.layout.num_kv_heads,
         num_total_kv_heads=me.num_total_kv_heads,
         ranks=list(me.ranks),
+        grant_key=me.grant_key,
     )
 
 
@@ -204,6 +207,7 @@ def peer_from_response(
         region=region,
         layout=layout,
         cuda_ipc=resp.cuda_ipc,
+        grant_key=resp.grant_key,
         digest_alg=resp.digest_alg,
         kv_head_start=resp.kv_head_start,
         num_total_kv_heads=resp.num_total_kv_heads,

@@ -148,6 +148,10 @@ class HandshakeResponse(_Message, tag="hs_resp"):
     num_kv_heads: int = 0
     num_total_kv_heads: int = 0
     ranks: list[RankShard] = []
+    # The key the owner signs its lease grants with (transfer/grants.py): a reader that holds it checks
+    # a grant carried in kv_transfer_params and uses what it read without asking the owner. b"": an
+    # older owner, or one that grants in its next step; readers then confirm each read on this channel.
+    grant_key: bytes = b""
 
 
 class LeaseRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -232,6 +236,20 @@ class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
     # Tensor parallelism: the digests of the owner's ranks 1..N-1 (each rank digests its own heads of
     # the leased blocks when the lease is granted; rank 0 holds the lease and answers for all). []: one rank.
     ranks: list[KVDigest] = []
+
+
+class LeaseGrant(msgspec.Struct, frozen=True, kw_only=True):
+    """An owner's word on a lease, given when the request finished there and carried to the reader in
+    kv_transfer_params (transfer/grants.py signs and opens it): these blocks, of this owner instance,
+    hold these bytes, and stay held until `expires_at` (the owner's wall clock, seconds since the
+    epoch) unless released. The reader digests what it read and compares; it asks the owner nothing.
+    """
+
+    lease: LeaseRef
+    incarnation: str
+    expires_at: float
+    digest: KVDigest
+
 
 
 class RankDigests(_Message, tag="tp_digests"):

@@ -38,6 +38,7 @@ class RecvJob:
     remote_block_ids: tuple[int, ...]
     lease_offset: int = 0  # remote_block_ids start at lease.block_ids[lease_offset] (local prefix hits before)
     lease_s: float = 0.0  # the prefill's lease term from the params (0: not given); renewals keep inside it
+    grant: str = ""  # the prefill's signed grant from the params (transfer/grants.py); "": confirm the read
 
     @property
     def remote_request_id(self) -> str:

@@ -29,6 +29,10 @@ class NixlOptions(TransferOptions):
     # 1.7-2.5 ms for the whole blocks' digests of a 32 MiB lease on CPU), which every prefill would pay
     # for readers that rarely need it; off, such readers refuse the read (a recompute, named in their log).
     digest_kv_heads: bool = False
+    # Prefill: grant a lease as its request finishes, where the worker half shares the scheduler's
+    # process, and return it signed in the params (transfer/grants.py): decode nodes then verify what
+    # they read without a round trip to this node. Off: readers confirm every read on the side channel.
+    sign_grants: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -150,6 +150,12 @@ class PeerControls:
         """The read failed: release the lease so the prefill frees its blocks now. No verdict follows."""
         self._peer(remote).to_abandon.append(lease)
 
+    def release(self, remote: RemoteEngine, lease: m.LeaseRef) -> None:
+        """The read was verified here against the prefill's signed grant: release the lease so the
+        prefill frees its blocks now. Best effort, as an abandon (the lease's term ends it anyway);
+        no verdict follows, and nothing waits for one."""
+        self.abandon(remote, lease)
+
     def progress(self, reading: dict[RemoteEngine, list[Reading]]) -> list[Outcome]:
         """Collect answers, send what is due; `reading` are the leases of reads in flight (renewed)."""
         now = self._clock()

@@ -2,7 +2,9 @@
 
 Prefill (producer): a request sent with `do_remote_decode` keeps its prompt's full blocks when it
 finishes (`delay_free_blocks`) and returns `RemotePrefillParams`; the worker holds them under a
-lease until the decode side reports the read, or the lease expires.
+lease until the decode side reports the read, or the lease expires. Where the worker half shares
+this process (local_grants.py) it grants the lease on the spot, and the params carry its signed
+grant; otherwise it grants in its next step.
 
 Decode (consumer): a request with `do_remote_prefill` asks for the remote blocks that its own
 prefix cache lacks, loaded asynchronously (the request parks in WAITING_FOR_REMOTE_KVS); the
@@ -16,6 +18,8 @@ import math
 import secrets
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvbridge.connectors.base import (
     ConnectorRequest,
     KVConnectorOutput,
@@ -24,6 +28,7 @@ from kvbridge.connectors.base import (
     RequestStatus,
     SchedulerOutput,
 )
+from kvbridge.connectors.nixl import local_grants
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.errors import InvalidRequestError
 from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
@@ -61,6 +66,7 @@ class NixlScheduler:
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
         self.num_refused_peers = 0  # decode: params naming a peer outside allowed_peers
+        self.num_granted_at_finish = 0  # prefill: leases granted and signed as their request finished
 
     # ------------------------------------------------------------------ decode
 
@@ -157,6 +163,7 @@ class NixlScheduler:
             remote_block_ids=tuple(params.remote_block_ids[remote_first : remote_first + remote_count]),
             lease_offset=remote_first,
             lease_s=params.lease_s,
+            grant=params.remote_grant,
         )
 
     def _release_unread(self, request: ConnectorRequest) -> None:
@@ -206,7 +213,14 @@ class NixlScheduler:
         if not num_full:  # not one full block: nothing is held, the decode side computes the prompt
             return KVHandoff(False, self._params(request, []).to_dict())
         params = self._params(request, block_ids[:num_full])
-        self._new_leases[request.request_id] = LeaseRef.of(params)
+        lease = LeaseRef.of(params)
+        granter = local_grants.granter_for(self.incarnation)
+        grant = granter.grant_now(lease, self.lease_s) if granter is not None else None
+        if grant is not None:  # granted now: the params carry the signed grant
+            params = msgspec.structs.replace(params, remote_grant=grant)
+            self.num_granted_at_finish += 1
+        else:  # granted by the worker in its next step
+            self._new_leases[request.request_id] = lease
         self._leased.add(request.request_id)
         return KVHandoff(True, params.to_dict())
 
@@ -231,4 +245,5 @@ class NixlScheduler:
             "num_leased_requests": len(self._leased),
             "num_mismatched_params": self.num_mismatched_params,
             "num_refused_peers": self.num_refused_peers,
+            "num_granted_at_finish": self.num_granted_at_finish,
         }

@@ -29,6 +29,7 @@ NIXL is touched only from the engine thread (`KVEndpoint` rule). Side-channel re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ import msgspec
 
 from kvbridge import env
 from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, FlushReport
+from kvbridge.connectors.nixl import local_grants
 from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.connectors.nixl.options import NixlOptions
@@ -45,8 +47,10 @@ from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT
 from kvbridge.connectors.nixl.stats import TransferStats
 from kvbridge.connectors.nixl.verify import ReadVerifier
 from kvbridge.errors import KVBridgeError
+from kvbridge.repeated_log import RepeatedWarnings
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.digest import DigestError
+from kvbridge.transfer.grants import GrantError, check_grant, open_grant
 from kvbridge.transfer.progress import drive_until
 
 if TYPE_CHECKING:
@@ -92,6 +96,9 @@ class NixlWorker:
         self._ungranted: dict[str, tuple[m.LeaseRef, m.KVDigest | None]] = {}  # rank 0: own digest, awaiting the others'
         self._rank_digests: dict[str, m.KVDigest] = {}  # rank > 0: digested this step, for rank 0
         self._digested: set[str] = set()  # rank > 0: its part of these leases is done (finished_sending)
+        self._grant_stream = None  # prefill on CUDA: where grant_now digests
+        self._wall_clock = time.time  # the clock of the grants' terms (the owner's, in the grant)
+        self._grant_warnings = RepeatedWarnings(logger)  # forged grants must not write a line each
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -117,6 +124,12 @@ class NixlWorker:
             num_total_kv_heads=ctx.num_total_kv_heads,
         )
         self._verifier = ReadVerifier(self._endpoint, self.stats, self._clock) if self.options.verify_kv_digest else None
+        if self._endpoint.server is not None and ctx.tp_size == 1 and self.options.verify_kv_digest and self.options.sign_grants:
+            local_grants.register(ctx.incarnation, self)  # the scheduler half grants through us as requests finish
+            if kv_cache.is_cuda:  # grant digests wait for nothing but the blocks they read (written steps ago)
+                import torch
+
+                self._grant_stream = torch.cuda.Stream(kv_cache.device)
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s: side channel on %s, serving KV to peers", self.config.engine_id, self._endpoint.address)
 
@@ -139,6 +152,26 @@ class NixlWorker:
                 return m.TransferDoneReply(released=released, pending=pending, unknown=unknown, digests=digests)
             case _:
                 return m.ErrorReply(code=m.ErrorCode.UNSUPPORTED, message=f"{type(msg).__name__} is not handled here")
+
+    def grant_now(self, lease: m.LeaseRef, lease_s: float) -> str | None:
+        """Prefill, engine thread, as the request finishes (local_grants.py): digest the leased blocks,
+        grant the lease and return its signed grant; None when the blocks cannot be digested (the
+        lease is then granted in the next step, as without a granter)."""
+        if self._endpoint is None:
+            return None
+        with self._on_grant_stream():
+            digest = self._digest(lease)
+        if digest is None:
+            return None
+        self._leases.grant(lease, self._clock(), digest)
+        return self._endpoint.grants.sign(lease, self.context.incarnation, digest, lease_s)
+
+    def _on_grant_stream(self):
+        if self._grant_stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self._grant_stream)
 
     # ------------------------------------------------------------------ per step
 
@@ -251,8 +284,9 @@ class NixlWorker:
                 if self._flip_landed_bit:  # fault injection (tests): a bit flipped in flight
                     self._endpoint.flip_bit(job.local_block_ids[0])
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
-                self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
-                landed.append(job)
+                if not self._verify_by_grant(job):
+                    self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
+                    landed.append(job)
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
                 if job.remote.address in self._endpoint.peers:  # it answered: let it free the blocks now
@@ -279,6 +313,43 @@ class NixlWorker:
         in_use = {r.address for r in busy} | self._peers.addresses()
         for address in {r.address for r in dropped} - in_use:
             self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
+
+    def _verify_by_grant(self, job: RecvJob) -> bool:
+        """A landed read whose params carry the prefill's signed grant: verify its bytes against the
+        grant's digests now and finish it (a load error on a mismatch), releasing the lease without
+        waiting for an answer. False: no usable grant; the read is confirmed on the side channel."""
+        grant = self._usable_grant(job)
+        if grant is None:
+            return False
+        self._verifier.start(job)
+        if (error := self._verifier.verify(job, grant.digest)) is not None:
+            self._fail(job, error)
+        else:
+            self.stats.num_granted_reads += 1
+            posted, landed = self._landed[job.request_id]
+            self.stats.record_confirmed(posted, landed, self._clock())
+        self._peers.release(job.remote, job.lease)
+        self._finish_recv(job.request_id)
+        return True
+
+    def _usable_grant(self, job: RecvJob) -> m.LeaseGrant | None:
+        """The grant in `job`'s params when this node may rely on it: verification on, one rank on
+        both sides, signed with the key the prefill gave us in its handshake, naming exactly this
+        lease and prefill instance, with time left on its term."""
+        if not job.grant or self._verifier is None or self.context.tp_size != 1:
+            return None
+        peers = self._endpoint.peers
+        if job.remote.address not in peers or peers.get(job.remote.address).ranks:
+            return None
+        try:
+            grant = open_grant(peers.get(job.remote.address).grant_key, job.grant)
+            check_grant(grant, job.lease, job.remote.incarnation, self._wall_clock())
+        except GrantError as e:
+            self.stats.num_unusable_grants += 1
+            self._grant_warnings.warning(str(e), "request %s: confirming the read with the prefill instead of by its grant: %s",
+                                         job.request_id, e)  # fmt: skip
+            return None
+        return grant
 
     def _may_compute_early(self, job: RecvJob) -> bool:
         """Whether the scheduler may compute on this landed read before its verdict (get_landed_recving).
@@ -355,6 +426,7 @@ class NixlWorker:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        local_grants.unregister(self.context.incarnation)
         self._peers.close()
         if self._endpoint is not None:
             self._endpoint.close()  # deregisters the KV tensor from NIXL and drops it

@@ -30,7 +30,10 @@ def make_prompts(seed: int, lengths=(3 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7, 90)) ->
 
 @pytest.fixture(scope="module")
 def node():
-    with prefill_node(**engine_kwargs("prefill-early", "kv_producer")) as n:
+    # a prefill that grants in its next step, unsigned: every read is confirmed on the side channel,
+    # the case early steps exist for (with signed grants a read is verified as it lands)
+    kv = {"extra": {"sign_grants": False}}
+    with prefill_node(**engine_kwargs("prefill-early", "kv_producer", kv=kv)) as n:
         yield n
 
 
@@ -169,7 +172,7 @@ def test_a_prefill_killed_before_it_confirms_means_no_early_token(reference: LLM
     prompt = make_prompts(seed=25)[1]
     want = colocated(reference, [prompt])[0]
     monkeypatch.setenv("KVBRIDGE_FAULT_DELAY_CONFIRM_S", "1.0")
-    node = PrefillNode(**engine_kwargs(f"prefill-killed-{policy}", "kv_producer"))
+    node = PrefillNode(**engine_kwargs(f"prefill-killed-{policy}", "kv_producer", kv={"extra": {"sign_grants": False}}))
     try:
         params = node.prefill([prompt])[0]
         with decode_engine(f"decode-orphan-{policy}", extra=FAST_FAIL, load_failure_policy=policy) as dec:

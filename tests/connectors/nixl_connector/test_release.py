@@ -45,8 +45,10 @@ def test_a_release_that_comes_before_the_grant_frees_the_blocks_at_the_grant():
     and its decode leg can fail at once (a decode node that refuses the request): its release then
     arrives before the lease exists and is answered "pending". The prefill remembers it and ends the
     lease at the grant, whether the releaser gave up meanwhile or still asks: the blocks never wait
-    out the 60 s term."""
-    with prefill_node(**engine_kwargs("prefill-early-release", "kv_producer", kv={"extra": {"lease_s": 60}})) as node:
+    out the 60 s term. (A prefill that signs grants grants as the request finishes, before it answers:
+    this is the path of one that grants in its next step, as a tensor-parallel prefill does.)"""
+    kv = {"extra": {"lease_s": 60, "sign_grants": False}}
+    with prefill_node(**engine_kwargs("prefill-early-release", "kv_producer", kv=kv)) as node:
         (gave_up,) = node.prefill(PROMPTS[:1], pause=True)  # answered; the lease is not granted yet
         assert node.state()["num_used_blocks"] >= len(gave_up["remote_block_ids"])
         assert release_remote_kv(gave_up, secret=None, timeout_s=0.3) is False  # "pending" to the end
