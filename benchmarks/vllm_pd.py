@@ -403,6 +403,9 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
                               "(busy time of the last 4,096 reads) on the decode's /metrics")  # fmt: skip
         # percentiles over every read so far (warm-ups and earlier lengths included), for reference
         transfer["latency_gauges_ms"] = {p: end.get(f"kvbridge_worker_latency_ms_{p}") for p in ("p50", "p90", "p99")}
+        # reads verified against the prefill's signed grant (no round trip) and grants refused (confirmed instead)
+        for name in ("num_granted_reads", "num_unusable_grants", "num_digest_mismatches"):
+            transfer[name] = end.get(f"kvbridge_worker_{name}", 0) - start.get(f"kvbridge_worker_{name}", 0)
     return {
         "ttft_s": percentiles([r.ttft_s for r in results]),
         "decode_ttft_s": percentiles([r.decode.ttft_s for r in results]),
