@@ -76,11 +76,23 @@ class DigestJob:
 
     def __init__(self, alg: str, values: list[int] | None = None, sums: torch.Tensor | None = None) -> None:
         self.alg, self._values, self._sums = alg, values, sums  # sums: [n] int64 on the device
+        self._stream = None  # the stream the sums are queued on: the copy to the host follows them there
+        if sums is not None and sums.is_cuda:
+            import torch
+
+            self._stream = torch.cuda.current_stream(sums.device)
 
     def result(self) -> KVDigest:
         if self._values is None:
-            self._values = [v & _MASK64 for v in self._sums.tolist()]  # waits for the device
-            self._sums = None
+            if self._stream is not None:
+                import torch
+
+                with torch.cuda.stream(self._stream):  # waits for that stream only, not for the engine's
+                    sums = self._sums.tolist()
+            else:
+                sums = self._sums.tolist()
+            self._values = [v & _MASK64 for v in sums]
+            self._sums = self._stream = None
         return KVDigest(alg=self.alg, values=self._values)
 
 
@@ -219,7 +231,17 @@ def _multipliers(num_words: int, device: torch.device) -> torch.Tensor:
     return c
 
 
-def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch.Tensor:
+@lru_cache(maxsize=1)
+def has_wsum_kernel() -> bool:
+    """Whether the one-pass kernel of wsum64 (wsum_kernel.py) can run here: Triton is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray, use_kernel: bool | None = None) -> torch.Tensor:
+    """[n] int64 digests of blocks `ids`, queued on the current stream. `use_kernel` (None: on a GPU
+    with Triton) takes the one-pass kernel; otherwise torch reductions, chunk by chunk."""
     import torch
 
     strides = (layout.block_stride_bytes, layout.layer_stride_bytes, layout.page_nbytes)
@@ -227,6 +249,14 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> torch
         raise DigestError(f"{WSUM} needs pages of whole 32-bit words; this layout's strides are {strides} bytes")
     words = region.view(torch.int32)  # [region_nbytes / 4]
     page_words, block_w, layer_w = layout.page_nbytes // 4, layout.block_stride_bytes // 4, layout.layer_stride_bytes // 4
+    if use_kernel if use_kernel is not None else region.is_cuda and has_wsum_kernel():
+        from kvbridge.transfer.wsum_kernel import wsum_blocks
+
+        index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        if region.is_cuda:  # pinned: a pageable upload would wait for everything queued on the stream
+            index = index.pin_memory().to(region.device, non_blocking=True)
+        c = _multipliers(layout.num_layers * page_words, region.device)
+        return wsum_blocks(words, index, c, block_w, layer_w, page_words, layout.num_layers)
     c = _multipliers(layout.num_layers * page_words, region.device).view(layout.num_layers, page_words)
     # [num_blocks, num_layers, page_words] int32: every block, pages in layer order (as_strided's offset is absolute)
     blocks = words.as_strided((layout.num_blocks, layout.num_layers, page_words), (block_w, layer_w, 1), words.storage_offset())

@@ -54,6 +54,7 @@ ceil(T / D) of ours). The kind is logged once per peer and counted in `get_stats
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -150,6 +151,7 @@ class KVEndpoint:
         self.shard = KVShard(layout, kv_head_start, num_total_kv_heads)
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
+        self._wait_ipc_reads = opts.wait_ipc_reads
         self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
         if serve:  # before anything is registered
             check_exposure(host, self._secret, opts.insecure_side_channel)
@@ -158,6 +160,11 @@ class KVEndpoint:
         self._region_bytes = region_bytes(kv_cache, layout)  # [region_nbytes] uint8, for digests
         self.digest_alg = algorithm_for(kv_cache)
         self.grants = GrantSigner()  # random per endpoint: its key reaches readers in handshake answers only
+        self._digest_stream = None
+        if kv_cache.is_cuda:
+            import torch
+
+            self._digest_stream = torch.cuda.Stream(kv_cache.device)
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
             self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
         # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
@@ -475,6 +482,8 @@ class KVEndpoint:
 
     def _poll(self, handle: NixlPost | IpcCopy) -> XferState:
         if isinstance(handle, IpcCopy):
+            if self._wait_ipc_reads:
+                handle.event.synchronize()  # the copy alone: its stream waits for nothing queued after it
             return XferState.DONE if handle.is_done() else XferState.IN_PROGRESS
         return poll_post(self.agent, handle)
 
@@ -498,10 +507,25 @@ class KVEndpoint:
         endpoint's own algorithm. Raises DigestError or IndexError (transfer/digest.py)."""
         return block_digests(self._region_bytes, self.layout, block_ids, alg or self.digest_alg)
 
+    def _on_digest_stream(self):
+        """Digests of leased or landed blocks run on a stream of their own (on a GPU): they read blocks
+        whose bytes are in place (written by steps whose outputs were taken, or landed), so they need
+        not wait for a forward pass the engine queued meanwhile, and nothing waits for them but their
+        result."""
+        if self._digest_stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self._digest_stream)
+
     def digest_lease(self, block_ids, per_head: bool = True) -> m.KVDigest:
         """What an owner returns with a lease: each block's digest and, when our pages hold several KV
         heads, each head's (so a reader holding only some of them, a wider tensor-parallel decode, can
-        check what it read). Raises DigestError or IndexError."""
+        check what it read). Raises DigestError or IndexError. On the digest stream."""
+        with self._on_digest_stream():
+            return self._digest_lease(block_ids, per_head)
+
+    def _digest_lease(self, block_ids, per_head: bool) -> m.KVDigest:
         whole = self.digest_blocks(block_ids)
         if self.layout.num_kv_heads == 1 or not per_head:
             return whole
@@ -545,7 +569,13 @@ class KVEndpoint:
         """`start_read_digest` for each rank of a tensor-parallel peer node (rank 0 first): per rank, the
         digests of what we read from it, as (None, its whole blocks) when we hold all of its heads, else
         (i, its i-th head's blocks) for each of its heads we hold (to check against its `head_values`),
-        and nothing for a rank none of whose heads we hold (nothing was read from it)."""
+        and nothing for a rank none of whose heads we hold (nothing was read from it). On the digest stream."""
+        with self._on_digest_stream():
+            return self._start_read_digests(address, local_block_ids, remote_block_ids, alg)
+
+    def _start_read_digests(
+        self, address: str, local_block_ids, remote_block_ids, alg: str
+    ) -> list[list[tuple[int | None, DigestJob]]]:
         peer = self.peers.get(address) if address in self.peers else None
         if peer is None or not self.is_translated(peer):
             return [[(None, self.start_digest(local_block_ids, alg))]]
@@ -572,6 +602,10 @@ class KVEndpoint:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""
         offset = self.layout.block_offset(block_id)
         self._region_bytes[offset : offset + 1] ^= 1
+        if self._digest_stream is not None:  # in place before the digest stream reads it
+            import torch
+
+            self._digest_stream.wait_stream(torch.cuda.current_stream(self._kv.device))
 
     # ------------------------------------------------------------------ stats
 

@@ -38,6 +38,10 @@ class TransferOptions:
     max_descriptor_nbytes: int | None = None  # "ranges": split longer ranges
     cuda_ipc: bool = True  # GPU peers on one host copy each other's KV through CUDA IPC mappings, not NIXL
     ipc_min_runs: int = 16  # ...for transfers of at least this many runs of blocks (fewer: NIXL is as fast)
+    # A read through a CUDA IPC mapping (a copy between GPUs of one host: ~0.3-1.5 ms for 512 MiB) is
+    # waited for in the poll after its post, so it lands in the engine step that posted it, not in a
+    # later one. Off: polled like a NIXL read.
+    wait_ipc_reads: bool = True
     # Serve a side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise; auth.py)
     insecure_side_channel: bool = False
 

@@ -29,7 +29,6 @@ NIXL is touched only from the engine thread (`KVEndpoint` rule). Side-channel re
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -96,7 +95,6 @@ class NixlWorker:
         self._ungranted: dict[str, tuple[m.LeaseRef, m.KVDigest | None]] = {}  # rank 0: own digest, awaiting the others'
         self._rank_digests: dict[str, m.KVDigest] = {}  # rank > 0: digested this step, for rank 0
         self._digested: set[str] = set()  # rank > 0: its part of these leases is done (finished_sending)
-        self._grant_stream = None  # prefill on CUDA: where grant_now digests
         self._wall_clock = time.time  # the clock of the grants' terms (the owner's, in the grant)
         self._grant_warnings = RepeatedWarnings(logger)  # forged grants must not write a line each
         self._is_shut_down = False
@@ -126,10 +124,6 @@ class NixlWorker:
         self._verifier = ReadVerifier(self._endpoint, self.stats, self._clock) if self.options.verify_kv_digest else None
         if self._endpoint.server is not None and ctx.tp_size == 1 and self.options.verify_kv_digest and self.options.sign_grants:
             local_grants.register(ctx.incarnation, self)  # the scheduler half grants through us as requests finish
-            if kv_cache.is_cuda:  # grant digests wait for nothing but the blocks they read (written steps ago)
-                import torch
-
-                self._grant_stream = torch.cuda.Stream(kv_cache.device)
         if self._endpoint.server is not None:
             logger.info("NixlConnector %s: side channel on %s, serving KV to peers", self.config.engine_id, self._endpoint.address)
 
@@ -159,19 +153,11 @@ class NixlWorker:
         lease is then granted in the next step, as without a granter)."""
         if self._endpoint is None:
             return None
-        with self._on_grant_stream():
-            digest = self._digest(lease)
+        digest = self._digest(lease)  # on the endpoint's digest stream: no wait for a forward in flight
         if digest is None:
             return None
         self._leases.grant(lease, self._clock(), digest)
         return self._endpoint.grants.sign(lease, self.context.incarnation, digest, lease_s)
-
-    def _on_grant_stream(self):
-        if self._grant_stream is None:
-            return contextlib.nullcontext()
-        import torch
-
-        return torch.cuda.stream(self._grant_stream)
 
     # ------------------------------------------------------------------ per step
 

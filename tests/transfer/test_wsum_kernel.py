@@ -1,0 +1,56 @@
+"""The one-pass wsum64 kernel (transfer/wsum_kernel.py) gives the torch reduction's digests, bit for bit:
+pages of several chunks and a ragged last one, block-major and layer-outermost placements, scattered
+and repeated ids. On a GPU (`gpu`), or on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`
+with Triton installed; CI runs it so)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.layout import KVCacheLayout
+from kvbridge.transfer.digest import WSUM, _wsum, block_digests, has_wsum_kernel, region_bytes
+
+# 40-token blocks of 4 heads of 128, bf16: 80 KiB pages = 20,480 words, 2.5 kernel chunks of 8,192
+GEOMETRY = dict(num_layers=2, block_size=40, num_kv_heads=4, head_dim=128, dtype="bfloat16")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not (INTERPRETED and has_wsum_kernel()), reason="needs TRITON_INTERPRET=1 and Triton")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+
+
+def _region(layout: KVCacheLayout, seed: int, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.randint(-128, 128, (layout.region_nbytes,), dtype=torch.int8, generator=gen).view(torch.bfloat16)
+    return region_bytes(torch.as_strided(buf, layout.shape, layout.strides).to(device), layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", ["block-major", "layer-outermost"])
+def test_the_kernel_gives_the_torch_reductions_digests(device, placement):
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=5)
+    if placement == "layer-outermost":
+        layout = KVCacheLayout(**GEOMETRY, num_blocks=5, layer_stride=5 * layout.page_nbytes, block_stride=layout.page_nbytes)
+    region = _region(layout, seed=7, device=device)
+    ids = np.array([4, 0, 2, 2, 1], dtype=np.int64)
+    kernel = _wsum(region, layout, ids, use_kernel=True).cpu()
+    torch_ = _wsum(region.cpu(), layout, ids, use_kernel=False)
+    assert torch.equal(kernel, torch_)
+    assert kernel[2] == kernel[3] and len(set(kernel.tolist())) == 4  # the same block twice, the others apart
+    one_bit = region.clone()
+    one_bit[layout.page_offsets(np.array([1]))[0, 1] + 123] ^= 4  # block 1, layer 1
+    changed = _wsum(one_bit, layout, ids, use_kernel=True).cpu()
+    assert (changed != kernel).tolist() == [False, False, False, False, True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_block_and_out_of_range_ids(device):
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=3)
+    region = _region(layout, seed=8, device=device)
+    assert _wsum(region, layout, np.array([], dtype=np.int64), use_kernel=True).numel() == 0
+    with pytest.raises(IndexError):
+        block_digests(region, layout, [3], WSUM)
