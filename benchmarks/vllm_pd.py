@@ -435,14 +435,15 @@ def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], exp
     `--request-timeout`) returns {"failed": why}: a hang is a result, and the other arms still run.
     """
     started = time.monotonic()
-    prefill = start_vllm_server(f"{arm}-prefill", model, log_dir, max_model_len=args.max_model_len,
+    name = arm.replace("@", "-").replace("+", "-")  # server and log file names: letters, digits, '-'
+    prefill = start_vllm_server(f"{name}-prefill", model, log_dir, max_model_len=args.max_model_len,
                                 cpus=args.prefill_cpus, kv_transfer_config=transfer_config(arm, "kv_producer", args.device),
                                 **server_options(args, arm))  # fmt: skip
     decode = None
     try:
         if args.device == "cuda":  # one at a time: vLLM's memory profiling counts a neighbour's boot as its own use
             wait_ready([prefill])
-        decode = start_vllm_server(f"{arm}-decode", model, log_dir, max_model_len=args.max_model_len,
+        decode = start_vllm_server(f"{name}-decode", model, log_dir, max_model_len=args.max_model_len,
                                    cpus=args.decode_cpus, kv_transfer_config=transfer_config(arm, "kv_consumer", args.device),
                                    **server_options(args, arm))  # fmt: skip
         wait_ready([prefill, decode])
