@@ -35,7 +35,26 @@ def test_diff_names_every_field():
     a = MemorySnapshot(None, None, None, None, 1000, 5)
     b = MemorySnapshot(None, None, None, None, 1500, 7)
     assert b.diff(a) == {"cuda_allocated": None, "cuda_reserved": None, "cuda_used": None,
-                         "rss_bytes": 500, "num_live_tensors": 2}  # fmt: skip
+                         "rss_bytes": 500, "num_live_tensors": 2, "num_threads": None, "num_fds": None}  # fmt: skip
+
+
+def test_threads_and_fds_follow_what_the_process_opens():
+    import os
+    import threading
+
+    before = take_snapshot("cpu")
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        during = take_snapshot("cpu")
+    finally:
+        stop.set()
+        thread.join()
+        os.close(fd)
+    assert during.num_threads - before.num_threads == 1 and during.num_fds - before.num_fds == 1
+    assert take_snapshot("cpu").diff(before)["num_threads"] == 0
 
 
 def test_wait_without_cuda_returns_at_once():
