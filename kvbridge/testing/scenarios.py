@@ -174,7 +174,7 @@ def abort_while_loading(target: ConnectorUnderTest, reference: Reference, prompt
     return tap, skip
 
 
-def memory_cycles(target: ConnectorUnderTest, prompts: list[list[int]], num_cycles: int = 3) -> list[str]:
+def memory_cycles(target: ConnectorUnderTest, prompts: list[list[int]], num_cycles: int = 2) -> list[str]:
     """create -> serve twice -> shutdown, `num_cycles` times after one warm-up; what did not come back."""
 
     def one_cycle() -> weakref.ref:
