@@ -79,3 +79,25 @@ def test_cuda_snapshot_and_wait():
     del x
     torch.cuda.empty_cache()
     assert take_snapshot("cuda").cuda_allocated == base.cuda_allocated
+
+
+def test_census_finds_a_leak_by_identity_while_other_things_are_freed_and_caches_are_refilled():
+    from kvbridge.testing.memory_snapshot import Census
+
+    unrelated = [torch.zeros(1) for _ in range(5)]
+    cache, leaked = {}, []
+
+    def cycle(leak: bool) -> None:
+        cache["block"] = torch.zeros(2)  # refilled each cycle: not a leak
+        if leak:
+            leaked.append(torch.zeros(3, 2))
+
+    before = Census.take()
+    cycle(leak=False)
+    mid = Census.take(since=before)
+    unrelated.clear()  # five released elsewhere: a count would hide one leaked tensor
+    cycle(leak=True)
+    found = Census.take().leaked(before, mid)
+    assert list(found) == ["tensors"] and len(found["tensors"]) == 1, found  # the refill is not a leak
+    leaked.clear()
+    assert Census.take().leaked(before, mid) == {}

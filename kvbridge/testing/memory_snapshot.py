@@ -17,6 +17,7 @@ import gc
 import os
 import resource
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -80,12 +81,81 @@ def count_fds() -> int | None:
     return _count_entries("/proc/self/fd")
 
 
-def count_live_tensors() -> int:
+def live_tensors() -> list[torch.Tensor]:
     """torch.Tensor objects (parameters included) the garbage collector can see. Runs gc first."""
     gc.collect()
     # type(), not isinstance(): isinstance reads `obj.__class__`, which some module proxies
     # (deprecated torch attributes, dead weakref proxies) turn into warnings or errors.
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
+def count_live_tensors() -> int:
+    """How many `live_tensors()` there are."""
+    return len(live_tensors())
+
+
+def _entries(directory: str) -> dict[str, str]:
+    """Entry name -> what it is (a thread's name, an fd's target); empty where /proc is missing."""
+    found = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if directory.endswith("task"):
+                with open(f"{directory}/{name}/comm") as f:
+                    found[name] = f.read().strip()
+            else:
+                found[name] = os.readlink(f"{directory}/{name}")
+        except OSError:  # gone meanwhile (the listing's own fd, a thread that ended)
+            continue
+    return found
+
+
+@dataclass(frozen=True)
+class Census:
+    """What this process holds, by identity: live tensors, OS threads, open file descriptors.
+
+    `leaked(before, mid)`, on the census after two identical cycles of work (`before` taken before
+    the first, `mid` between them), names what the second cycle left behind beyond what it released
+    of the first's. Identity, not counts, so that objects released elsewhere meanwhile cannot hide a
+    leak; net of the first cycle's, so that a cache the work refills (a process-wide tier whose
+    blocks each cycle replaces) is not one.
+    """
+
+    tensors: dict[int, weakref.ref]  # id -> weak reference to that tensor
+    threads: dict[str, str]  # thread id -> its name (/proc/self/task/*/comm)
+    fds: dict[str, str]  # fd number -> what it points at (a file, "socket:[...]", "pipe:[...]")
+    new_tensors: dict[int, weakref.ref]  # those of `tensors` not alive at the census given as `since`
+
+    @classmethod
+    def take(cls, since: Census | None = None) -> Census:
+        tensors = {id(t): weakref.ref(t) for t in live_tensors()}
+        new = {k: r for k, r in tensors.items() if since is not None and _is_new(k, r, since.tensors)}
+        return cls(tensors, _entries("/proc/self/task"), _entries("/proc/self/fd"), new)
+
+    def leaked(self, before: Census, mid: Census) -> dict[str, list[str]]:
+        """"tensors" / "threads" / "fds" -> descriptions of what leaked (only kinds that did).
+        `mid` must have been taken with `since=before`."""
+        found = {}
+        first = mid.new_tensors  # the first cycle's, as they were when it ended
+        last = [t for k, r in self.tensors.items() if (t := r()) is not None and _is_new(k, r, mid.tensors)]
+        if (net := len(last) - sum(r() is None for r in first.values())) > 0:
+            found["tensors"] = [f"{tuple(t.shape)} {t.dtype}" for t in last][-net:]
+        for kind in ("threads", "fds"):
+            now, then, earlier = getattr(self, kind), getattr(mid, kind), getattr(before, kind)
+            first_keys = {k for k, v in then.items() if earlier.get(k) != v}
+            last_items = [v for k, v in now.items() if then.get(k) != v]
+            if (net := len(last_items) - sum(1 for k in first_keys if now.get(k) != then[k])) > 0:
+                found[kind] = sorted(last_items)[:net]
+        return found
+
+
+def _is_new(key: int, ref: weakref.ref, earlier: dict[int, weakref.ref]) -> bool:
+    """The tensor `ref` points at is alive and was not in `earlier` (an id alone may be reused)."""
+    obj, old = ref(), earlier.get(key)
+    return obj is not None and (old is None or old() is not obj)
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:

@@ -191,6 +191,34 @@ class EarlyFinishConnector(QueueTierConnector):
         pass
 
 
+class LateSyncLoadConnector(QueueTierConnector):
+    """Loads synchronously (inside the admission step), but copies the bytes only after the forward pass."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return MatchResult(super().get_num_new_matched_tokens(request, num_computed_tokens).num_external_tokens, False)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        self.in_flight.discard(request.request_id)  # a sync load reports nothing
+
+    def start_load_kv(self):
+        pass
+
+    def wait_for_save(self):
+        plan = self.get_connector_metadata()
+        for job in plan.loads if isinstance(plan, Plan) else ():
+            for block_id, block_hash in job.blocks:
+                self.kv[block_id].copy_(STORE[block_hash])
+        super().wait_for_save()
+
+
+class HangingFlushConnector(QueueTierConnector):
+    """`flush(timeout_s)` waits for every transfer, however long past its deadline."""
+
+    def flush(self, timeout_s):
+        return super().flush(None)
+
+
 class LeakyConnector(QueueTierConnector):
     """Allocates a staging buffer next to the KV cache and never gives it back."""
 

@@ -17,21 +17,28 @@ def test_the_connector_the_faults_derive_from_passes_every_check(tmp_path):
     assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 10, run.outcomes
 
 
+SLOW_STORES = ({"extra": {"delay_s": 1.0}}, "--kvbridge-deadline-grace", "0.3")
+
+
 @pytest.mark.parametrize(
-    "fault, check, rule",
+    "fault, check, rule, config_and_args",
     [
-        ("EarlyFinishConnector", "test_loads_are_finished_only_once_their_bytes_landed", "landed-before-finished"),
-        ("EarlyStoreReleaseConnector", "test_stores_release_blocks_after_reading_them", "release-after-transfer"),
-        ("AbortReleaseConnector", "test_aborted_load_releases_blocks_after_it_ends", "release-after-transfer"),
-        ("ResetAtOnceConnector", "test_reset_prefix_cache_waits_then_returns_true", "flush-waits-with-deadline"),
-        ("LeakyConnector", "test_shutdown_returns_every_byte", "shutdown-returns-everything"),
-        ("SilentLoadErrorConnector", "test_load_error_becomes_a_recompute", "never-wrong-output"),
-        ("LockInMetadataConnector", "test_halves_share_only_plain_metadata", "plain-metadata"),
-        ("LaxConfigConnector", "test_bad_config_is_a_named_error_at_construction", "config-refused-at-construction"),
+        ("EarlyFinishConnector", "test_loads_are_finished_only_once_their_bytes_landed", "landed-before-finished", ()),
+        ("LateSyncLoadConnector", "test_loads_are_finished_only_once_their_bytes_landed", "landed-before-finished", ()),
+        ("EarlyStoreReleaseConnector", "test_stores_release_blocks_after_reading_them", "release-after-transfer", ()),
+        ("AbortReleaseConnector", "test_aborted_load_releases_blocks_after_it_ends", "release-after-transfer", ()),
+        ("ResetAtOnceConnector", "test_reset_prefix_cache_waits_then_returns_true", "flush-waits-with-deadline", ()),
+        ("HangingFlushConnector", "test_reset_prefix_cache_waits_then_returns_true", "flush-waits-with-deadline",
+         SLOW_STORES),
+        ("LeakyConnector", "test_shutdown_returns_every_byte", "shutdown-returns-everything", ()),
+        ("SilentLoadErrorConnector", "test_load_error_becomes_a_recompute", "never-wrong-output", ()),
+        ("LockInMetadataConnector", "test_halves_share_only_plain_metadata", "plain-metadata", ()),
+        ("LaxConfigConnector", "test_bad_config_is_a_named_error_at_construction", "config-refused-at-construction", ()),
     ],
-)
-def test_a_planted_fault_fails_the_check_of_its_rule(tmp_path, fault, check, rule):
-    run = run_kit(tmp_path, f"planted_faults:{fault}", FAST, "-k", check, failing=FAILING)
+)  # fmt: skip
+def test_a_planted_fault_fails_the_check_of_its_rule(tmp_path, fault, check, rule, config_and_args):
+    config, *args = config_and_args or (FAST,)
+    run = run_kit(tmp_path, f"planted_faults:{fault}", config, "-k", check, *args, failing=FAILING)
     assert run.outcomes == {check: "failed"}, run.outcomes
     assert run.messages[check].startswith(f"kvbridge connector rule [{rule}] broken:"), run.messages[check]
 
