@@ -243,18 +243,21 @@ class EarlyStoreReleaseConnector(QueueTierConnector):
 class AbortReleaseConnector(QueueTierConnector):
     """Reports an aborted request's load finished at once, while its copy still writes into the blocks."""
 
+    def __init__(self, config, role, context) -> None:
+        super().__init__(config, role, context)
+        self.loading: dict[str, Future] = {}  # request id -> its load's copy
+        self.reported_early: set[str] = set()
+
     def start_load_kv(self):
-        self.loading = getattr(self, "loading", {})
         plan = self.get_connector_metadata()
         for job in plan.loads if isinstance(plan, Plan) else ():
             self.loading[job.request_id] = self.submit(self.load, job)
 
     def get_finished(self, finished_req_ids):
-        self.early = getattr(self, "early", set())
-        aborted = {r for r, f in getattr(self, "loading", {}).items() if r in finished_req_ids and not f.done()}
+        aborted = {r for r, f in self.loading.items() if r in finished_req_ids and not f.done()}
         sending, recving = super().get_finished(finished_req_ids)
-        late = recving & self.early
-        self.early = (self.early | aborted) - late
+        late = recving & self.reported_early  # reported once already, at the abort
+        self.reported_early = (self.reported_early | aborted) - late
         return CompletedTransfers(sending, (recving - late) | aborted)
 
 
