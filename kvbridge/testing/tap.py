@@ -18,14 +18,13 @@ correct connector cannot tell the difference:
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from kvbridge.connectors.base import KVConnectorMetadata, KVHandoff, MatchResult
+from kvbridge.testing.ledger import Ledger, Load
 from kvbridge.testing.rules import Rule, Violation
 
 if TYPE_CHECKING:
@@ -37,34 +36,6 @@ RESET_SENTINEL = -5555.0  # written into every block once reset_prefix_cache ret
 ABORT_SENTINEL = 3333.0  # written into the blocks of a watched aborted load once it was reported finished
 # Loaded KV is compared with an engine's own, computed in another batch: equal up to float rounding.
 RTOL, ATOL = 1e-3, 1e-4
-
-
-@dataclass
-class Load:
-    """One load the scheduler half asked for: the full blocks it fills, with their hashes."""
-
-    request_id: str
-    targets: list[tuple[int, BlockHash]]  # (block id, chained hash)
-    is_async: bool
-    error_blocks: set[int] = field(default_factory=set)  # reported as failed while it was in flight
-
-
-@dataclass
-class Ledger:
-    """Transfers started and reported finished, per request id."""
-
-    recv_started: Counter = field(default_factory=Counter)
-    recv_finished: Counter = field(default_factory=Counter)
-    send_started: Counter = field(default_factory=Counter)
-    send_finished: Counter = field(default_factory=Counter)
-    num_sync_loads: int = 0
-    num_load_errors: int = 0
-
-    def unfinished(self) -> list[str]:
-        """Request ids with a transfer started and not reported finished."""
-        recv = {r for r, n in self.recv_started.items() if self.recv_finished[r] < n}
-        send = {r for r, n in self.send_started.items() if self.send_finished[r] < n}
-        return sorted(recv | send)
 
 
 class Tap:

@@ -4,7 +4,8 @@ and subclasses that each break one rule of it, the way the bugs that cost vLLM u
 `QueueTierConnector` stores finished requests' full blocks in a process-wide dict (block hash ->
 block) and loads them back asynchronously; every copy runs on one worker thread, in order, after
 `extra["delay_s"]`. Options (`extra`): `delay_s` (default 0.05), `fail_loads` (every load fills its
-first block with garbage and reports it failed).
+first block with garbage and reports it failed), `store` (the name of the dict it stores into; tests
+give each run its own, so that one run's late copies never touch another's).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from kvbridge.connectors.base import (
 )
 from kvbridge.errors import ConfigError
 
-STORE: dict[bytes, torch.Tensor] = {}  # block hash -> one block, [num_layers, 2, block_size, heads, dim]
+STORES: dict[str, dict[bytes, torch.Tensor]] = {}  # name -> block hash -> one block [layers, 2, block_size, heads, dim]
 LEAKED: list[torch.Tensor] = []  # LeakyConnector's buffers, never given back
-OPTIONS = {"delay_s", "fail_loads"}
+OPTIONS = {"delay_s", "fail_loads", "store"}
 
 
 @dataclass
@@ -56,6 +57,7 @@ class QueueTierConnector(KVConnectorBase):
         self.bs = context.block_size
         self.delay_s = float(config.extra.get("delay_s", 0.05))
         self.fail_loads = bool(config.extra.get("fail_loads", False))
+        self.store = STORES.setdefault(str(config.extra.get("store", "default")), {})
         # scheduler half
         self.planned: set[bytes] = set()  # hashes stored or being stored (the one worker thread keeps order)
         self.matched: dict[str, int] = {}
@@ -137,7 +139,7 @@ class QueueTierConnector(KVConnectorBase):
                 with self.lock:
                     self.errors.add(block_id)
                 continue
-            self.kv[block_id].copy_(STORE[block_hash])
+            self.kv[block_id].copy_(self.store[block_hash])
         self.report_recv(job.request_id)
 
     def report_recv(self, request_id: str) -> None:
@@ -147,7 +149,7 @@ class QueueTierConnector(KVConnectorBase):
     def save(self, job: Job) -> None:
         time.sleep(self.delay_s)
         for block_id, block_hash in job.blocks:
-            STORE[block_hash] = self.kv[block_id].clone()
+            self.store[block_hash] = self.kv[block_id].clone()
         self.report_send(job.request_id)
 
     def report_send(self, request_id: str) -> None:
@@ -208,7 +210,7 @@ class LateSyncLoadConnector(QueueTierConnector):
         plan = self.get_connector_metadata()
         for job in plan.loads if isinstance(plan, Plan) else ():
             for block_id, block_hash in job.blocks:
-                self.kv[block_id].copy_(STORE[block_hash])
+                self.kv[block_id].copy_(self.store[block_hash])
         super().wait_for_save()
 
 

@@ -8,11 +8,16 @@ import pytest
 from kit_runner import run_kit
 
 FAST = {"extra": {"delay_s": 0.02}}
-FAILING = {"extra": {"delay_s": 0.02, "fail_loads": True}}
+FAILING = {"extra": {"delay_s": 0.02, "fail_loads": True, "store": "failing"}}
+
+
+def own_store(config: dict, tmp_path) -> dict:
+    """`config` with a store of this test's own (a late copy of an abandoned run lands elsewhere)."""
+    return {**config, "extra": {**config["extra"], "store": tmp_path.name}}
 
 
 def test_the_connector_the_faults_derive_from_passes_every_check(tmp_path):
-    run = run_kit(tmp_path, "planted_faults:QueueTierConnector", FAST, failing=FAILING)
+    run = run_kit(tmp_path, "planted_faults:QueueTierConnector", own_store(FAST, tmp_path), failing=FAILING)
     assert run.exit_code == 0, run.messages
     assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 10, run.outcomes
 
@@ -38,7 +43,7 @@ SLOW_STORES = ({"extra": {"delay_s": 1.0}}, "--kvbridge-deadline-grace", "0.3")
 )  # fmt: skip
 def test_a_planted_fault_fails_the_check_of_its_rule(tmp_path, fault, check, rule, config_and_args):
     config, *args = config_and_args or (FAST,)
-    run = run_kit(tmp_path, f"planted_faults:{fault}", config, "-k", check, *args, failing=FAILING)
+    run = run_kit(tmp_path, f"planted_faults:{fault}", own_store(config, tmp_path), "-k", check, *args, failing=FAILING)
     assert run.outcomes == {check: "failed"}, run.outcomes
     assert run.messages[check].startswith(f"kvbridge connector rule [{rule}] broken:"), run.messages[check]
 
