@@ -87,7 +87,7 @@ def serve_twice(target: ConnectorUnderTest, reference: Reference, prompts: list[
             return served
         if reset is not True:
             tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"reset_prefix_cache() returned {reset!r}, not True")
-        _check_nothing_in_flight(tap, llm, "reset_prefix_cache() returned True")
+        _check_nothing_in_flight(tap, llm, "reset_prefix_cache() returned True", grace)
         tap.after_reset()
         second = _generate(llm, prompts, [o.kv_transfer_params for o in first])
         served.num_external_tokens = sum(o.num_external_tokens for o in second)
@@ -122,11 +122,11 @@ def _check_flush_deadline(tap: Tap, grace_s: float) -> None:
     tap.check_flush_report(report, "right after the first pass")
 
 
-def _check_nothing_in_flight(tap: Tap, llm, when: str) -> None:
+def _check_nothing_in_flight(tap: Tap, llm, when: str, grace_s: float) -> None:
     if unfinished := tap.ledger.unfinished():
         tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"{when} while the transfers of {unfinished} had not been "
                     "reported finished")  # fmt: skip
-    report = tap.worker_half.flush(0.0)
+    report = call_with_deadline(lambda: tap.worker_half.flush(0.0), grace_s, "flush(timeout_s=0)")
     tap.check_flush_report(report, f"once {when}")
     if not report.is_complete:
         tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"{when} while flush() still reports "
