@@ -169,6 +169,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("connectors", ("kvbridge.connectors",)),  # the connector contract and its implementations
     ("engine", ("kvbridge.engine",)),  # the reference engine, which drives connectors
     ("front ends", ("kvbridge.serve", "kvbridge.integrations")),  # HTTP serving; vLLM hosting connectors
+    ("conformance kit", ("kvbridge.testing",)),  # drives a plugin's connector through the engine (pytest plugin)
     # `import kvbridge` (the public API) and `kvbridge CMD`; `kvbridge demo` runs the public API
     # next to the serve and proxy commands.
     ("commands", ("kvbridge", "kvbridge.cli", "kvbridge.cli_generate", "kvbridge.serve.demo")),

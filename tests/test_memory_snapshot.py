@@ -35,7 +35,26 @@ def test_diff_names_every_field():
     a = MemorySnapshot(None, None, None, None, 1000, 5)
     b = MemorySnapshot(None, None, None, None, 1500, 7)
     assert b.diff(a) == {"cuda_allocated": None, "cuda_reserved": None, "cuda_used": None,
-                         "rss_bytes": 500, "num_live_tensors": 2}  # fmt: skip
+                         "rss_bytes": 500, "num_live_tensors": 2, "num_threads": None, "num_fds": None}  # fmt: skip
+
+
+def test_threads_and_fds_follow_what_the_process_opens():
+    import os
+    import threading
+
+    before = take_snapshot("cpu")
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        during = take_snapshot("cpu")
+    finally:
+        stop.set()
+        thread.join()
+        os.close(fd)
+    assert during.num_threads - before.num_threads == 1 and during.num_fds - before.num_fds == 1
+    assert take_snapshot("cpu").diff(before)["num_threads"] == 0
 
 
 def test_wait_without_cuda_returns_at_once():
@@ -60,3 +79,25 @@ def test_cuda_snapshot_and_wait():
     del x
     torch.cuda.empty_cache()
     assert take_snapshot("cuda").cuda_allocated == base.cuda_allocated
+
+
+def test_census_finds_a_leak_by_identity_while_other_things_are_freed_and_caches_are_refilled():
+    from kvbridge.testing.memory_snapshot import Census
+
+    unrelated = [torch.zeros(1) for _ in range(5)]
+    cache, leaked = {}, []
+
+    def cycle(leak: bool) -> None:
+        cache["block"] = torch.zeros(2)  # refilled each cycle: not a leak
+        if leak:
+            leaked.append(torch.zeros(3, 2))
+
+    before = Census.take()
+    cycle(leak=False)
+    mid = Census.take(since=before)
+    unrelated.clear()  # five released elsewhere: a count would hide one leaked tensor
+    cycle(leak=True)
+    found = Census.take().leaked(before, mid)
+    assert list(found) == ["tensors"] and len(found["tensors"]) == 1, found  # the refill is not a leak
+    leaked.clear()
+    assert Census.take().leaked(before, mid) == {}

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.base import (
     CompletedTransfers,
@@ -216,6 +218,21 @@ class MultiConnector(KVConnectorBase):
 
     def has_pending_transfers(self) -> bool:
         return bool(self._finish_plans) or any(c.has_pending_transfers() for c in self.children)
+
+    # ------------------------------------------------------------------ the plan as bytes
+
+    def encode_metadata(self, metadata: KVConnectorMetadata) -> bytes:
+        """The plan as bytes (msgspec; never pickle): each child's part through that child's own
+        `encode_metadata`, so a child without one raises NotImplementedError here too."""
+        assert isinstance(metadata, MultiMetadata)
+        parts = [None if m is None else c.encode_metadata(m) for c, m in zip(self.children, metadata.children)]
+        return msgspec.msgpack.encode((parts, metadata.finish_plans))
+
+    def decode_metadata(self, data: bytes) -> KVConnectorMetadata:
+        """Inverse of `encode_metadata`, each child's part by that child's `decode_metadata`."""
+        parts, plans = msgspec.msgpack.decode(data, type=tuple[list[bytes | None], dict[str, tuple[int, ...]]])
+        children = [None if p is None else c.decode_metadata(p) for c, p in zip(self.children, parts)]
+        return MultiMetadata(children, plans)
 
     # ------------------------------------------------------------------ worker side
 

@@ -232,8 +232,9 @@ class OffloadWorker:
     def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
         self._finished |= finished_req_ids & self._seen
         self._poll()
-        recving = self._recving_done - self._finished
-        self._recving_done.clear()
+        # A request aborted while loading is named here too: the engine holds its blocks until its
+        # load ends (finished_recving), apart from any store that delays their free (finished_sending).
+        recving, self._recving_done = self._recving_done, set()
         sending = {r for r in self._finished if r not in self._pending and r not in self._loads_left}
         self._finished -= sending
         self._seen -= sending

@@ -1,0 +1,1 @@
+"""An example kvbridge connector plugin: KV blocks kept as files in a directory."""
