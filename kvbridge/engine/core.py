@@ -377,6 +377,8 @@ class EngineCore:
     def get_stats(self) -> dict:
         """Scheduler and block-pool counters, plus each connector half's own stats."""
         stats = self.scheduler.get_stats()
+        if self.kv_events is not None:
+            stats["kv_events"] = self.kv_events.get_stats()
         if self.worker_connector is not None:
             stats["connector"] = {
                 "scheduler": self.scheduler_connector.get_stats(),

@@ -123,6 +123,15 @@ class KVEventStream:
         if events:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
+    def get_stats(self) -> dict:
+        publisher = self.publisher
+        return {
+            "prefix_caching_hash_algo": self.recorder.hasher.algo,
+            "num_published_blocks": self.recorder.num_published_blocks,
+            "num_batches_published": publisher.num_published,
+            "num_batches_dropped": publisher.num_dropped,
+        }
+
     def shutdown(self) -> None:
         self.publish()
         self.publisher.shutdown()

@@ -62,7 +62,7 @@ class CompletionsAPI:
         self.engine = engine
         self.model_name = model_name
         self.role = role
-        self.metrics = ServerMetrics(role)
+        self.metrics = ServerMetrics(role, model_name)
         self.answers = AnswerWriter(model_name, self._kvbridge_stats)
         self._chat_template: ChatTemplate | ChatTemplateError | None = None  # loaded on the first chat request
 
