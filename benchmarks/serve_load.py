@@ -543,8 +543,7 @@ def routing_plan(requested: str, supported: list[str]) -> tuple[list[str | None]
     """The routings to run (None: the proxy's own, without the flag) and a note when that is not
     what was asked."""
     wanted = {"both": list(ROUTINGS), "routers": [*ROUTINGS, *VLLM_ROUTER_ROUTINGS]}.get(requested, [requested])
-    supported = [*supported, *VLLM_ROUTER_ROUTINGS]
-    if all(r in supported for r in wanted):
+    if all(r in [*supported, *VLLM_ROUTER_ROUTINGS] for r in wanted):
         return wanted, None
     listed = f"--routing {{{','.join(supported)}}}" if supported else "no --routing"
     return [None], (
