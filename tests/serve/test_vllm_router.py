@@ -78,13 +78,13 @@ def _num_ok(node: ManagedProcess) -> float:
     return 0.0
 
 
-def _complete(url: str, prompt: str) -> dict:
+def _complete(url: str, prompt: str | list[int]) -> dict:
     status, body = http_json(f"{url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}, timeout_s=60)
     assert status == 200, body
     return body
 
 
-def _served_by(fleet: Fleet, prompt: str) -> tuple[int, dict]:
+def _served_by(fleet: Fleet, prompt: str | list[int]) -> tuple[int, dict]:
     """Send `prompt` through the router; (index of the prefill node that served it, the response)."""
     before = [_num_ok(p) for p in fleet.prefill]
     body = _complete(fleet.router.url, prompt)
@@ -100,7 +100,7 @@ def test_a_completion_goes_through_vllm_router_disaggregated(fleet):
     assert stats["num_failed_load_blocks"] == 0 and body["choices"][0]["finish_reason"] == "length", body
 
 
-def _wait_for_stored(endpoint: str, node: ManagedProcess, prompt: str) -> None:
+def _wait_for_stored(endpoint: str, node: ManagedProcess, prompt: str | list[int]) -> None:
     """Warm `node` with `prompt` directly and wait until its KV events say the blocks are stored (the
     router subscribes to the same socket)."""
     ctx = zmq.Context()
@@ -120,12 +120,20 @@ def _wait_for_stored(endpoint: str, node: ManagedProcess, prompt: str) -> None:
         ctx.destroy(linger=0)
 
 
-def test_kv_aware_sends_a_repeated_prefix_to_the_prefill_node_that_holds_it(fleet):
+@pytest.mark.parametrize("form", ["text", "token ids"])
+def test_kv_aware_sends_a_repeated_prefix_to_the_prefill_node_that_holds_it(fleet, form):
+    # Text is tokenized by the router through a node's POST /tokenize; token ids are hashed as they are.
+    prefixes = list(PREFIXES) if form == "text" else [[(7 * i + 3 * k) % 250 + 1 for k in range(300)] for i in (1, 2)]
+    # Each case starts from empty caches (AllBlocksCleared tells the router), so only what follows tells the nodes apart.
+    for node in fleet.prefill:
+        status, body = http_json(f"{node.url}/v1/kvbridge/reset_prefix_cache", {}, timeout_s=60)
+        assert status == 200, body
     for i, (endpoint, node) in enumerate(zip(fleet.events, fleet.prefill)):
-        _wait_for_stored(endpoint, node, PREFIXES[i])  # node i holds prefix i: the router knows only from events
+        _wait_for_stored(endpoint, node, prefixes[i])  # node i holds prefix i: the router knows only from events
     time.sleep(0.5)  # the router's subscriber got the same batches; leave it a moment to index them
     order = [0, 1, 1, 0, 0, 1, 0, 1]
-    served = [_served_by(fleet, PREFIXES[i] + f"question {k}?")[0] for k, i in enumerate(order)]
+    suffix = (lambda k: f"question {k}?") if form == "text" else (lambda k: [251, 252, k + 1])
+    served = [_served_by(fleet, prefixes[i] + suffix(k))[0] for k, i in enumerate(order)]
     assert served == order, f"prefix i went to prefill nodes {served}, expected {order}"
 
 
