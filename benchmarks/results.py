@@ -39,6 +39,10 @@ NESTED_HEADLINES = {
         "colocated.by_prompt_len.*.ttft_s.p50", "raw_device_copy_gbps.*", "step_overhead.*.mean_itl_ms",
         "step_overhead.colocated_itl.mean_itl_ms.p50",
     ],
+    "serve_load": [
+        "ok", "runs.*.prefill_prefix_hit_rate.overall", "runs.*.ttft_ms.p50", "runs.*.achieved_rate", "runs.*.num_errors",
+        "runs.*.ok_requests_per_node.*", "ratios_vs_round_robin.*.prefill_prefix_hit_rate", "ratios_vs_round_robin.*.ttft_p50",
+    ],
     "vllm_offload": [
         "arms.*.skipped", "arms.*.recompute_ttft_ms.median_ms", "arms.*.host_hit_ttft_ms.median_ms",
         "arms.*.gpu_hit_ttft_ms.median_ms", "arms.*.tokens_from_host_per_hit", "arms.*.num_hits_from_host",
