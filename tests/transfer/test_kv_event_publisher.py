@@ -133,3 +133,28 @@ def test_shutdown_sends_what_is_queued_and_is_idempotent(ctx, endpoints):
     publisher.shutdown()
     assert decode_batch(sub.recv_multipart()[2]).events[0].block_hashes == [7]
     publisher.publish(KVEventBatch(ts=3.0, events=[]))  # after shutdown: dropped, no error
+
+
+def test_a_burst_beyond_the_queue_is_dropped_and_counted_never_waited_for(ctx, endpoints):
+    """The engine thread never waits on the publisher: a burst past `max_queue_size` is dropped and counted,
+    and what was sent is numbered without gaps (a subscriber sees sequence numbers 0, 1, 2, ...)."""
+    pub_ep, replay_ep = endpoints
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=pub_ep, replay_endpoint=replay_ep, max_queue_size=2)
+    publisher = ZmqEventPublisher(config)
+    num = 5000
+    for i in range(num):  # the publisher thread cannot keep up with this loop: it holds the GIL for 5 ms at a time
+        publisher.publish(KVEventBatch(ts=float(i), events=[BlockRemoved(block_hashes=[i], medium="GPU")]))
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    dealer.connect(replay_ep)
+    time.sleep(0.2)
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    seqs, hashes = [], []
+    while (frames := dealer.recv_multipart())[2] != END_SEQ:
+        seqs.append(int.from_bytes(frames[2], "big"))
+        hashes.append(decode_batch(frames[3]).events[0].block_hashes[0])
+    publisher.shutdown()
+    assert publisher.num_published + publisher.num_dropped == num
+    assert publisher.num_dropped > 0, "the burst never filled a queue of 2"
+    assert seqs == list(range(len(seqs))) and hashes == sorted(hashes)  # in order, numbered without gaps
+    dealer.close(linger=0)
