@@ -42,6 +42,11 @@ NESTED_HEADLINES = {
         "step_overhead.colocated_itl.mean_itl_ms.p50", "tokens_equal_between_arms.*", "targets.*.by_prompt_len.*.*.met",
         "targets.*.itl_overhead_ms.met", "kvbridge_ttft_vs_best_vllm.*",
     ],
+    "serve_load": [
+        "ok", "runs.*.prefill_prefix_hit_rate.overall", "runs.*.ttft_ms.p50", "runs.*.achieved_rate", "runs.*.num_errors",
+        "runs.*.ok_requests_per_node.*", "ratios_vs_round_robin.*.prefill_prefix_hit_rate", "ratios_vs_round_robin.*.ttft_p50",
+        "runs.*.faults.windows.*.num_requests", "runs.*.faults.windows.*.num_errors",
+    ],
     "vllm_offload": [
         "arms.*.skipped", "arms.*.recompute_ttft_ms.median_ms", "arms.*.host_hit_ttft_ms.median_ms",
         "arms.*.gpu_hit_ttft_ms.median_ms", "arms.*.tokens_from_host_per_hit", "arms.*.num_hits_from_host",

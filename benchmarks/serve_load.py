@@ -25,6 +25,10 @@ prefill nodes (their `/metrics` counters, cached / prompt tokens), and leaked bl
 every node is polled until it holds no block and no request (`--settle-timeout`, longer than the 30 s
 lease a prefill node keeps blocks for a reader that never came); what is still held then is a leak.
 
+`--routing routers` adds vLLM's own router (`vllm-router --vllm-pd-disaggregation`, benchmarks/vllm_router_launch.py)
+with its `kv_aware` prefill policy, fed by the prefill nodes' KV events (`--kv-events-config`), and with
+`round_robin`; `ratios_vs_round_robin` reads each routing against the proxy's round robin.
+
 `--routing both` runs the arrival schedule twice on the same nodes, each time behind a fresh proxy:
 `--routing load-prefix`, then the baseline `--routing round-robin`, with every prefix cache reset
 before each, and reports both and their ratios. `--rounds N` repeats that, every other round in
@@ -65,6 +69,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 from common import machine_info, versions
+from vllm_router_launch import VLLM_ROUTER_ROUTINGS, events_args, start_vllm_router
 
 from kvbridge.errors import NodeStartError
 from kvbridge.serve.launcher import (
@@ -363,11 +368,14 @@ def scrape(url: str) -> dict[str, float]:
     if status != 200 or not isinstance(text, str):
         return {}
     samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.endswith(("_bucket", "_created")):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.endswith(("_bucket", "_created")):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    except ValueError:  # a router whose /metrics is not Prometheus text (vllm-router serves its own elsewhere)
+        return {}
     return samples
 
 
@@ -534,8 +542,8 @@ def run_once(args, proxy_url: str, schedule: list[WorkItem], reference, procs, n
 def routing_plan(requested: str, supported: list[str]) -> tuple[list[str | None], str | None]:
     """The routings to run (None: the proxy's own, without the flag) and a note when that is not
     what was asked."""
-    wanted = list(ROUTINGS) if requested == "both" else [requested]
-    if all(r in supported for r in wanted):
+    wanted = {"both": list(ROUTINGS), "routers": [*ROUTINGS, *VLLM_ROUTER_ROUTINGS]}.get(requested, [requested])
+    if all(r in [*supported, *VLLM_ROUTER_ROUTINGS] for r in wanted):
         return wanted, None
     listed = f"--routing {{{','.join(supported)}}}" if supported else "no --routing"
     return [None], (
@@ -572,9 +580,11 @@ def run(args, faults: list[Fault]) -> dict:
             node_urls = {f"prefill{i}": u for i, u in enumerate(args.prefill_url)}
             node_urls |= {f"decode{i}": u for i, u in enumerate(args.decode_url)}
         else:
+            with_events = any(r in VLLM_ROUTER_ROUTINGS for r in plan)  # kv_aware reads the prefill nodes' KV events
             for name in node_names(args):
                 role = name.rstrip("0123456789")
-                procs[name] = start_node(name, role, log_dir, args.model, shlex.split(args.node_args), NODE_ENV)
+                node_args = shlex.split(args.node_args) + (events_args(log_dir, name) if with_events and role == "prefill" else [])
+                procs[name] = start_node(name, role, log_dir, args.model, node_args, NODE_ENV)
             node_urls = {name: proc.url for name, proc in procs.items()}
         reference = reference_tokens(args.model, schedule) if args.check else None  # while the nodes boot
         wait_healthy(list(procs.values()), args.startup_timeout)
@@ -591,11 +601,16 @@ def run(args, faults: list[Fault]) -> dict:
                 proc.restart()
             wait_healthy(down, args.startup_timeout)
             reset_prefix_caches(list(node_urls.values()))  # every routing starts cold
-            proxy = start_proxy([node_urls[n] for n in prefill_names], decode_urls, log_dir,
-                                extra_args=["--routing", routing] if routing else [], name=f"proxy-{label}")  # fmt: skip
+            if routing in VLLM_ROUTER_ROUTINGS:
+                proxy = start_vllm_router({n: node_urls[n] for n in prefill_names}, decode_urls, log_dir,
+                                          VLLM_ROUTER_ROUTINGS[routing], name=label)  # fmt: skip
+            else:
+                proxy = start_proxy([node_urls[n] for n in prefill_names], decode_urls, log_dir,
+                                    extra_args=["--routing", routing] if routing else [], name=f"proxy-{label}")  # fmt: skip
             try:
                 wait_healthy([proxy], args.startup_timeout)
-                wait_proxy_routes_to_all(proxy, args.startup_timeout)
+                if routing not in VLLM_ROUTER_ROUTINGS:
+                    wait_proxy_routes_to_all(proxy, args.startup_timeout)
                 runs[label] = run_once(args, proxy.url, schedule, reference, procs, node_urls, prefill_names, faults)
             finally:
                 proxy.stop()
@@ -616,6 +631,10 @@ def run(args, faults: list[Fault]) -> dict:
         "baseline": BASELINE_ROUTING if per_round else None,
         "ratios": _median_ratios(per_round) if per_round else None,
         "ratios_per_round": per_round if len(per_round) > 1 else None,
+        # Every other routing of the run against the same baseline (the vllm-router ones with --routing routers).
+        "ratios_vs_round_robin": {
+            label: _ratios(r, runs[BASELINE_ROUTING]) for label, r in runs.items() if label != BASELINE_ROUTING
+        } if BASELINE_ROUTING in runs else None,
         "log_dir": log_dir,
         "params": {k: v for k, v in vars(args).items() if k != "json"}
         | {action: [f"{f.node}@{f.at_s:g}" for f in faults if f.action == action] for action in ("kill", "restart")},
@@ -715,8 +734,9 @@ def main() -> None:
     nodes.add_argument("--decode", type=int, default=2, help="decode nodes to start")
     nodes.add_argument("--model", default="tiny")
     nodes.add_argument("--node-args", default=NODE_ARGS, help="more `kvbridge serve` arguments, one string")
-    nodes.add_argument("--routing", choices=[*ROUTINGS, "both"], default="both",
-                       help="the proxy's --routing; both: each, on the same schedule")  # fmt: skip
+    nodes.add_argument("--routing", choices=[*ROUTINGS, *VLLM_ROUTER_ROUTINGS, "both", "routers"], default="both",
+                       help="the proxy's --routing, or vllm-router with a prefill policy; both: the proxy's two, "
+                       "routers: those and vllm-router's kv_aware and round_robin, on the same schedule")  # fmt: skip
     nodes.add_argument("--rounds", type=int, default=1,
                        help="run the routings this many times, every other round in reverse order (ABBA)")  # fmt: skip
     nodes.add_argument("--startup-timeout", type=float, default=180.0)

@@ -124,6 +124,67 @@ class KVTransferConfig:
         return self.role in ("kv_consumer", "kv_both")
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config`, field for field (vllm/config/kv_events.py): where a node publishes
+    the blocks its prefix cache stores and evicts (transfer/kv_event_publisher.py). `publisher` is
+    "zmq" (or "null": nothing is published); `endpoint` is bound when it holds a `*`, `::`, or is
+    ipc:// / inproc://, else connected to, as vLLM does. `prefix_caching_hash_algo` is vLLM's
+    CacheConfig field of that name: here it decides only the hashes the events carry."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when enabled, else "null" (vLLM's default)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it a batch is dropped
+    topic: str = ""
+    prefix_caching_hash_algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ConfigError(f"KV events publisher {self.publisher!r}: expected 'zmq' or 'null'")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"KV events config {name}={value!r} must be a positive integer")
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ConfigError(f"KV events endpoint {self.endpoint!r} is not a ZMQ address such as tcp://*:5557")
+        if self.replay_endpoint is not None and "://" not in str(self.replay_endpoint):
+            raise ConfigError(f"KV events replay_endpoint {self.replay_endpoint!r} is not a ZMQ address")
+
+    @property
+    def is_publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse vLLM's `--kv-events-config` JSON; an unknown key or a value of the wrong type is a ConfigError."""
+        import json
+        from dataclasses import fields
+
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-events-config is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError('--kv-events-config must be a JSON object, e.g. \'{"enable_kv_cache_events": true}\'')
+        known = {f.name for f in fields(cls)} - {"prefix_caching_hash_algo"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        for key in ("enable_kv_cache_events",):
+            if key in raw and not isinstance(raw[key], bool):
+                raise ConfigError(f"--kv-events-config: {key} must be true or false, got {raw[key]!r}")
+        for key in ("endpoint", "topic"):
+            if key in raw and not isinstance(raw[key], str):
+                raise ConfigError(f"--kv-events-config: {key} must be a string, got {raw[key]!r}")
+        return cls(**raw)
+
+
 # Connectors whose worker half runs on every tensor-parallel rank (connectors/base.py,
 # `supports_tensor_parallel`); named here because configs import no connector.
 TP_AWARE_CONNECTORS = frozenset({"NixlConnector"})
@@ -137,8 +198,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig | None = None
+    kv_events: KVEventsConfig | None = None  # None: no KV events (engine/kv_events.py)
 
     def __post_init__(self) -> None:
+        if self.kv_events is not None and self.kv_events.is_publishing and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "KV events describe the prefix cache, and prefix caching is off: enable it, or drop the events config"
+            )
         tp = self.model.tensor_parallel_size
         if tp > 1 and self.kv_transfer is not None and self.kv_transfer.connector not in TP_AWARE_CONNECTORS:
             # A connector runs one worker half per rank under TP (engine/tp_connector.py); only those

@@ -145,6 +145,18 @@ def fault_corrupt_disk_file() -> str | None:
     return value or None
 
 
+def vllm_none_hash_seed() -> str | None:
+    """PYTHONHASHSEED (vLLM's variable, not ours): the seed vLLM derives its first block hash from when it
+    is set. A node publishing KV events must see the value its fleet's vLLM nodes see (block_hash.py)."""
+    return _get_str("PYTHONHASHSEED", None)
+
+
+def vllm_kv_events_int_hashes() -> bool:
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (vLLM's variable, default 1): KV events carry block hashes as
+    64-bit ints; 0 carries the digests' bytes. Set it as the fleet's vLLM nodes have it."""
+    return _get_bool("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", True)
+
+
 def validate() -> None:
     """Read every numeric variable once: a malformed value is a ConfigError at start, not a
     traceback from deep inside an engine's start-up."""

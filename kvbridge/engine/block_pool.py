@@ -18,9 +18,13 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvbridge.block_hash import BlockHash
 from kvbridge.block_runs import find_run
+
+if TYPE_CHECKING:
+    from kvbridge.engine.kv_events import KVEventRecorder
 
 
 class BlockPool:
@@ -41,6 +45,7 @@ class BlockPool:
         self.num_evictions = 0
         self.num_hit_queries = 0
         self.num_hit_blocks = 0
+        self.events: KVEventRecorder | None = None  # told of every removal and reset (engine/kv_events.py)
 
     # ------------------------------------------------------------------ counts
 
@@ -175,6 +180,8 @@ class BlockPool:
         self._cached.clear()
         self._free_uncached = sorted(self._free_uncached + list(self._free_cached))
         self._free_cached.clear()
+        if self.events is not None:
+            self.events.all_cleared()
         return num_dropped
 
     def _drop_hash(self, block_id: int) -> None:
@@ -182,6 +189,8 @@ class BlockPool:
         self._hash[block_id] = None
         if block_hash is not None and self._cached.get(block_hash) == block_id:
             del self._cached[block_hash]
+            if self.events is not None:
+                self.events.block_removed(block_hash)
 
     # ------------------------------------------------------------------ invariants
 

@@ -28,6 +28,7 @@ from kvbridge.config import EngineConfig
 from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, SchedulerOutput
 from kvbridge.connectors.factory import create_connector
 from kvbridge.engine.faults import fail_request, fail_step
+from kvbridge.engine.kv_events import KVEventStream
 from kvbridge.engine.model_runner import ModelRunner, StepInFlight
 from kvbridge.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvbridge.engine.request import Request, RequestStatus
@@ -94,6 +95,10 @@ class EngineCore:
             load_failure_policy=config.kv_transfer.load_failure_policy if config.kv_transfer else "recompute",
         )
         self.scheduler_connector = scheduler_connector
+        self.kv_events: KVEventStream | None = None  # vLLM's KV events, when config.kv_events publishes
+        if config.kv_events is not None and config.kv_events.is_publishing:
+            self.kv_events = KVEventStream(config.kv_events, self.layout.block_size)
+            self.scheduler.kv.record_events(self.kv_events.recorder)
         self.runner.capture_decode_graphs(config.scheduler.max_num_seqs)
         chunked = config.scheduler.enable_chunked_prefill
         self.limits = RequestLimits(
@@ -199,6 +204,8 @@ class EngineCore:
         self._check_alive()
         updates = self._step_async() if self.is_async else self._run(self.scheduler.schedule())
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.kv_events is not None:
+            self.kv_events.publish()
         return outputs + [self._to_output(u) for u in updates]
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[RequestUpdate]:
@@ -337,6 +344,8 @@ class EngineCore:
                 pending,
             )
         self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish()
         return True
 
     def try_reset_prefix_cache(self, waiting_on: frozenset[str] | None = None) -> frozenset[str]:
@@ -356,6 +365,8 @@ class EngineCore:
             pending &= waiting_on
         if not pending:
             self.scheduler.reset_prefix_cache()
+            if self.kv_events is not None:
+                self.kv_events.publish()
         return pending
 
     @property
@@ -366,6 +377,8 @@ class EngineCore:
     def get_stats(self) -> dict:
         """Scheduler and block-pool counters, plus each connector half's own stats."""
         stats = self.scheduler.get_stats()
+        if self.kv_events is not None:
+            stats["kv_events"] = self.kv_events.get_stats()
         if self.worker_connector is not None:
             stats["connector"] = {
                 "scheduler": self.scheduler_connector.get_stats(),
@@ -403,6 +416,8 @@ class EngineCore:
             self._settle()  # no launched step left computing in the KV cache about to be freed
             self._shutdown_connectors()
         finally:
+            if self.kv_events is not None:
+                self.kv_events.shutdown()  # what the last steps did goes out first
             self.runner.shutdown()
             self.worker_connector = self.scheduler_connector = None
             self.scheduler.detach_connector()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbridge.engine.block_pool import BlockPool
+from kvbridge.engine.kv_events import KVEventRecorder
 from kvbridge.engine.request import Request
 
 
@@ -25,6 +26,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._tables: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a table already registered
+        self.events: KVEventRecorder | None = None
+
+    def record_events(self, recorder: KVEventRecorder) -> None:
+        """Report every block the prefix cache stores, evicts or forgets, and every reset, to `recorder`."""
+        self.events = self.pool.events = recorder
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -80,8 +86,9 @@ class KVCacheManager:
             return
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(table))
         start = self._num_cached_blocks.get(request.request_id, 0)
-        for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i])
+        stored = [i for i in range(start, num_full) if self.pool.cache_block(table[i], request.block_hashes[i])]
+        if self.events is not None:
+            self.events.blocks_stored(request, stored)
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
     def uncache_from(self, request_id: str, first_block: int) -> None:
@@ -97,6 +104,8 @@ class KVCacheManager:
         table = self._tables.pop(request_id, [])
         self._num_cached_blocks.pop(request_id, None)
         self.pool.free(reversed(table))
+        if self.events is not None:
+            self.events.forget(request_id)
 
     def reset_prefix_cache(self) -> int:
         for request_id in self._num_cached_blocks:

@@ -483,6 +483,8 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "num_waiting_for_remote_kvs": self.transfers.num_parked,
             "num_blocks": pool.num_blocks,
+            "block_size": self.block_size,
+            "enable_prefix_caching": pool.enable_prefix_caching,
             "num_free_blocks": pool.num_free_blocks,
             "num_used_blocks": pool.num_used_blocks,
             "num_cached_blocks": pool.num_cached_blocks,

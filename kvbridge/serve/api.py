@@ -4,6 +4,7 @@ Routes (see docs/serving.md):
     POST /v1/completions               OpenAI-compatible completions, `stream: true` for SSE
     POST /v1/chat/completions          OpenAI-compatible chat, the model's chat template (serve/chat.py)
     GET  /v1/models                    the one served model
+    POST /tokenize                     vLLM's: the token ids of a prompt or of chat messages (for routers)
     GET  /health                       200 once the engine is built, 503 before or after a failure
     GET  /metrics                      Prometheus text format
     GET  /v1/kvbridge/state            admin: engine stats, check_integrity() result, in-flight counts
@@ -62,7 +63,7 @@ class CompletionsAPI:
         self.engine = engine
         self.model_name = model_name
         self.role = role
-        self.metrics = ServerMetrics(role)
+        self.metrics = ServerMetrics(role, model_name)
         self.answers = AnswerWriter(model_name, self._kvbridge_stats)
         self._chat_template: ChatTemplate | ChatTemplateError | None = None  # loaded on the first chat request
 
@@ -199,6 +200,25 @@ class CompletionsAPI:
         block_size, block_nbytes = (layout.block_size, layout.block_nbytes) if layout is not None else (0, 0)
         return protocol.kvbridge_stats(run.last, run.timings(), block_size, block_nbytes)
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize`: the token ids this node serves a `prompt` (or chat `messages`) with.
+        Routers that score nodes by the blocks they cache (vllm-router's kv_aware) hash these ids."""
+        if not self.engine.is_ready:
+            return error_response(503, "the engine is not ready; poll GET /health", "service_unavailable")
+        try:
+            body = protocol.decode_body(await request.read())  # to tell the two forms apart; _parse checks it
+        except InvalidRequestError as exc:
+            return error_response(400, str(exc), "invalid_request_error", exc.param)
+        is_chat = isinstance(body, dict) and "messages" in body
+        job = await self._parse(request, self._chat_job if is_chat else self._completion_job, CHAT if is_chat else COMPLETIONS)
+        if isinstance(job, web.Response):
+            return job
+        if len(job.prompts) != 1:
+            return error_response(400, "/tokenize takes one prompt", "invalid_request_error", "prompt")
+        tokens = list(job.prompts[0])
+        max_model_len = self.engine.engine.limits.max_model_len
+        return web.json_response({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": None})
+
     # ------------------------------------------------------------ health, metrics
 
     async def health(self, request: web.Request) -> web.Response:
@@ -224,7 +244,7 @@ class CompletionsAPI:
 
 ROUTES = (
     "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics",
-    "GET /v1/kvbridge/state", "POST /v1/kvbridge/reset_prefix_cache",
+    "GET /v1/kvbridge/state", "POST /v1/kvbridge/reset_prefix_cache", "POST /tokenize",
 )  # fmt: skip
 API_KEY = web.AppKey("api", CompletionsAPI)
 
@@ -241,6 +261,7 @@ def create_app(
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/tokenize", api.tokenize)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics_text)
     app.router.add_get("/v1/kvbridge/state", auth.guard(admin.state))

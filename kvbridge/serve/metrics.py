@@ -5,7 +5,8 @@ calls `set_engine_stats(await engine.call(get_stats))` and then `render()`. Engi
 statistics are whatever numeric leaves `EngineCore.get_stats()` returns, flattened into gauges
 named `kvbridge_engine_<path>` (e.g. `{"connector": {"bytes_transferred": 5}}` becomes
 `kvbridge_engine_connector_bytes_transferred 5.0`), so a new connector statistic appears without
-touching this file.
+touching this file. The `vllm:*` series routers read by name come from the same snapshot
+(serve/vllm_metrics.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvbridge.serve.vllm_metrics import VllmMetricsCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -55,7 +58,7 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """Request counters, token counters, latency histograms and engine-stat gauges of one node."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.info = Gauge("kvbridge_node_info", "Constant 1, labelled with the node's role", ["role"], registry=r)
@@ -78,6 +81,8 @@ class ServerMetrics:
         )
         self._engine_stats = _EngineStatsCollector()
         r.register(self._engine_stats)
+        self._vllm = VllmMetricsCollector(model_name)  # vllm:* series that routers read by name
+        r.register(self._vllm)
 
     def observe_finished(self, outcome: str, prompt_tokens: int, generated: int, cached: int, external: int) -> None:
         self.requests.labels(outcome=outcome).inc()
@@ -91,6 +96,7 @@ class ServerMetrics:
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         self._engine_stats.snapshot = flatten_numeric(stats)
+        self._vllm.stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

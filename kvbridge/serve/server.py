@@ -10,18 +10,21 @@ bound before the engine is built (a busy one ends the process at once) and `/hea
 until the engine is ready. A user error (a bad flag or `--model`, a busy port) is one named line
 and exit code 2; any other start-up failure exit code 1. SIGINT/SIGTERM stop admitting, then
 shut the engine down (which flushes its connector) before exiting. `--admin-token-file PATH` (else KVBRIDGE_ADMIN_TOKEN) makes
-the admin endpoints require that bearer token (serve/admin.py).
+the admin endpoints require that bearer token (serve/admin.py). `--kv-events-config JSON` (vLLM's)
+publishes the prefix cache's KV events over ZMQ in vLLM's format (engine/kv_events.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
 
 from kvbridge import env
+from kvbridge.block_hash import VLLM_HASH_ALGOS, VllmBlockHasher
 from kvbridge.cli_errors import error_line
 from kvbridge.config import (
     DEFAULT_KV_TOKENS,
@@ -29,6 +32,7 @@ from kvbridge.config import (
     TP_AWARE_CONNECTORS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -99,6 +103,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling", action="store_true",
         help="schedule and launch the next decode step before waiting for this one's tokens (hides the host's "
         "step work behind the GPU's; without a KV connector (--no-connector), at --tensor-parallel-size 1)",
+    )  # fmt: skip
+    events = parser.add_argument_group("KV events (vLLM's format, for routers: docs/deploy.md)")
+    events.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="vLLM's KV events config, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}': publish every block the prefix "
+        "cache stores and evicts, and every reset, as vLLM does (default: none)",
+    )  # fmt: skip
+    events.add_argument(
+        "--prefix-caching-hash-algo", choices=VLLM_HASH_ALGOS, default="sha256",
+        help="vLLM's block-hash algorithm, for the hashes KV events carry (set it as the fleet's vLLM nodes and "
+        "router have it; kvbridge's own prefix cache is not affected)",
     )  # fmt: skip
     kv = parser.add_argument_group("KV connector")
     kv.add_argument("--kv-connector", default=DEFAULT_CONNECTOR, help="connector name or module:Class")
@@ -199,7 +215,21 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
             async_scheduling=args.async_scheduling,
         ),
         kv_transfer=kv_transfer,
+        kv_events=kv_events_config(args),
     )
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    """`--kv-events-config` with `--prefix-caching-hash-algo`; the hasher is built now, so that a bad
+    algorithm or seed is refused before any port is bound."""
+    if args.kv_events_config is None:
+        if args.prefix_caching_hash_algo != "sha256":
+            raise ConfigError("--prefix-caching-hash-algo decides the hashes KV events carry: give --kv-events-config too")
+        return None
+    config = KVEventsConfig.from_json(args.kv_events_config)
+    config = dataclasses.replace(config, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
+    VllmBlockHasher(config.prefix_caching_hash_algo, env.vllm_none_hash_seed())
+    return config
 
 
 def _engine_factory(config: EngineConfig, num_threads: int | None):
