@@ -119,8 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     kv.add_argument(
         "--insecure-side-channel", action="store_true",
-        help="serve the side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise): "
-        "anyone who reaches it can then write into this node's KV cache",
+        help="run the side channel unauthenticated when KVBRIDGE_SIDE_CHANNEL_SECRET is unset, instead of with "
+        "this user's host secret (and off loopback, where no secret is refused): anyone who reaches it can then "
+        "read and write this node's KV cache",
     )  # fmt: skip
 
 

@@ -62,12 +62,11 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
-from kvbridge import env
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
-from kvbridge.transfer.auth import audience_of, check_exposure
+from kvbridge.transfer.auth import audience_of, check_exposure, check_secret
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.digest import (
@@ -79,6 +78,7 @@ from kvbridge.transfer.digest import (
     start_block_digests,
 )
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
+from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.layout_gather import rebuild_blocks
 from kvbridge.transfer.kv_shard import KVShard
@@ -133,7 +133,7 @@ class KVEndpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         serve: bool = True,
-        secret: bytes | None = _FROM_ENV,  # default: KVBRIDGE_SIDE_CHANNEL_SECRET
+        secret: bytes | None = _FROM_ENV,  # default: host_secret.side_channel_secret(); None: unauthenticated
         message_handler: Callable[[m.Message], m.Message | None] | None = None,
         options: TransferOptions | None = None,  # backend, timeouts, descriptor mode, CUDA IPC; default: defaults
         clock: Callable[[], float] = time.monotonic,
@@ -149,7 +149,11 @@ class KVEndpoint:
         self.shard = KVShard(layout, kv_head_start, num_total_kv_heads)
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
-        self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
+        if secret is _FROM_ENV:
+            self._secret = side_channel_secret(opts.insecure_side_channel)
+        else:
+            check_secret(secret)
+            self._secret = secret
         if serve:  # before anything is registered
             check_exposure(host, self._secret, opts.insecure_side_channel)
         self._message_handler = message_handler

@@ -50,7 +50,7 @@ def nodes(net):
     """prefill (10.213.0.1, bound 0.0.0.0), decode (bound 0.0.0.0, --side-channel-host 10.213.0.2)
     and the proxy (on the decode host's loopback). URLs are as seen from the decode host."""
     net.add_default_route(net.prefill)
-    env = {**UCX_OVER_TCP, "KVBRIDGE_SIDE_CHANNEL_SECRET": "netns-suite-secret"}  # off loopback: required
+    env = {**UCX_OVER_TCP, "KVBRIDGE_SIDE_CHANNEL_SECRET": "netns-suite-secret-of-32-bytes-or-more"}  # off loopback: required
     decode_extra = {"allowed_peers": ["10.213.0.0/24"], "transfer_timeout_s": TRANSFER_TIMEOUT_S, "handshake_timeout_s": 15.0}
     with tempfile.TemporaryDirectory(prefix="kvbridge-netns-") as log_dir:
         prefill = ManagedProcess("prefill", f"http://{net.prefill.address}:{PREFILL_PORT}", net.exec_argv(net.prefill, cli_argv(

@@ -257,10 +257,10 @@ def test_incompatible_model_or_protocol_raises_named_error(peer, monkeypatch):
 
 
 def test_wrong_or_missing_secret_is_refused():
-    secure, _ = _local_endpoint("secure-prefill", secret=b"right")
-    wrong, _ = _local_endpoint("decode-wrong", secret=b"wrong")
+    secure, _ = _local_endpoint("secure-prefill", secret=b"right" * 8)
+    wrong, _ = _local_endpoint("decode-wrong", secret=b"wrong" * 8)
     missing, _ = _local_endpoint("decode-missing", secret=None)
-    right, _ = _local_endpoint("decode-right", secret=b"right")
+    right, _ = _local_endpoint("decode-right", secret=b"right" * 8)
     try:
         for ep in (wrong, missing):
             with pytest.raises(AuthenticationError, match="KVBRIDGE_SIDE_CHANNEL_SECRET"):
