@@ -91,7 +91,9 @@ class NodeSet:
         env = {**NODE_ENV, **(env or {})}
         # Without a configured secret the suite's nodes run unauthenticated, as its attackers speak unsigned
         # raw frames: they stand for any holder of the host's secret, whom only lease tokens and digests stop.
-        insecure = [] if env["KVBRIDGE_SIDE_CHANNEL_SECRET"] or "--no-connector" in extra else ["--insecure-side-channel"]
+        connector = extra[extra.index("--kv-connector") + 1] if "--kv-connector" in extra[:-1] else "NixlConnector"
+        nixl = connector == "NixlConnector" and "--no-connector" not in extra  # the one that takes the flag
+        insecure = ["--insecure-side-channel"] if nixl and not env["KVBRIDGE_SIDE_CHANNEL_SECRET"] else []
         proc = start_node(name, role, self.log_dir, "tiny", [*NODE_ARGS, *insecure, *extra], env, ports=ports)
         self.procs[name], self._ports[name] = proc, ports
         self._all.append(proc)

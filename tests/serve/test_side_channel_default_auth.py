@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvbridge.serve.launcher import http_json, start_node, wait_healthy
+from kvbridge.serve.launcher import free_ports, http_json, start_node, wait_healthy
 from kvbridge.transfer import messages as m
 
 pytestmark = pytest.mark.nixl
 
-NODE_ARGS = ["--num-threads", "1", "--num-blocks", "64", "--max-model-len", "256"]
+NODE_ARGS = ["--num-threads", "1", "--num-blocks", "64", "--max-model-len", "256", "--flush-timeout", "1"]
 PROMPT = "Nobody without the secret touches this prompt's KV cache. " * 2
 OTHER_PROMPT = "Nor may a plain client release the lease on this one. " * 2
 NOBODY_UID = 65534
@@ -48,11 +48,12 @@ def nodes():
     with tempfile.TemporaryDirectory() as log_dir, tempfile.TemporaryDirectory() as runtime:
         os.chmod(runtime, 0o700)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")} | {"XDG_RUNTIME_DIR": runtime}
-        procs = [start_node("prefill", "prefill", log_dir, extra_args=NODE_ARGS, env=env)]
+        ports = tuple(free_ports(2))  # HTTP, side channel
+        procs = [start_node("prefill", "prefill", log_dir, extra_args=NODE_ARGS, env=env, ports=ports)]
         procs.append(start_node("decode", "decode", log_dir, extra_args=NODE_ARGS, env=env))
         try:
             wait_healthy(procs, 120)
-            yield procs, Path(runtime)
+            yield procs, Path(runtime), f"tcp://127.0.0.1:{ports[1]}"
         finally:
             for proc in procs:
                 proc.stop()
@@ -73,7 +74,7 @@ def _decode(url: str, params: dict, prompt: str = PROMPT) -> tuple[int, dict]:
 
 
 def test_pd_between_one_users_nodes_needs_no_setting_and_the_secret_file_is_private(nodes):
-    (prefill, decode), runtime = nodes
+    (prefill, decode), runtime, _ = nodes
     params = _prefill(prefill.url)
     status, body = _decode(decode.url, params)
     assert status == 200, body
@@ -84,7 +85,7 @@ def test_pd_between_one_users_nodes_needs_no_setting_and_the_secret_file_is_priv
 
 
 def test_a_plain_client_learns_nothing(nodes):
-    (prefill, decode), _ = nodes
+    (prefill, decode), _, _ = nodes
     params = _prefill(prefill.url, OTHER_PROMPT)
     address = f"tcp://{params['remote_host']}:{params['remote_port']}"
     probes = [
@@ -109,8 +110,7 @@ def test_a_process_of_another_user_is_refused(nodes, tmp_path):
     secret, and the prefill refuses it."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")
-    (prefill, _), _ = nodes
-    params = _prefill(prefill.url)
+    _, _, address = nodes
     script = tmp_path / "other_user.py"
     script.write_text(textwrap.dedent(f"""
         import os
@@ -123,7 +123,7 @@ def test_a_process_of_another_user_is_refused(nodes, tmp_path):
         os.setgroups([])
         os.setgid({NOBODY_UID})
         os.setuid({NOBODY_UID})
-        client = SideChannelClient("tcp://{params['remote_host']}:{params['remote_port']}", side_channel_secret(),
+        client = SideChannelClient("{address}", side_channel_secret(),
                                    timeout_s=5.0, retries=0)
         try:
             reply = client.request(m.Ping(engine_id="other-user"))
