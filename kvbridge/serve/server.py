@@ -34,6 +34,7 @@ from kvbridge.config import (
     SchedulerConfig,
 )
 from kvbridge.errors import ConfigError, TensorParallelError
+from kvbridge.serve.lease_quota import DEFAULT_MAX_LEASED_FRACTION, DEFAULT_MAX_PER_CLIENT, LeaseQuota
 from kvbridge.transfer.interfaces import advertised_host
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--kv-connector-extra", default=None, metavar="JSON",
         help="JSON object of connector-specific options; an unknown key is refused (default: {})",
+    )  # fmt: skip
+    kv.add_argument(
+        "--max-leases-per-client", type=int, default=DEFAULT_MAX_PER_CLIENT, metavar="N",
+        help="do_remote_decode requests one client (HTTP peer address) may have holding KV blocks at once; "
+        "more are refused with HTTP 429",
+    )  # fmt: skip
+    kv.add_argument(
+        "--max-leased-fraction", type=float, default=DEFAULT_MAX_LEASED_FRACTION, metavar="F",
+        help="share of the KV cache's blocks that leases may hold; a do_remote_decode request that would pass it "
+        "(and so wait for leases to end) is refused with HTTP 429",
     )  # fmt: skip
     kv.add_argument(
         "--insecure-side-channel", action="store_true",
@@ -250,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             from kvbridge.connectors.factory import check_connector_config
 
             check_connector_config(config.kv_transfer)
+        lease_quota = LeaseQuota(args.max_leases_per_client, args.max_leased_fraction)
         admin_token = read_admin_token(args.admin_token_file, env.admin_token())
         sock = bind(args.host, args.port)  # before the engine: a busy port fails at once
     except ConfigError as exc:
@@ -263,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 args.model, args.dtype, args.device, args.role, connector, url)  # fmt: skip
     engine = AsyncEngine(_engine_factory(config, args.num_threads))
     engine.start()
-    app = create_app(engine, args.served_model_name or args.model, args.role, admin_token)
+    app = create_app(engine, args.served_model_name or args.model, args.role, admin_token, lease_quota)
     try:
         return asyncio.run(serve(app, engine, sock, f"role={args.role}, {connector} on {url}"))
     finally:
