@@ -261,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
             from kvbridge.connectors.factory import check_connector_config
 
             check_connector_config(config.kv_transfer)
+            if config.kv_transfer.connector in ("NixlConnector", "MultiConnector"):  # those that speak on a side channel
+                from kvbridge.transfer.host_secret import side_channel_secret
+
+                side_channel_secret(args.insecure_side_channel)  # a short or untrustworthy secret: before the model loads
         lease_quota = LeaseQuota(args.max_leases_per_client, args.max_leased_fraction)
         admin_token = read_admin_token(args.admin_token_file, env.admin_token())
         sock = bind(args.host, args.port)  # before the engine: a busy port fails at once
