@@ -29,9 +29,16 @@ def _get_bool(name: str, default: bool) -> bool:
 
 
 def side_channel_secret() -> bytes | None:
-    """KVBRIDGE_SIDE_CHANNEL_SECRET: shared secret that authenticates side-channel peers (HMAC)."""
+    """KVBRIDGE_SIDE_CHANNEL_SECRET: shared secret that authenticates side-channel peers (HMAC), at least
+    32 bytes (transfer/auth.py checks). Unset: this user's host secret (transfer/host_secret.py)."""
     value = _get_str("KVBRIDGE_SIDE_CHANNEL_SECRET", None)
     return value.encode() if value else None
+
+
+def xdg_runtime_dir() -> str | None:
+    """XDG_RUNTIME_DIR (the login session's private directory, read here only to find the host's
+    side-channel secret; transfer/host_secret.py)."""
+    return os.environ.get("XDG_RUNTIME_DIR") or None
 
 
 def admin_token() -> str | None:

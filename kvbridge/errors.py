@@ -21,6 +21,10 @@ class ConnectorNotFoundError(ConfigError):
     """No connector is registered under the configured name."""
 
 
+class MissingDependencyError(ConfigError):
+    """A third-party module that a configured feature needs is missing or fails to import."""
+
+
 class NixlNotAvailableError(KVBridgeError, ImportError):
     """NIXL is not installed or its backend plugin cannot be created."""
 

@@ -253,6 +253,11 @@ class KVConnectorBase(ABC):
 
     # ------------------------------------------------------------------ configuration (class level)
 
+    # Third-party modules the connector needs (import names), imported when it is configured
+    # (factory.check_connector_config, kvbridge/dependencies.py): a missing or broken one is a
+    # MissingDependencyError at start-up, not a failure of every transfer that first uses it.
+    REQUIRED_MODULES: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def binds_side_channel(cls, config: KVTransferConfig) -> bool | None:
         """Whether a connector built from `config` listens on `config.side_channel_port`: True, False,

@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from kvbridge.dependencies import missing, require
 from kvbridge.errors import ConnectorNotFoundError
 
 ENTRY_POINT_GROUP = "kvbridge.connectors"
@@ -51,6 +52,10 @@ def _load(target: str, name: str) -> type[KVConnectorBase]:
     try:
         module = importlib.import_module(module_name)
         cls = getattr(module, attr)
+    except ModuleNotFoundError as exc:
+        if exc.name and not module_name.startswith(exc.name) and not exc.name.startswith(("kvbridge.", module_name)):
+            raise missing(f"connector {name!r}", exc.name, exc) from None  # a dependency of the connector's module
+        raise ConnectorNotFoundError(f"connector {name!r} points at {target!r}, which cannot be loaded: {exc}") from exc
     except (ImportError, AttributeError) as exc:
         raise ConnectorNotFoundError(f"connector {name!r} points at {target!r}, which cannot be loaded: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
@@ -73,9 +78,11 @@ def resolve_connector_class(name: str) -> type[KVConnectorBase]:
 
 
 def check_connector_config(config: KVTransferConfig) -> type[KVConnectorBase]:
-    """The connector class `config.connector` names, once it has checked that it can honour every
-    option in `config` (`KVConnectorBase.check_config`). Raises ConfigError naming the option."""
+    """The connector class `config.connector` names, once it has checked that its dependencies import
+    (`REQUIRED_MODULES`) and that it can honour every option in `config` (`KVConnectorBase.check_config`).
+    Raises MissingDependencyError naming the module, or ConfigError naming the option."""
     cls = resolve_connector_class(config.connector)
+    require(f"connector {config.connector!r}", cls.REQUIRED_MODULES)
     cls.check_config(config)
     return cls
 

@@ -28,12 +28,14 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from kvbridge.errors import InvalidRequestError
+from kvbridge.kv_transfer_params import wants_remote_decode
 from kvbridge.serve import chat_protocol, protocol
 from kvbridge.serve.admin import AdminAPI, AdminAuth
 from kvbridge.engine.sampling_params import MAX_SEED, SamplingParams
 from kvbridge.serve.answers import CHAT, COMPLETIONS, AnswerWriter, ChoiceRun, RequestRun, Wire
 from kvbridge.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvbridge.serve.http_errors import error_response, openai_errors
+from kvbridge.serve.lease_quota import LeaseQuota
 from kvbridge.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvbridge.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvbridge.serve.stop_strings import ChoiceText
@@ -59,8 +61,9 @@ def _choice_params(params: SamplingParams, sample: int) -> SamplingParams:
 class CompletionsAPI:
     """Handlers bound to one engine, its served model name and its metrics."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, role: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, role: str, lease_quota: LeaseQuota | None = None) -> None:
         self.engine = engine
+        self.lease_quota = lease_quota or LeaseQuota()  # do_remote_decode requests: bounded by default
         self.model_name = model_name
         self.role = role
         self.metrics = ServerMetrics(role, model_name)
@@ -129,15 +132,18 @@ class CompletionsAPI:
             return job
         fields = job.fields
         request_id, created = f"{wire.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        num_choices = len(job.prompts) * fields.n
+        run_ids = [request_id if num_choices == 1 else f"{request_id}-{index}" for index in range(num_choices)]
+        if (refusal := self._admit_leases(request, job, run_ids)) is not None:
+            return refusal
         self.metrics.running.inc()
         choices: list[ChoiceRun] = []
         try:
             # Closing the outputs aborts what is still running: the client is gone, a stop string matched.
             async with AsyncExitStack() as stack:
-                num_choices = len(job.prompts) * fields.n
                 for index in range(num_choices):
                     prompt_ids, sample = job.prompts[index // fields.n], index % fields.n  # OpenAI's order
-                    run_id = request_id if num_choices == 1 else f"{request_id}-{index}"
+                    run_id = run_ids[index]
                     run = RequestRun(run_id, created, time.monotonic())
                     params = _choice_params(fields.sampling_params, sample)
                     outputs = self.engine.generate(run_id, prompt_ids, params, fields.kv_transfer_params)
@@ -147,6 +153,7 @@ class CompletionsAPI:
                     choices.append(ChoiceRun(index, run, text, outputs, counts_prompt=sample == 0, logprobs=logprobs))
                 if (refusal := await self._first_outputs(choices, wire)) is not None:
                     return refusal
+                self.lease_quota.mark_started(run_ids)
                 if fields.stream:
                     return await self.answers.stream(request, request_id, created, choices, wire, fields.include_usage)
                 return await self.answers.collect(request_id, created, choices, wire)
@@ -154,9 +161,26 @@ class CompletionsAPI:
             logger.info("the client of %s hung up; request aborted", request_id)
             return web.Response(status=499)
         finally:
+            self.lease_quota.forget(run_ids)  # those the engine never started
             self.metrics.running.dec()
             for choice in choices:
                 self._observe(choice.run)
+
+    def _admit_leases(self, request: web.Request, job: _Job, run_ids: list[str]) -> web.Response | None:
+        """HTTP 429 for a do_remote_decode request the lease quota refuses (serve/lease_quota.py), else None."""
+        occupancy = self.engine.occupancy
+        layout = getattr(self.engine.engine, "layout", None)
+        if not wants_remote_decode(job.fields.kv_transfer_params) or occupancy is None or layout is None:
+            return None
+        num_blocks = max(len(p) for p in job.prompts) // layout.block_size + 1  # what it holds once finished
+        refusal = self.lease_quota.admit(request.remote or "unknown", run_ids, num_blocks, occupancy)
+        if refusal is None:
+            return None
+        self.metrics.pd_refused.labels(scope=refusal.scope).inc()
+        self.metrics.observe_rejected("lease_quota")
+        response = error_response(429, refusal.message, "rate_limit_error")
+        response.headers["Retry-After"] = "1"
+        return response
 
     async def _first_outputs(self, choices: list[ChoiceRun], wire: Wire) -> web.Response | None:
         """Wait for each choice's first output; the error response if the engine refused a choice."""
@@ -250,11 +274,13 @@ API_KEY = web.AppKey("api", CompletionsAPI)
 
 
 def create_app(
-    engine: AsyncEngine, model_name: str, role: str = "both", admin_token: str | None = None
-) -> web.Application:
+    engine: AsyncEngine, model_name: str, role: str = "both", admin_token: str | None = None,
+    lease_quota: LeaseQuota | None = None,
+) -> web.Application:  # fmt: skip
     """The node's aiohttp application; `app[API_KEY]` is the CompletionsAPI (tests read its metrics).
-    With `admin_token`, the admin endpoints need it as a bearer token (serve/admin.py)."""
-    api = CompletionsAPI(engine, model_name, role)
+    With `admin_token`, the admin endpoints need it as a bearer token (serve/admin.py); `lease_quota`
+    bounds do_remote_decode requests (default: LeaseQuota's defaults)."""
+    api = CompletionsAPI(engine, model_name, role, lease_quota)
     admin, auth = AdminAPI(engine, role), AdminAuth(admin_token)
     app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors(f"this node serves {', '.join(ROUTES)}", catch_handler_errors=True)])
     app[API_KEY] = api

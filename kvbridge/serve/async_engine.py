@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import KVBridgeError
+from kvbridge.serve.lease_quota import Occupancy
 from kvbridge.transfer.progress import FIRST_WAIT_S, Backoff
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class AsyncEngine:
         self._error: BaseException | None = None  # start-up or step failure; set once
         self._thread = threading.Thread(target=self._run, name="kvbridge-engine", daemon=True)
         self.engine: Any = None  # the EngineCore; touch it only through call()
+        self.occupancy: Occupancy | None = None  # its blocks and live requests, published after each step
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -247,6 +250,17 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(_snapshot(output))
 
+    def _publish(self) -> None:
+        """Replace `occupancy` (one attribute store: readers on other threads see one snapshot or the next).
+        Engine thread; engines without a block pool (tests' fakes) publish none."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        pool = getattr(getattr(scheduler, "kv", None), "pool", None)
+        if pool is None:
+            return
+        live = frozenset(scheduler.requests) | scheduler.pending_transfer_req_ids()
+        held = sum(len(scheduler.kv.block_ids(r)) for r in scheduler.transfers.block_owners())
+        self.occupancy = Occupancy(time.monotonic(), pool.num_blocks, pool.num_free_blocks, held, live)
+
     def _fail_all(self, exc: BaseException) -> None:
         """End every waiting request and every queued call with `exc` (engine thread, at exit)."""
         with self._cond:
@@ -273,6 +287,7 @@ class AsyncEngine:
         wakeup = getattr(self.engine, "wakeup", None)
         if wakeup is not None:
             wakeup.subscribe(self._on_wakeup)
+        self._publish()
         self._ready.set()
         idle_wait: float | None = None  # None: sleep until notified
         try:
@@ -286,6 +301,7 @@ class AsyncEngine:
                     idle_wait = None
                     continue
                 outputs = self.engine.step()
+                self._publish()  # before the outputs: a client that saw its request end finds it counted
                 self._dispatch(outputs)
                 if not self._has_work():
                     idle_wait = None

@@ -73,6 +73,10 @@ class ServerMetrics:
             "kvbridge_external_prompt_tokens", "Prompt tokens loaded through the KV connector", registry=r
         )
         self.running = Gauge("kvbridge_requests_running", "Requests in flight on this node", registry=r)
+        self.pd_refused = Counter(
+            "kvbridge_pd_admissions_refused", "do_remote_decode requests refused at once (HTTP 429) by the lease "
+            "quota, by scope: client, total (serve/lease_quota.py)", ["scope"], registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "kvbridge_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )

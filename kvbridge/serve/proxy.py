@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from kvbridge import env
 from kvbridge.cli_errors import error_line
 from kvbridge.errors import ConfigError, InvalidRequestError
 from kvbridge.serve.chat_protocol import parse_chat_request
@@ -52,6 +51,7 @@ from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
 from kvbridge.serve.proxy_report import kv_source, recompute_reason
 from kvbridge.serve.routing import ROUTINGS, PromptKey, make_policies, prompt_key
+from kvbridge.transfer.host_secret import side_channel_secret
 
 MAX_RETRIES = 2
 # Chat's default max_tokens is the node's max_model_len, which the proxy does not know: it validates
@@ -93,6 +93,7 @@ class PDProxy:
         self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, *,
         routing: str = "load-prefix", max_retries: int = MAX_RETRIES, deadline_s: float | None = None,
         check_interval_s: float = CHECK_INTERVAL_S, max_backoff_s: float = MAX_BACKOFF_S, silent_checks: int = SILENT_CHECKS,
+        insecure_side_channel: bool = False,
     ) -> None:  # fmt: skip
         if max_retries < 0 or timeout_s <= 0 or check_interval_s <= 0 or (deadline_s is not None and deadline_s <= 0):
             raise ConfigError("--timeout, --deadline and --health-interval must be positive, --max-retries at least 0")
@@ -106,7 +107,8 @@ class PDProxy:
         self.prefill_pool, self.decode_pool = prefill_pool, decode_pool
         self.routing, self.deadline_s = routing, deadline_s
         self.num_requests = 0
-        self.releaser = LeaseReleaser(env.side_channel_secret())
+        # releases are signed like the nodes' own requests: the configured secret, else this user's host secret
+        self.releaser = LeaseReleaser(side_channel_secret(insecure_side_channel))
         self.metrics = ProxyMetrics(self._node_stats, lambda: (self.releaser.num_released, self.releaser.num_failed))
         self.upstream = Upstream(
             Leg("prefill", prefill_pool, prefill_policy), Leg("decode", decode_pool, decode_policy), timeout_s, max_retries,
@@ -304,6 +306,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="longest wait between health checks of an ejected node (they start at 0.25 s and double)",
     )  # fmt: skip
     parser.add_argument(
+        "--insecure-side-channel", action="store_true",
+        help="release leases on nodes that run --insecure-side-channel: sign nothing when "
+        "KVBRIDGE_SIDE_CHANNEL_SECRET is unset (default: this user's host secret, as the nodes use)",
+    )  # fmt: skip
+    parser.add_argument(
         "--silent-checks", type=int, default=SILENT_CHECKS,
         help=f"health checks in a row that a healthy node may leave unanswered for {CHECK_TIMEOUT_S:g} s before it "
         "is ejected (a refused or failed check ejects it at once)",
@@ -327,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_proxy_app(
             args.prefill, args.decode, args.timeout, routing=args.routing, max_retries=args.max_retries,
             deadline_s=args.deadline, check_interval_s=args.health_interval, max_backoff_s=args.max_probe_backoff,
-            silent_checks=args.silent_checks,
+            silent_checks=args.silent_checks, insecure_side_channel=args.insecure_side_channel,
         )  # fmt: skip
         sock = bind(args.host, args.port)
     except ConfigError as exc:

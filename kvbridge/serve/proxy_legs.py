@@ -150,6 +150,8 @@ class Upstream:
             text = f"(its answer broke off: {type(exc).__name__})"
         finally:
             resp.release()
+        if resp.status == 429:  # the node is busy (a prefill full of leases): another node, without ejecting it
+            raise NodeFailed(429, f"{leg.role} node {url} refused the request for now (HTTP 429): {_error_message(text)}")
         if resp.status < 500:  # the client's mistake: pass the node's answer through
             raise Reply(web.Response(status=resp.status, text=text, content_type="application/json"))
         raise self._node_failed(leg, url, 502, f"{leg.role} node {url} failed with HTTP {resp.status}: {_error_message(text)}")

@@ -38,6 +38,7 @@ from kvbridge.config import (
     SchedulerConfig,
 )
 from kvbridge.errors import ConfigError, TensorParallelError
+from kvbridge.serve.lease_quota import DEFAULT_MAX_LEASED_FRACTION, DEFAULT_MAX_PER_CLIENT, LeaseQuota
 from kvbridge.transfer.interfaces import advertised_host
 
 logger = logging.getLogger(__name__)
@@ -134,9 +135,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON object of connector-specific options; an unknown key is refused (default: {})",
     )  # fmt: skip
     kv.add_argument(
+        "--max-leases-per-client", type=int, default=DEFAULT_MAX_PER_CLIENT, metavar="N",
+        help="do_remote_decode requests one client (HTTP peer address) may have holding KV blocks at once; "
+        "more are refused with HTTP 429",
+    )  # fmt: skip
+    kv.add_argument(
+        "--max-leased-fraction", type=float, default=DEFAULT_MAX_LEASED_FRACTION, metavar="F",
+        help="share of the KV cache's blocks that leases may hold; a do_remote_decode request that would pass it "
+        "(and so wait for leases to end) is refused with HTTP 429",
+    )  # fmt: skip
+    kv.add_argument(
         "--insecure-side-channel", action="store_true",
-        help="serve the side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise): "
-        "anyone who reaches it can then write into this node's KV cache",
+        help="run the side channel unauthenticated when KVBRIDGE_SIDE_CHANNEL_SECRET is unset, instead of with "
+        "this user's host secret (and off loopback, where no secret is refused): anyone who reaches it can then "
+        "read and write this node's KV cache",
     )  # fmt: skip
 
 
@@ -279,6 +291,11 @@ def run(args: argparse.Namespace) -> int:
             from kvbridge.connectors.factory import check_connector_config
 
             check_connector_config(config.kv_transfer)
+            if config.kv_transfer.connector in ("NixlConnector", "MultiConnector"):  # those that speak on a side channel
+                from kvbridge.transfer.host_secret import side_channel_secret
+
+                side_channel_secret(args.insecure_side_channel)  # a short or untrustworthy secret: before the model loads
+        lease_quota = LeaseQuota(args.max_leases_per_client, args.max_leased_fraction)
         admin_token = read_admin_token(args.admin_token_file, env.admin_token())
         sock = bind(args.host, args.port)  # before the engine: a busy port fails at once
     except ConfigError as exc:
@@ -292,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
                 args.model, args.dtype, args.device, args.role, connector, url)  # fmt: skip
     engine = AsyncEngine(_engine_factory(config, args.num_threads))
     engine.start()
-    app = create_app(engine, args.served_model_name or args.model, args.role, admin_token)
+    app = create_app(engine, args.served_model_name or args.model, args.role, admin_token, lease_quota)
     try:
         return asyncio.run(serve(app, engine, sock, f"role={args.role}, {connector} on {url}"))
     finally:

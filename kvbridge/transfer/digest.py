@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import xxhash  # at import: a missing xxhash fails when a connector is configured, not on its first digest
 
 from kvbridge.block_runs import run_starts
 from kvbridge.transfer.messages import KVDigest
@@ -128,8 +129,6 @@ class BlockDigester:
     def __call__(self, block_ids) -> DigestJob:
         if self._buf is None:
             return start_block_digests(self.region, self.layout, block_ids, self.alg)
-        import xxhash
-
         ids = [int(b) for b in block_ids]
         bad = [b for b in ids if not 0 <= b < self._num_blocks]
         if bad:
@@ -150,8 +149,6 @@ def digest_of_bytes(data: torch.Tensor, alg: str) -> int:
     import torch
 
     if alg == XXH3:
-        import xxhash
-
         return xxhash.xxh3_64_intdigest(data.cpu().numpy())
     if alg == WSUM:
         if data.numel() % 4:
@@ -172,7 +169,6 @@ def mismatches(expected: KVDigest, got: KVDigest) -> list[int]:
 
 
 def _xxh3(region: torch.Tensor, layout: KVCacheLayout, pages: np.ndarray) -> list[int]:
-    import xxhash
 
     if region.is_cuda:  # a GPU reader of a host owner's blocks: hash a host copy of them
         return _xxh3_host_copy(region, layout, pages)
@@ -192,7 +188,6 @@ def _xxh3(region: torch.Tensor, layout: KVCacheLayout, pages: np.ndarray) -> lis
 
 def _xxh3_host_copy(region: torch.Tensor, layout: KVCacheLayout, pages: np.ndarray) -> list[int]:
     import torch
-    import xxhash
 
     p = layout.page_nbytes
     values = []

@@ -17,12 +17,13 @@ A NIXL read that expires while NIXL still reports it in progress may go on writi
 destination blocks: neither releasing its handle nor removing the peer's agent stops bytes already
 on their way (measured over UCX's TCP transport: they land after both). Such a read is quarantined:
 its handle is kept and polled, and its record is reported only once NIXL says the transfer is over,
-so the owner of the blocks never frees or reuses them while a late write could land. A quarantine
-lasts at most `transfer_timeout_s`; then its handle is released and the blocks with it, and an
-error is logged and counted (`num_quarantine_timeouts`): past that bound NIXL offers no way to rule
-a late write out, so a peer that stalls that long is a peer the operator must look at. (The peer is
-not disconnected then: removing an agent with a transfer in flight over a partitioned link blocked
-for tens of seconds and left later reads from that peer failing, measured in tests/serve/test_netns.py.)
+so the owner of the blocks never frees or reuses them while a late write could land. No timeout
+ends a quarantine (`_end_quarantines` says what does): a quarantine past `transfer_timeout_s` is
+logged as an error and counted (`num_quarantine_timeouts`), and its blocks stay withheld, because
+NIXL offers no way to fence the transfer's writes before it ends. (The peer is not disconnected
+either: removing an agent with a transfer in flight over a partitioned link blocked for tens of
+seconds and left later reads from that peer failing, measured in tests/serve/test_netns.py, and it
+does not stop the bytes.)
 
 The first NIXL read from a peer also opens UCX's connection to it, and NIXL reports that read done
 only once the peer's UCX worker has answered the connection: its bytes may all have landed while it
@@ -63,12 +64,11 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
-from kvbridge import env
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
-from kvbridge.transfer.auth import audience_of, check_exposure
+from kvbridge.transfer.auth import audience_of, check_exposure, check_secret
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
 from kvbridge.transfer.digest import (
@@ -81,6 +81,7 @@ from kvbridge.transfer.digest import (
 )
 from kvbridge.transfer.grants import GrantSigner
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
+from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.interfaces import ucx_on_interface_of
 from kvbridge.transfer.layout_gather import rebuild_blocks
 from kvbridge.transfer.kv_shard import KVShard
@@ -135,7 +136,7 @@ class KVEndpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         serve: bool = True,
-        secret: bytes | None = _FROM_ENV,  # default: KVBRIDGE_SIDE_CHANNEL_SECRET
+        secret: bytes | None = _FROM_ENV,  # default: host_secret.side_channel_secret(); None: unauthenticated
         message_handler: Callable[[m.Message], m.Message | None] | None = None,
         options: TransferOptions | None = None,  # backend, timeouts, descriptor mode, CUDA IPC; default: defaults
         clock: Callable[[], float] = time.monotonic,
@@ -152,7 +153,11 @@ class KVEndpoint:
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
         self._wait_ipc_reads = opts.wait_ipc_reads
-        self._secret = env.side_channel_secret() if secret is _FROM_ENV else secret
+        if secret is _FROM_ENV:
+            self._secret = side_channel_secret(opts.insecure_side_channel)
+        else:
+            check_secret(secret)
+            self._secret = secret
         if serve:  # before anything is registered
             check_exposure(host, self._secret, opts.insecure_side_channel)
         self._message_handler = message_handler
@@ -199,6 +204,7 @@ class KVEndpoint:
         # req id -> (expired read in flight, since, the peer instance it reads from)
         self._quarantine: dict[str, tuple[TransferRecord, float, tuple[str, str]]] = {}
         self._unquarantined: list[TransferRecord] = []  # ended quarantines, reported by the next poll
+        self._overdue: set[str] = set()  # quarantines past transfer_timeout_s, already logged and counted
         self.num_quarantined_reads = self.num_quarantine_timeouts = 0
         self.num_quarantined_first_reads = 0  # of those, reads from a peer no read had completed from
         self._to_forget: set[str] = set()  # peers to forget once no NIXL read from them is in flight
@@ -446,7 +452,7 @@ class KVEndpoint:
             self.num_quarantined_first_reads += 1
         logger.warning(
             "read %s from %s expired while NIXL still runs it: its %d destination blocks stay quarantined until "
-            "NIXL ends it (at most %.0fs)%s", rec.req_id, rec.peer, len(rec.payload.local_ids), self.transfer_timeout_s,
+            "NIXL ends it or the peer restarts%s", rec.req_id, rec.peer, len(rec.payload.local_ids),
             "" if rec.peer in self._connected else (
                 "; no read from this peer has completed yet: NIXL reports a first read done only once the peer's UCX "
                 "worker has answered the new connection, so the peer's NIXL progress thread is the first suspect"
@@ -454,21 +460,33 @@ class KVEndpoint:
         )  # fmt: skip
 
     def _end_quarantines(self) -> None:
+        """End the quarantines whose late writes are ruled out, and only those: NIXL reports the read over
+        while the peer instance it was posted to is still the one registered (the transfer really ended),
+        or that instance is gone (another one answers at its address: the process whose registration the
+        read targeted closed its endpoint). No clock ends one: neither releasing a NIXL transfer nor
+        removing the peer's agent stops its bytes (measured over UCX's TCP transport, where they land
+        once the stalled peer resumes; tests/transfer/test_endpoint.py), so a block is never handed out
+        again while a late write may still hit it. A quarantine past `transfer_timeout_s` is logged
+        and counted once (`num_quarantine_timeouts`); its request stays parked until it ends, or until
+        its client aborts it (the scheduler then holds the blocks until the record is reported)."""
         now = self.tracker.clock()
         for req_id, (rec, since, instance) in list(self._quarantine.items()):
-            # Once the peer's agent is removed (a failure of another read, a restart), NIXL reports its
-            # transfers over while their bytes may still land: only the bound ends the quarantine then.
             is_over = poll_post(self.agent, rec.handle) is not XferState.IN_PROGRESS
-            if not is_over or self._peer_instance(rec.peer) != instance:
-                if now - since < self.transfer_timeout_s:
-                    continue
-                self.num_quarantine_timeouts += 1
-                logger.error(
-                    "read %s from %s: NIXL still runs it %.0fs after it expired; releasing it and its blocks "
-                    "(a late write into them can no longer be ruled out)", req_id, rec.peer, now - since,
-                )  # fmt: skip
+            current = self._peer_instance(rec.peer)
+            is_gone = current != instance and current != ("", "")  # another instance registered at that address
+            if not (is_over and (current == instance or is_gone)):
+                if now - since >= self.transfer_timeout_s and req_id not in self._overdue:
+                    self._overdue.add(req_id)
+                    self.num_quarantine_timeouts += 1
+                    logger.error(
+                        "read %s from %s: NIXL still runs it %.0fs after it expired; its %d blocks stay withheld "
+                        "until NIXL ends it or the peer restarts (a late write into them cannot be ruled out "
+                        "before): look at the peer", req_id, rec.peer, now - since, len(rec.payload.local_ids),
+                    )  # fmt: skip
+                continue
             self._release(rec)
             del self._quarantine[req_id]
+            self._overdue.discard(req_id)
             self._unquarantined.append(rec)
 
     def _peer_instance(self, address: str) -> tuple[str, str]:

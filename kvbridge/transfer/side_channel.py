@@ -4,7 +4,10 @@
 is verified (`auth.FrameSigner`), decoded (`messages.decode`) and passed to `handler(msg)`, whose
 returned message is sent back. Bad input never stops the server: a frame that does not decode,
 fails authentication or makes the handler raise is answered with an `ErrorReply`; a frame larger
-than `max_message_bytes` is dropped by ZMQ (ZMQ_MAXMSGSIZE), which disconnects that peer.
+than `max_message_bytes` is dropped by ZMQ (ZMQ_MAXMSGSIZE), which disconnects that peer. Only a
+request that passed verification gets a signed reply: the answer to one that did not is an
+unsigned `ErrorReply` that says so and nothing else, so a peer without the secret never obtains a
+frame signed with it (whose audience, the request's nonce, it would have chosen).
 Queues are bounded by ZMQ high-water marks; replies to a peer whose queue is full are dropped.
 
 `handler` runs on the server thread, one message at a time. It must be quick (no transfers, no
@@ -45,7 +48,7 @@ from kvbridge.errors import (
     TransferError,
 )
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.auth import FrameSigner
+from kvbridge.transfer.auth import FrameKind, FrameSigner
 
 logger = logging.getLogger(__name__)
 
@@ -180,14 +183,14 @@ class SideChannelServer:
 
     def _serve_one(self, parts: list[bytes]) -> None:
         ident, body = parts[0], parts[1:]
-        corr_id, frame = 0, None
+        corr_id, frame, is_verified = 0, None, False
         try:
             if len(body) != 1:
                 raise MalformedMessageError(f"expected one frame per request, got {len(body)}")
             frame = m.decode_frame(body[0])
             corr_id = frame.corr_id
             # The MAC first: with a secret, no byte of an unauthenticated payload reaches the decoder.
-            self._signer.verify(frame, (self._audience, b""))
+            self._signer.verify(FrameKind.REQUEST, frame, (self._audience, b""))
             msg = m.decode(frame.payload)
             # Only a ping, which says who answers, may name nobody: every other request is bound to
             # this very engine instance, handshakes included (their answers hold NIXL metadata).
@@ -195,6 +198,7 @@ class SideChannelServer:
                 raise AuthenticationError(
                     "side-channel message addressed to another node, or to an earlier instance of this one, refused"
                 )
+            is_verified = True  # from here on the request is authentic: its answer is signed, errors included
             reply = self._handler(msg) or m.Ack()
             self.num_requests += 1
         except AuthenticationError as e:
@@ -207,10 +211,14 @@ class SideChannelServer:
             if not isinstance(e, KVBridgeError):
                 logger.exception("side channel %s: handler failed", self.address)
             reply = error_reply_for(e)
-        self._send(ident, corr_id, reply, frame.nonce if frame is not None else b"")
+        if is_verified:
+            sealed = self._signer.seal(FrameKind.REPLY, corr_id, m.encode(reply), audience=frame.nonce)
+        else:  # never sign for a sender we could not verify: it chose the nonce (the audience) and the timing
+            sealed = m.Frame(corr_id, m.encode(reply))
+        self._send(ident, sealed)
 
-    def _send(self, ident: bytes, corr_id: int, reply: m.Message, request_nonce: bytes) -> None:
-        data = m.encode_frame(self._signer.seal(corr_id, m.encode(reply), audience=request_nonce))
+    def _send(self, ident: bytes, frame: m.Frame) -> None:
+        data = m.encode_frame(frame)
         try:
             self._socket.send_multipart([ident, data], zmq.NOBLOCK)
         except zmq.ZMQError:  # peer gone or its queue full: it will time out and retry
@@ -302,7 +310,7 @@ class SideChannelClient:
 
     def _send_copy(self, sock: zmq.Socket, payload: bytes, audience: bytes, nonces: dict[int, bytes]) -> None:
         corr_id = next(self._corr_ids)
-        sent = self._signer.seal(corr_id, payload, audience)
+        sent = self._signer.seal(FrameKind.REQUEST, corr_id, payload, audience)
         nonces[corr_id] = sent.nonce
         sock.send(m.encode_frame(sent))
 
@@ -314,10 +322,12 @@ class SideChannelClient:
         if nonce is None:
             return None
         try:  # before decoding: with a secret, an unsigned reply (an ErrorReply too) is never believed
-            self._signer.verify(frame, (nonce,))  # a reply to this very copy
+            self._signer.verify(FrameKind.REPLY, frame, (nonce,))  # a reply to this very copy
         except AuthenticationError as e:
             raise AuthenticationError(
-                f"reply from {self.address} refused: {e} (a peer without our secret cannot sign its answers)"
+                f"reply from {self.address} refused: {e} (a peer without our secret cannot sign its answers; a peer "
+                "answers unsigned when it refused our request: signed with another secret, addressed to another node "
+                "or an earlier instance of it, replayed, or outside the replay window)"
             ) from None
         return m.decode(frame.payload)
 

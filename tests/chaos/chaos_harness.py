@@ -35,7 +35,7 @@ REQUEST_TIMEOUT_S = 60.0  # a deadline that detects a hang, never a performance 
 CLEAN_TIMEOUT_S = 45.0  # leases of 30 s (the default) expire well inside it
 STARTUP_TIMEOUT_S = 120.0
 # What a scenario does not set itself is off, whatever the shell running the tests exports: open
-# admin endpoints (the suite resets caches and reads state) and no side-channel secret.
+# admin endpoints (the suite resets caches and reads state) and no side-channel secret (see `start`).
 NODE_ENV = {"KVBRIDGE_ADMIN_TOKEN": "", "KVBRIDGE_SIDE_CHANNEL_SECRET": ""}
 
 _WORDS = (
@@ -89,7 +89,12 @@ class NodeSet:
               ports: tuple[int, int] | None = None) -> ManagedProcess:  # fmt: skip
         ports = ports or tuple(free_ports(2))
         env = {**NODE_ENV, **(env or {})}
-        proc = start_node(name, role, self.log_dir, "tiny", [*NODE_ARGS, *extra], env, ports=ports)
+        # Without a configured secret the suite's nodes run unauthenticated, as its attackers speak unsigned
+        # raw frames: they stand for any holder of the host's secret, whom only lease tokens and digests stop.
+        connector = extra[extra.index("--kv-connector") + 1] if "--kv-connector" in extra[:-1] else "NixlConnector"
+        nixl = connector == "NixlConnector" and "--no-connector" not in extra  # the one that takes the flag
+        insecure = ["--insecure-side-channel"] if nixl and not env["KVBRIDGE_SIDE_CHANNEL_SECRET"] else []
+        proc = start_node(name, role, self.log_dir, "tiny", [*NODE_ARGS, *insecure, *extra], env, ports=ports)
         self.procs[name], self._ports[name] = proc, ports
         self._all.append(proc)
         return proc

@@ -27,7 +27,7 @@ from chaos_sockets import FrameRelay, message_type, side_channel_send
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-SECRET = "chaos-suite-replay-secret"
+SECRET = "chaos-suite-replay-secret-of-32-bytes"
 ENV = {"KVBRIDGE_SIDE_CHANNEL_SECRET": SECRET}
 READ_ONLY = {"hs_req", "ping"}  # message tags a server answers whatever instance they name
 REPLAY_WINDOW_S = 30.0  # auth.FrameSigner's default: a replay later than this is refused as stale anyway

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 SIDE_VICTIM = prompt("side-channel-victim", 180)
 HTTP_VICTIM, HTTP_ATTACKER = prompt("http-victim", 180), prompt("http-attacker", 120)
 MADE_UP_TOKEN = "00" * 16
-SECRET = "chaos-suite-side-channel-secret"
+SECRET = "chaos-suite-side-channel-secret-of-32-bytes"
 
 
 @pytest.fixture(scope="module")

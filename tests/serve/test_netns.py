@@ -7,8 +7,9 @@ docs/pd-disaggregation.md deploys them.
 - The prefill node binds `0.0.0.0` and advertises the address of its default route; the decode
   node binds `0.0.0.0` with `--side-channel-host`; a wildcard bind with no route is refused.
 - A partition (the link taken down) after the prefill answered and before the decode node read:
-  the read hangs until its deadline (`transfer_timeout_s`), then fails, the decode node computes the prompt itself and answers right,
-  and once the link is back the prefill's lease has expired (no block held) and P/D works again.
+  the read hangs past its deadline (`transfer_timeout_s`) and stays quarantined while the link is down (TCP
+  would deliver its bytes once it is back), then fails, the decode node computes the prompt itself and answers
+  right, and once the link is back the prefill's lease has expired (no block held) and P/D works again.
 
 Skipped with the reason where namespaces cannot be created (not root, no iproute2).
 """
@@ -19,6 +20,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -50,7 +52,7 @@ def nodes(net):
     """prefill (10.213.0.1, bound 0.0.0.0), decode (bound 0.0.0.0, --side-channel-host 10.213.0.2)
     and the proxy (on the decode host's loopback). URLs are as seen from the decode host."""
     net.add_default_route(net.prefill)
-    env = {**UCX_OVER_TCP, "KVBRIDGE_SIDE_CHANNEL_SECRET": "netns-suite-secret"}  # off loopback: required
+    env = {**UCX_OVER_TCP, "KVBRIDGE_SIDE_CHANNEL_SECRET": "netns-suite-secret-of-32-bytes-or-more"}  # off loopback: required
     decode_extra = {"allowed_peers": ["10.213.0.0/24"], "transfer_timeout_s": TRANSFER_TIMEOUT_S, "handshake_timeout_s": 15.0}
     with tempfile.TemporaryDirectory(prefix="kvbridge-netns-") as log_dir:
         prefill = ManagedProcess("prefill", f"http://{net.prefill.address}:{PREFILL_PORT}", net.exec_argv(net.prefill, cli_argv(
@@ -127,14 +129,23 @@ def test_a_partition_before_the_read_ends_in_a_recompute_and_strands_nothing(net
                                                             "kv_transfer_params": {"do_remote_decode": True}})
     assert state(net, nodes["prefill"])["connector"]["scheduler"]["num_leased_requests"] >= 1
     net.set_link(up=False)
+    replies: list[dict] = []
+    params = {**leg["kv_transfer_params"], "do_remote_prefill": True}
+    body = {**prompt_body, "kv_transfer_params": params}
+    decode_leg = threading.Thread(target=lambda: replies.append(
+        post(net, f"{nodes['decode']}/v1/completions", body, timeout_s=2 * TRANSFER_TIMEOUT_S + 60)))  # fmt: skip
+    start = time.monotonic()
     try:
-        params = {**leg["kv_transfer_params"], "do_remote_prefill": True}
-        start = time.monotonic()
-        reply = post(net, f"{nodes['decode']}/v1/completions", {**prompt_body, "kv_transfer_params": params},
-                     timeout_s=TRANSFER_TIMEOUT_S + 60)  # fmt: skip
-        elapsed = time.monotonic() - start
+        decode_leg.start()
+        # Past the read's deadline and as long again: a read still in flight then is quarantined, and
+        # its blocks stay withheld while the partition lasts (TCP delivers its bytes once the link is back).
+        decode_leg.join(2 * TRANSFER_TIMEOUT_S + 2)
     finally:
         net.set_link(up=True)
+    decode_leg.join(TRANSFER_TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    assert replies, "the decode leg never answered"
+    reply = replies[0]
     assert reply["kvbridge"]["num_external_tokens"] == 0  # nothing served from the unreachable prefill
     alone = post(net, f"{nodes['decode']}/v1/completions", {**prompt_body, "kv_transfer_params": None})
     assert reply["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]

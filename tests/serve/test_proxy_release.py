@@ -32,7 +32,8 @@ needs_nixl = pytest.mark.skipif(not nixl_build.is_available(), reason="needs NIX
 
 LEASE_S = 60.0
 COMMON = ["--num-threads", "1", "--num-blocks", "64", "--kv-connector-extra", json.dumps({"lease_s": LEASE_S})]
-PREFILL_ARGS = [*COMMON, "--max-model-len", "512"]
+# Leases may hold the whole cache (no lease quota refusal): what is tested is that refused requests hold none.
+PREFILL_ARGS = [*COMMON, "--max-model-len", "512", "--max-leased-fraction", "1"]
 DECODE_ARGS = [*COMMON, "--max-model-len", "128"]
 SHORT = {"prompt": "Blocks are held only for a reader that will come. " * 2, "max_tokens": 4, "temperature": 0}
 LONG = {**SHORT, "prompt": "x" * 300}  # 18 full blocks on the prefill node; too long for the decode node

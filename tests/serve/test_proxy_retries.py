@@ -46,6 +46,8 @@ class SickNode:
         await request.read()
         if self.mode == "5xx":
             return web.json_response(error_body("injected failure", "engine_error", 500), status=500)
+        if self.mode == "429":
+            return web.json_response(error_body("leases hold this node's blocks", "rate_limit_error", 429), status=429)
         if self.mode == "4xx":
             return web.json_response(error_body("prompt too long for this node", "invalid_request_error", 400, "prompt"), status=400)
         if self.mode == "reset":
@@ -125,6 +127,37 @@ def test_a_prefill_5xx_is_retried_on_another_prefill_node():
     assert metrics[("kvbridge_proxy_node_ejections_total", _node("prefill", sick_url))] == 1
     assert metrics[("kvbridge_proxy_recompute_fallbacks_total", ())] == 0
     assert metrics[("kvbridge_proxy_requests_total", (("outcome", "ok"),))] == 2
+
+
+def test_a_prefill_429_goes_to_another_prefill_node_or_to_the_decode_node_and_ejects_nothing():
+    """A prefill node whose lease quota refuses (serve/lease_quota.py) is skipped, never ejected: another
+    prefill node serves the request, and with none the decode node computes the prompt itself."""
+
+    async def main():
+        busy = SickNode("429")
+        async with _sick(busy) as (busy_url,), _cluster(
+            [FakeEngineCore("p"), FakeEngineCore("d")], [0], [1], extra_prefill=[busy_url], routing="round-robin"
+        ) as (client, urls):
+            bodies = [await (await client.post("/v1/completions", json=BODY)).json() for _ in range(2)]
+            return bodies, urls, busy_url, busy.num_requests, await _metrics(client)
+
+    bodies, urls, busy_url, busy_requests, metrics = _run(main())
+    assert [b["choices"][0]["text"] for b in bodies] == ["cde", "cde"], bodies
+    assert bodies[1]["kvbridge"]["proxy"]["prefill_url"] == urls[0] and bodies[1]["kvbridge"]["num_external_tokens"] == 2
+    assert busy_requests == 1
+    assert metrics.get(("kvbridge_proxy_node_ejections_total", _node("prefill", busy_url)), 0) == 0
+
+    async def alone():
+        busy = SickNode("429")
+        async with _sick(busy) as (busy_url,), _cluster(
+            [FakeEngineCore("d")], [], [0], extra_prefill=[busy_url]
+        ) as (client, _):
+            resp = await client.post("/v1/completions", json=BODY)
+            return resp.status, await resp.json()
+
+    status, body = _run(alone())
+    assert status == 200 and body["choices"][0]["text"] == "cde", body  # computed by the decode node
+    assert body["kvbridge"]["proxy"]["recomputed"], body
 
 
 @pytest.mark.parametrize("stream", [False, True])

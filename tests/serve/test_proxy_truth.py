@@ -29,7 +29,7 @@ pytestmark = [
 
 NODE_ARGS = ["--num-threads", "1", "--num-blocks", "128", "--max-model-len", "512"]
 FAST_FAIL = {"handshake_timeout_s": 1.0, "handshake_retries": 0, "transfer_timeout_s": 5.0}
-SECRET, WRONG_SECRET = "the-cluster-secret", "not-the-cluster-secret"
+SECRET, WRONG_SECRET = "the-cluster-secret-of-32-bytes-or-more", "not-the-cluster-secret-of-32-bytes-or-more"
 MAX_TOKENS = 4
 NUM_ROUNDS = 2  # each decode node gets one JSON answer and one stream
 

@@ -257,10 +257,10 @@ def test_incompatible_model_or_protocol_raises_named_error(peer, monkeypatch):
 
 
 def test_wrong_or_missing_secret_is_refused():
-    secure, _ = _local_endpoint("secure-prefill", secret=b"right")
-    wrong, _ = _local_endpoint("decode-wrong", secret=b"wrong")
+    secure, _ = _local_endpoint("secure-prefill", secret=b"right" * 8)
+    wrong, _ = _local_endpoint("decode-wrong", secret=b"wrong" * 8)
     missing, _ = _local_endpoint("decode-missing", secret=None)
-    right, _ = _local_endpoint("decode-right", secret=b"right")
+    right, _ = _local_endpoint("decode-right", secret=b"right" * 8)
     try:
         for ep in (wrong, missing):
             with pytest.raises(AuthenticationError, match="KVBRIDGE_SIDE_CHANNEL_SECRET"):
@@ -337,9 +337,12 @@ def test_peer_killed_mid_transfer_fails_within_deadline_then_restarted_peer_work
 
 
 def test_a_read_that_expires_in_flight_keeps_its_blocks_until_it_is_over(tmp_path, monkeypatch):
-    """The owner stops (SIGSTOP) mid-read, past the reader's deadline, then resumes (SIGCONT): the
-    read is not reported (its blocks not given back) while NIXL still runs it, and once it is, blocks
-    refilled with a canary as if another request owned them never change."""
+    """The owner stops (SIGSTOP) mid-read, past the reader's deadline and past as long again (every
+    timeout the reader has), then resumes (SIGCONT): the read is not reported (its blocks not given
+    back) while NIXL still runs it, and once it is, blocks refilled with a canary as if another
+    request owned them never change. (Had the blocks been handed back at a timeout, the resumed owner's
+    bytes would land in them: measured over UCX's TCP transport, whole 256 MiB reads did, after the
+    transfer was released and the owner's agent removed.)"""
     env = {"UCX_TLS": "tcp"}  # as above: a read that is still in flight when the owner stops
     monkeypatch.setenv("UCX_TLS", "tcp")
     from kvbridge.transfer.endpoint import KVEndpoint
@@ -365,15 +368,17 @@ def test_a_read_that_expires_in_flight_keeps_its_blocks_until_it_is_over(tmp_pat
         # reports the transfers of a removed agent over while their bytes may still land.
         ep.forget_peer(owner.address)
         assert owner.address in ep.peers  # deferred until no read from it is in flight
-        for _ in range(50):
+        past_every_timeout = time.monotonic() + ep.transfer_timeout_s + 1.0  # expired + the old quarantine bound
+        while time.monotonic() < past_every_timeout:
             assert all(rec.req_id != "stalled" for rec in ep.poll()), "reported while NIXL may still write its blocks"
             time.sleep(0.01)
+        assert ep.get_stats()["num_quarantine_timeouts"] == 1  # logged and counted once, blocks still withheld
         os.kill(owner.proc.pid, signal.SIGCONT)
         stopped = False
         rec = _wait_final(ep, "stalled", timeout_s=30)  # NIXL finishes it now; then, and only then, it is reported
         assert rec.state is TransferState.EXPIRED  # still a failed read: its bytes are never used
         stats = ep.get_stats()
-        assert stats["num_quarantined"] == 0 and stats["num_quarantined_reads"] == 1 and stats["num_quarantine_timeouts"] == 0
+        assert stats["num_quarantined"] == 0 and stats["num_quarantined_reads"] == 1 and stats["num_quarantine_timeouts"] == 1
         assert stats["num_quarantined_first_reads"] == 1  # no read from the owner had completed before it
         assert owner.address not in ep.peers  # forgotten once the read was over
         canary = kv.view(torch.uint8)

@@ -20,11 +20,12 @@ from kvbridge.errors import (
     TransferError,
 )
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.auth import FrameSigner, audience_of
+from kvbridge.transfer.auth import FrameKind, FrameSigner, audience_of
 from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer
 
-SECRET = b"s3cret-for-tests"
+SECRET = b"s3cret-for-tests-of-the-side-channel"
 AUDIENCE = audience_of("prefill-0", "inc-1")
+REQ = FrameKind.REQUEST
 
 
 def _done(*req_ids: str) -> m.TransferDone:
@@ -261,7 +262,7 @@ def test_oversized_input_is_dropped_and_server_keeps_serving():
         srv.close()
 
 
-@pytest.mark.parametrize("client_secret", [None, b"wrong-secret"])
+@pytest.mark.parametrize("client_secret", [None, b"wrong-secret-of-thirty-two-bytes!"])
 def test_unauthenticated_clients_are_refused(secure_server, client_secret, caplog):
     client = _client(secure_server.address, client_secret)
     with caplog.at_level(logging.WARNING, logger="kvbridge"):
@@ -269,7 +270,7 @@ def test_unauthenticated_clients_are_refused(secure_server, client_secret, caplo
             client.request(m.Ping(engine_id="x"))
     client.close()
     assert "refused" in caplog.text
-    assert SECRET.decode() not in caplog.text and "wrong-secret" not in caplog.text
+    assert SECRET.decode() not in caplog.text and "wrong-secret-of" not in caplog.text
 
 
 def test_authenticated_client_is_served_and_unsigned_server_is_refused(secure_server, server):
@@ -283,7 +284,7 @@ def test_authenticated_client_is_served_and_unsigned_server_is_refused(secure_se
 
 
 def test_replayed_message_is_rejected(secure_server):
-    frame = FrameSigner(SECRET).seal(42, m.encode(_done("r")))
+    frame = FrameSigner(SECRET).seal(REQ, 42, m.encode(_done("r")))
     data = m.encode_frame(frame)
     sock = _raw_dealer(secure_server.address)
     try:
@@ -306,20 +307,20 @@ def test_signer_window_replay_and_bounded_nonce_cache():
     frames = []
     for i in range(5):
         now[0] += 1000  # distinct timestamps, well inside the window
-        frames.append(signer.seal(i, b"p"))
+        frames.append(signer.seal(REQ, i, b"p"))
     for f in frames[:4]:
-        verifier.verify(f)  # the 4th evicts the 1st and raises the floor to its timestamp
+        verifier.verify(REQ, f)  # the 4th evicts the 1st and raises the floor to its timestamp
     with pytest.raises(AuthenticationError, match="replayed|window"):
-        verifier.verify(frames[0])  # evicted, but still refused: at or below the floor
+        verifier.verify(REQ, frames[0])  # evicted, but still refused: at or below the floor
     with pytest.raises(AuthenticationError, match="replayed"):
-        verifier.verify(frames[3])
+        verifier.verify(REQ, frames[3])
     now[0] += 2 * 10**9
     with pytest.raises(AuthenticationError, match="window"):
-        verifier.verify(frames[4])  # too old now
+        verifier.verify(REQ, frames[4])  # too old now
     tampered = m.Frame(9, b"q", frames[4].nonce, now[0], frames[4].mac)
     with pytest.raises(AuthenticationError, match="wrong signature"):
-        verifier.verify(tampered)
-    FrameSigner(None).verify(tampered)  # no secret: no authentication
+        verifier.verify(REQ, tampered)
+    FrameSigner(None).verify(REQ, tampered)  # no secret: no authentication
 
 
 @pytest.fixture
@@ -341,16 +342,16 @@ def _send_raw(address: str, frame: m.Frame) -> m.Message:
 
 def test_signed_requests_are_bound_to_their_destination_instance(addressed_server):
     signer = FrameSigner(SECRET)
-    assert _send_raw(addressed_server.address, signer.seal(1, m.encode(_done("r")), AUDIENCE)) == m.Ack(count=1)
+    assert _send_raw(addressed_server.address, signer.seal(REQ, 1, m.encode(_done("r")), AUDIENCE)) == m.Ack(count=1)
     # the same secret, but meant for another node or for an earlier instance of this one
     for audience in (audience_of("prefill-1", "inc-1"), audience_of("prefill-0", "inc-0"), b""):
-        reply = _send_raw(addressed_server.address, signer.seal(2, m.encode(_done("r")), audience))
+        reply = _send_raw(addressed_server.address, signer.seal(REQ, 2, m.encode(_done("r")), audience))
         assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH, audience
         assert "another node" in reply.message
     # a ping may name nobody: it only says who answers, so that a client can address what follows
-    assert _send_raw(addressed_server.address, signer.seal(3, m.encode(m.Ping(engine_id="p")))) == m.Pong(engine_id="p")
+    assert _send_raw(addressed_server.address, signer.seal(REQ, 3, m.encode(m.Ping(engine_id="p")))) == m.Pong(engine_id="p")
     handshake = m.HandshakeRequest(protocol_version=2, engine_id="d", compat_hash="h")
-    reply = _send_raw(addressed_server.address, signer.seal(4, m.encode(handshake)))  # unaddressed: refused
+    reply = _send_raw(addressed_server.address, signer.seal(REQ, 4, m.encode(handshake)))  # unaddressed: refused
     assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH
     client = _client(addressed_server.address, SECRET)
     try:
@@ -367,7 +368,7 @@ def test_a_reply_is_accepted_only_for_the_request_it_answers():
     port = router.bind_to_random_port("tcp://127.0.0.1")
     client = _client(f"tcp://127.0.0.1:{port}", SECRET, timeout_s=2.0)
     signer = FrameSigner(SECRET)
-    captured = signer.seal(1, m.encode(m.Ack(count=99)), audience=b"n" * 16)  # answered some other request
+    captured = signer.seal(FrameKind.REPLY, 1, m.encode(m.Ack(count=99)), audience=b"n" * 16)  # answered some other request
     errors = []
 
     def serve():
@@ -416,3 +417,49 @@ def test_with_a_secret_an_unsigned_error_reply_is_not_believed():
         thread.join()
         client.close()
         fake.close(0)
+
+
+def _exchange(address: str, frame: m.Frame) -> m.Frame:
+    """Send `frame` as it is; the raw frame that answers it."""
+    sock = _raw_dealer(address)
+    try:
+        sock.send(m.encode_frame(frame))
+        assert sock.poll(2000)
+        return m.decode_frame(sock.recv())
+    finally:
+        sock.close(0)
+
+
+def test_a_frame_that_fails_verification_gets_no_signed_reply(addressed_server):
+    """Whoever lacks the secret never obtains a signed frame: not for a garbage MAC, not for a frame
+    signed for another node, whatever nonce (the reply's audience) it chose."""
+    signer = FrameSigner(SECRET)
+    attempts = [
+        m.Frame(1, m.encode(m.Ping(engine_id="x")), AUDIENCE, time.time_ns(), os.urandom(32)),  # nonce = our audience
+        m.Frame(2, m.encode(m.Ping(engine_id="x"))),  # unsigned
+        signer.seal(REQ, 3, m.encode(_done("r")), audience_of("prefill-9", "inc-1")),  # for another node
+    ]
+    for frame in attempts:
+        reply = _exchange(addressed_server.address, frame)
+        assert not reply.mac and not reply.nonce, f"frame {frame.corr_id} got a signed reply"
+        assert m.decode(reply.payload).code == m.ErrorCode.AUTH
+    # a verified request still gets a signed answer, its refusals included
+    reply = _exchange(addressed_server.address, signer.seal(REQ, 4, m.encode(m.Ping(engine_id="x"))))
+    assert reply.mac and reply.audience
+
+
+def test_a_signed_reply_is_never_a_valid_request(addressed_server):
+    """Requests and replies are signed in separate MAC domains: a reply, even one whose audience names
+    this very node, is refused as a request."""
+    # what an attacker would capture: the signed answer to its own bad frame, nonce = this node's audience
+    bait = m.Frame(1, m.encode(_done("r")), AUDIENCE, time.time_ns(), os.urandom(32))
+    captured = _exchange(addressed_server.address, bait)
+    replayed = m.Frame(captured.corr_id, captured.payload, captured.nonce, captured.timestamp_ns, captured.mac,
+                       captured.audience)  # fmt: skip
+    reply = m.decode(_exchange(addressed_server.address, replayed).payload)
+    assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH, reply
+    # a genuine reply, signed with the secret for this node's audience, is no request either
+    as_reply = FrameSigner(SECRET).seal(FrameKind.REPLY, 3, m.encode(_done("r")), AUDIENCE)
+    reply = m.decode(_exchange(addressed_server.address, as_reply).payload)
+    assert isinstance(reply, m.ErrorReply) and reply.code == m.ErrorCode.AUTH and "signature" in reply.message, reply
+    assert addressed_server.num_requests == 0, "a reply was handled as a request"

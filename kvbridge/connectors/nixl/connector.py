@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 class NixlConnector(SplitConnector):
     metadata_type = NixlConnectorMetadata
     supports_tensor_parallel = True  # every rank reads / digests its own heads; rank 0 holds the node's leases
+    REQUIRED_MODULES = ("zmq", "msgspec", "xxhash")  # side channel, wire structs, host-memory digests
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
         self.options = NixlOptions.from_extra(config.extra)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 class OffloadingConnector(SplitConnector):
     metadata_type = OffloadMetadata
+    REQUIRED_MODULES = ("xxhash",)  # digests of the blocks each tier holds
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext) -> None:
         self.offload_config = OffloadConfig.from_extra(config.extra)

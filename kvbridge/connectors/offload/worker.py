@@ -72,6 +72,7 @@ class OffloadWorker:
         self._loads_left = Counter()  # req id -> load jobs in flight
         self._recving_done: set[str] = set()
         self._load_errors: set[int] = set()
+        self._load_reasons: dict[str, str] = {}  # request id -> why its load failed, until get_load_errors
         self._slot_barriers: dict[int, Future] = {}  # slot -> disk write reading it
         self._stats = Counter()
         self._verifier: LoadVerifier | None = None  # verify_kv_digest
@@ -130,6 +131,10 @@ class OffloadWorker:
         poisoned = {g for g, s, d in zip(job.gpu_block_ids, job.slots, job.from_disk)
                     if not d and s in self.host.poisoned_slots}  # fmt: skip
         self._load_errors |= set(job.failed_gpu_block_ids) | poisoned
+        if job.failed_gpu_block_ids:
+            self._fail_load(job.req_id, f"{len(job.failed_gpu_block_ids)} block(s) had no free host slot to load through")
+        if poisoned:
+            self._fail_load(job.req_id, f"{len(poisoned)} block(s) sit in host slots whose last store failed")
         blocks = [(g, s, h, d) for g, s, h, d in zip(job.gpu_block_ids, job.slots, job.hashes, job.from_disk)
                   if g not in poisoned]  # fmt: skip
         if not blocks:
@@ -220,10 +225,12 @@ class OffloadWorker:
             if failed:
                 self._stats["load_failures"] += 1
                 self._load_errors.update(job.gpu_block_ids)
+                self._fail_load(job.req_id, f"the copy from the host tier failed: {op.handle.error}")
             else:
                 self.host.poisoned_slots.difference_update(s for s, d in zip(job.slots, job.from_disk) if d)
-                if self._verifier is not None:
-                    self._load_errors |= self._verifier.check(job, op.handle)
+                if self._verifier is not None and (bad := self._verifier.check(job, op.handle)):
+                    self._load_errors |= bad
+                    self._fail_load(job.req_id, f"{len(bad)} block(s) differ from the digest taken when they were stored")
                 self._stats["bytes_loaded"] += nbytes
                 self._stats["blocks_loaded"] += len(job.gpu_block_ids)
                 self._load_latency.add(elapsed)
@@ -243,6 +250,14 @@ class OffloadWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_load_errors(self) -> dict[str, str]:
+        reasons, self._load_reasons = self._load_reasons, {}
+        return reasons
+
+    def _fail_load(self, req_id: str, reason: str) -> None:
+        known = self._load_reasons.get(req_id)
+        self._load_reasons[req_id] = f"{known}; {reason}" if known else f"offload tier load: {reason}"
 
     def _wait_for_request(self, req_id: str) -> None:
         deadline = time.monotonic() + self.flush_timeout_s

@@ -40,6 +40,7 @@ from kvbridge.integrations.vllm.kv_layout import (
     layout_of,
     strided_view,
 )
+from kvbridge.integrations.vllm.load_failures import LoadFailureLog
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.integrations.vllm.stats import StatsSnapshots, StepTimer
 from kvbridge.integrations.vllm.tp_ranks import TPRank, all_gather_bytes
@@ -75,6 +76,7 @@ class WorkerSide:
         self._has_ended = False  # a request or a transfer ended this step: snapshot the stats
         self.timer = StepTimer()  # start_load_kv + wait_for_save + get_finished + load errors, per step
         self._is_shut_down = False
+        self._load_failures = LoadFailureLog()  # each failed load's reason, in vLLM's log
         _LOCAL_WORKERS[setup.transfer.engine_id] = self
 
     @property
@@ -199,8 +201,10 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self.timer.timing():
             errors = set(self.inner.get_block_ids_with_load_errors())
+            reasons = self.inner.get_load_errors()  # vLLM asks only for the blocks: the reasons are logged
         self.timer.step()  # vLLM's last per-step call into the worker half
         self._has_ended |= bool(errors)
+        self._load_failures.report(errors, reasons)
         return errors
 
     def worker_meta(self) -> KVBridgeWorkerMeta | None:

@@ -9,9 +9,12 @@ import time
 import pytest
 from prefill_node import BLOCK_SIZE, engine_kwargs, prefill_node
 
+from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.lease_release import release_remote_kv
 
 pytestmark = pytest.mark.nixl
+
+SECRET = side_channel_secret()  # what the node signs with when none is configured, as a proxy of this user does
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + 3 * BLOCK_SIZE + 5))}, {"prompt_token_ids": list(range(9, 9 + 40))}]
 
@@ -30,13 +33,13 @@ def test_only_the_params_holder_releases_a_lease_and_only_once():
             {**victim, "remote_lease_token": other["remote_lease_token"]},
         ]
         for params in forged:
-            assert release_remote_kv(params, secret=None, timeout_s=2.0) is False
+            assert release_remote_kv(params, secret=SECRET, timeout_s=2.0) is False
         assert node.state()["num_used_blocks"] == held  # nothing was freed
 
-        assert release_remote_kv(victim, secret=None, timeout_s=2.0) is True
+        assert release_remote_kv(victim, secret=SECRET, timeout_s=2.0) is True
         assert 0 < node.wait_until(lambda s: s["num_used_blocks"] < held, timeout_s=10)["num_used_blocks"] < held
-        assert release_remote_kv(victim, secret=None, timeout_s=2.0) is False  # released once, never again
-        assert release_remote_kv(other, secret=None, timeout_s=2.0) is True
+        assert release_remote_kv(victim, secret=SECRET, timeout_s=2.0) is False  # released once, never again
+        assert release_remote_kv(other, secret=SECRET, timeout_s=2.0) is True
         node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
 
 
@@ -51,14 +54,14 @@ def test_a_release_that_comes_before_the_grant_frees_the_blocks_at_the_grant():
     with prefill_node(**engine_kwargs("prefill-early-release", "kv_producer", kv=kv)) as node:
         (gave_up,) = node.prefill(PROMPTS[:1], pause=True)  # answered; the lease is not granted yet
         assert node.state()["num_used_blocks"] >= len(gave_up["remote_block_ids"])
-        assert release_remote_kv(gave_up, secret=None, timeout_s=0.3) is False  # "pending" to the end
+        assert release_remote_kv(gave_up, secret=SECRET, timeout_s=0.3) is False  # "pending" to the end
         node.resume()
         freed = node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=10)
         assert freed["num_used_blocks"] == 0, "the blocks wait for the lease to expire: the early release was lost"
 
         (asks_again,) = node.prefill(PROMPTS[1:], pause=True)
         result = []
-        releaser = threading.Thread(target=lambda: result.append(release_remote_kv(asks_again, secret=None, timeout_s=30)))
+        releaser = threading.Thread(target=lambda: result.append(release_remote_kv(asks_again, secret=SECRET, timeout_s=30)))
         releaser.start()
         time.sleep(0.3)  # it hears "pending" meanwhile
         assert releaser.is_alive() and node.state()["num_used_blocks"] > 0
@@ -75,4 +78,4 @@ def test_an_unreachable_prefill_is_reported_not_raised():
     with prefill_node(**engine_kwargs("prefill-gone", "kv_producer")) as node:
         (params,) = node.prefill(PROMPTS[:1])
         node.kill()  # dies holding the lease
-    assert release_remote_kv(params, secret=None, timeout_s=0.5) is False  # the node has stopped
+    assert release_remote_kv(params, secret=SECRET, timeout_s=0.5) is False  # the node has stopped
