@@ -12,7 +12,9 @@ Arms: `kvbridge` (KVBridgeConnector), `vllm-nixl` (vLLM's NixlConnector, which p
 may carry modifiers after `@`, joined by `+`: `ipc` lets UCX carry same-host GPU memory over CUDA IPC
 (`UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp`, every device; without it UCX sees loopback only, as the
 CPU tests set it), `xl` asks for vLLM's cross-layer blocks (`enable_cross_layers_blocks`, HND
-layout: one descriptor per block instead of one per block and layer). An arm that fails or hangs
+layout: one descriptor per block instead of one per block and layer). `kvbridge@confirm` runs
+kvbridge with the prefill's signed grants off (NixlConnector option `sign_grants: false`): every
+read is confirmed with the prefill on the side channel, the hand-off before them. An arm that fails or hangs
 (a leg past `--request-timeout`) is a result: its error is recorded and the other arms still run.
 
 On CUDA (`--device cuda`) every server shares one GPU (`--gpu-memory-utilization`, 0.3 each), runs
@@ -111,7 +113,8 @@ CUDA_BENCH_MODEL = dict(num_layers=32, hidden_size=1024, num_heads=8, num_kv_hea
                         seed=0)  # fmt: skip
 ARMS = ("vllm-nixl", "vllm-nixl-push", "kvbridge")
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
-MODIFIERS = ("ipc", "xl")  # see the module docstring
+MODIFIERS = ("ipc", "xl")  # of the vLLM arms, see the module docstring
+KVBRIDGE_MODIFIERS = ("confirm",)  # kvbridge@confirm: the prefill signs no grant, every read is confirmed
 UCX_CUDA_IPC = {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self,tcp", "UCX_NET_DEVICES": "all"}
 TARGET_TTFT_VS_COLOCATED = 1.1
 TARGET_HANDOFF_OVER_READ_S = 1e-3
@@ -177,9 +180,10 @@ def transfer_config(arm: str, role: str, device: str = "cpu") -> dict:
         if "xl" in mods:
             config["kv_connector_extra_config"] = {"enable_cross_layers_blocks": "True"}
         return config
+    extra = {"connector": "NixlConnector"} | ({"sign_grants": False} if "confirm" in mods else {})
     return {
         "kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
-        "kv_role": role, "kv_connector_extra_config": {"connector": "NixlConnector"},
+        "kv_role": role, "kv_connector_extra_config": extra,
     }  # fmt: skip
 
 
@@ -450,7 +454,7 @@ def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], exp
         metrics_url = prefill.url if parse_arm(arm)[0] == "vllm-nixl-push" else decode.url
         metrics = TransferMetrics(arm, decode.url, metrics_url)
         by_len = {n: measure_pd(args, prefill, metrics, batch, expected[n]) for n, batch in prompts.items()}
-        itl = measure_itl(args, decode.url, is_kvbridge=arm == "kvbridge")
+        itl = measure_itl(args, decode.url, is_kvbridge=parse_arm(arm)[0] == "kvbridge")
         return {"by_prompt_len": by_len, "decode_itl": itl,
                 "prefill_server": server_report(prefill), "decode_server": server_report(decode)}  # fmt: skip
     except (VLLMRequestError, VLLMStartError, OSError, RuntimeError) as e:  # TimeoutError is an OSError
@@ -505,8 +509,10 @@ def parse_args() -> argparse.Namespace:
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     for arm in args.arms:
         base, mods = parse_arm(arm)
-        if base not in ARMS or not mods <= set(MODIFIERS) or (mods and base not in VLLM_CONNECTORS):
-            parser.error(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, the vLLM ones with @{'+'.join(MODIFIERS)}")
+        allowed = set(MODIFIERS) if base in VLLM_CONNECTORS else set(KVBRIDGE_MODIFIERS)
+        if base not in ARMS or not mods <= allowed:
+            parser.error(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, the vLLM ones with @{'+'.join(MODIFIERS)}, "
+                         f"kvbridge with @{'+'.join(KVBRIDGE_MODIFIERS)}")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     if args.warmup < 1:

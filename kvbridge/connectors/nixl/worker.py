@@ -307,8 +307,7 @@ class NixlWorker:
         grant = self._usable_grant(job)
         if grant is None:
             return False
-        self._verifier.start(job)
-        if (error := self._verifier.verify(job, grant.digest)) is not None:
+        if (error := self._verifier.verify(job, grant.digest)) is not None:  # digests what landed, now
             self._fail(job, error)
         else:
             self.stats.num_granted_reads += 1
