@@ -65,6 +65,7 @@ def _engine_kwargs(args, device: str, role: str, engine_id: str) -> dict:
         kv_transfer_config=dict(connector="NixlConnector", role=role, engine_id=engine_id,
                                 extra={"descriptor_mode": args.descriptor_mode, "cuda_ipc": args.cuda_ipc,
                                        "ipc_min_runs": args.ipc_min_runs, "verify_kv_digest": args.verify_kv_digest,
+                                       "sign_grants": args.sign_grants,
                                        "backend_params": dict(kv.split("=", 1) for kv in args.backend_param)}),
     )
 
@@ -291,6 +292,9 @@ def main() -> None:
                         help="NIXL backend parameter of both engines' agents, e.g. num_workers=4 (repeatable)")
     parser.add_argument("--verify-kv-digest", action=argparse.BooleanOptionalAction, default=True,
                         help="digest leased blocks and verify every read (default), or not")
+    parser.add_argument("--sign-grants", action=argparse.BooleanOptionalAction, default=True,
+                        help="the prefill signs its lease grants into the params (default): reads are verified as they "
+                             "land; --no-sign-grants: every read is confirmed with the prefill")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     exit_if_missing("pd_transfer", args.prefill_device, args.decode_device)
