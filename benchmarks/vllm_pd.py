@@ -522,6 +522,7 @@ def parse_args() -> argparse.Namespace:
                         help="seconds a leg may take before its arm is recorded as failed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: a temporary directory)")
+    parser.add_argument("--partial", default=None, help="after each arm, write the colocated run and the arms so far here")
     args = parser.parse_args()
     args.arms = args.arms.split(",")
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
@@ -555,7 +556,12 @@ def run(args: argparse.Namespace) -> dict:
         kv_bytes = {n: n * kv_bytes_per_token(model, dtype_nbytes) for n in lens}  # K and V of a whole prompt
         prompts = make_prompts(lens, args.warmup + args.reps, vocab_size, args.seed)
         colocated = run_colocated(args, model, prompts, log_dir)
-        arms = {arm: run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir) for arm in args.arms}
+        arms: dict = {}
+        for arm in args.arms:
+            arms[arm] = run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir)
+            if args.partial:  # what ran so far, should a later arm outlast the machine
+                with open(args.partial, "w") as f:
+                    json.dump({"colocated": colocated, "arms": arms}, f, default=str)
 
     copy = {n: raw_copy_gbps(kv_bytes[n]) for n in lens} if args.device == "cuda" else None
     ran = {name: arm for name, arm in arms.items() if "failed" not in arm}
