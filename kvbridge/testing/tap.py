@@ -13,7 +13,8 @@ correct connector cannot tell the difference:
   `finished_sending` names it (a store still reading them then stores the sentinel, which the load
   back finds); every block, once `reset_prefix_cache` returned (nothing may be in flight then);
   the blocks of a watched aborted load, once `finished_recving` names it (a write still landing
-  changes the sentinel, `check_released`).
+  changes the sentinel, `check_released`); a preempted request's blocks, once `start_load_kv`
+  returned for the step that preempted it (`preemption.PreemptionWatch`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from kvbridge.connectors.base import KVConnectorMetadata, KVHandoff, MatchResult
 from kvbridge.testing.ledger import Ledger, Load
+from kvbridge.testing.preemption import PreemptionWatch
 from kvbridge.testing.rules import Rule, Violation
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ class Tap:
         self._sent_to_fill: list[int] = []  # blocks whose store finished this step
         self._watched: set[str] = set()
         self._released: dict[int, str] = {}  # block id -> aborted request whose load released it
+        self.preemption = PreemptionWatch(self.kv, engine.scheduler.kv.pool)
         self._wrap()
 
     def of(self, rule: Rule) -> list[str]:
@@ -99,6 +102,7 @@ class Tap:
             last = min((num_local + num_external_tokens) // self.block_size, len(request.block_hashes))
             targets = [(block_ids[i], request.block_hashes[i]) for i in range(first, last)]
             load = Load(request.request_id, targets, bool(match.load_async))
+            self.ledger.num_loaded_blocks[load.request_id] += len(targets)
             self._to_poison.append(load)
             if load.is_async:
                 self.ledger.recv_started[load.request_id] += 1
@@ -110,6 +114,7 @@ class Tap:
 
     def _build_connector_meta(self, inner):
         def wrapper(scheduler_output):
+            self.preemption.note_step(scheduler_output)
             return self._round_trip(inner(scheduler_output))
 
         return wrapper
@@ -164,6 +169,7 @@ class Tap:
                     self._sync_loads.append(load)
             self._to_poison = []
             inner()
+            self.preemption.overwrite_released()
 
         return wrapper
 
@@ -239,7 +245,9 @@ class Tap:
             if torch.allclose(got, want.to(got.device), rtol=RTOL, atol=ATOL):
                 continue
             where = f"block {block_id}" + ("" if layer is None else f", layer {layer}")
-            if (got == STORE_SENTINEL).any():
+            if preempted := self.preemption.describe(got, where, load.request_id):
+                self.violate(Rule.RELEASE_AFTER_TRANSFER, preempted)
+            elif (got == STORE_SENTINEL).any():
                 self.violate(Rule.RELEASE_AFTER_TRANSFER, f"request {load.request_id!r} loaded ({where}) the sentinel the "
                               "kit wrote into a block once finished_sending named the request that stored it: that "
                               "store was still reading its blocks after it reported them free")  # fmt: skip

@@ -23,4 +23,4 @@ def test_kit_passes(tmp_path, connector, config):
     assert run.exit_code == 0, run.messages
     # Every check ran, but the load-error one: these connectors have no config that makes loads fail.
     assert run.outcomes.pop("test_load_error_becomes_a_recompute") == "skipped"
-    assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 9, run.outcomes
+    assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 10, run.outcomes
