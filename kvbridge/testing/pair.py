@@ -10,6 +10,7 @@ as its server would. The checks read the same rules off both taps (`scenarios.Se
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -141,7 +142,8 @@ def abort_pair_while_loading(target: ConnectorUnderTest, reference: Reference,
             if tap.ledger.recv_started[ABORTED_REQUEST_ID] or request.status.is_finished:
                 break
         if not tap.ledger.recv_started[ABORTED_REQUEST_ID]:
-            skip = f"the consumer started no asynchronous load from the producer's params (status {request.status.name})"
+            skip = ("the consumer started no asynchronous load from the producer's params (status "
+                    f"{request.status.name})")
         elif request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
             skip = "the consumer's load ended within its first step: nothing in flight to abort"
         engine.abort_request(ABORTED_REQUEST_ID)
@@ -155,14 +157,10 @@ def abort_pair_while_loading(target: ConnectorUnderTest, reference: Reference,
     return tap, skip
 
 
-def serve_pair_once(target: ConnectorUnderTest, prompts: list[list[int]]) -> Any:
+def serve_pair_once(target: ConnectorUnderTest, prompts: list[list[int]]) -> weakref.ref:
     """One create -> serve -> shutdown cycle of a pair (the memory check); a weak reference to the
     consumer's KV cache."""
-    import weakref
-
-    from kvbridge.engine.llm import LLM
-
-    engines: list[LLM] = []
+    engines: list = []
     try:
         engines.append(target.engine(role="kv_producer"))
         engines.append(target.engine(role="kv_consumer"))

@@ -221,8 +221,9 @@ def preempt_while_storing(target: ConnectorUnderTest, reference: Reference,
         engine.add_request(PREEMPTED_REQUEST_ID, list(prompts[1]), GREEDY, target.first_params)
         if not drive_until(first_finished, time.monotonic() + flush_timeout_s + grace, first_wait_s=0.001,
                            max_wait_s=0.02):  # fmt: skip
+            unfinished = tap.ledger.unfinished()
             tap.violate(Rule.FINISH_ONCE, f"the preempting request had not finished {flush_timeout_s + grace:g} s "
-                        f"after it was added (started transfers never reported finished: {tap.ledger.unfinished()})")  # fmt: skip
+                        f"after it was added (transfers never reported finished: {unfinished})")  # fmt: skip
             llm.shutdown()
             return tap, None
         check_outputs(tap, "preempting", [finished[first_id]], reference)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
-from kvbridge.connectors.base import KVConnectorMetadata, KVHandoff, MatchResult
+from kvbridge.connectors.base import KVHandoff, MatchResult
 from kvbridge.testing.ledger import Ledger, Load
+from kvbridge.testing.metadata_trip import round_trip
 from kvbridge.testing.preemption import PreemptionWatch
 from kvbridge.testing.rules import Rule, Violation
 
@@ -121,31 +121,9 @@ class Tap:
 
     def _round_trip(self, meta: Any) -> Any:
         self.num_metadata += 1
-        if not isinstance(meta, KVConnectorMetadata):
-            self.violate(Rule.PLAIN_METADATA, f"build_connector_meta returned a {type(meta).__name__}, not a "
-                          "KVConnectorMetadata")  # fmt: skip
-            return meta
-        if type(meta) is KVConnectorMetadata and not vars(meta):
-            return meta  # the empty base: nothing to carry
-        try:
-            encode = getattr(self.scheduler_half, "encode_metadata")
-            decode = getattr(self.worker_half, "decode_metadata")
-            try:
-                data = encode(meta)
-            except NotImplementedError:  # the connector has no codec of its own: msgspec's
-                data = msgspec.msgpack.encode(meta)
-                copy = msgspec.msgpack.decode(data, type=type(meta))
-            else:
-                copy = decode(data)
-        except Exception as exc:  # noqa: BLE001 - any failure to cross a process boundary is the finding
-            self.violate(Rule.PLAIN_METADATA, f"{type(meta).__name__} does not survive a msgspec round trip: "
-                          f"{type(exc).__name__}: {exc} (use dataclasses or msgspec.Structs of ids, block ids, "
-                          "hashes; no tensors, locks or references to connector objects)")  # fmt: skip
-            return meta
-        if copy != meta:
-            self.violate(Rule.PLAIN_METADATA, f"{type(meta).__name__} decoded differs from what was encoded: "
-                          f"{copy!r} != {meta!r}")  # fmt: skip
-            return meta
+        copy, finding = round_trip(meta, self.scheduler_half, self.worker_half)
+        if finding is not None:
+            self.violate(Rule.PLAIN_METADATA, finding)
         return copy
 
     def _request_finished(self, inner):
