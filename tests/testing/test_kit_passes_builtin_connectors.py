@@ -39,3 +39,11 @@ def test_kit_passes_the_nixl_connector_in_a_loopback_pair(tmp_path):
     assert run.outcomes.pop(PREEMPT_CHECK) == "skipped" and "pair" in run.messages[PREEMPT_CHECK]
     # The abort check ran (a fresh pair's first read waits for its handshake: it is in flight at the abort).
     assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 9, run.outcomes
+
+
+@pytest.mark.nixl
+def test_in_a_pair_the_kit_fails_a_consumer_that_reports_a_read_before_it_landed(tmp_path):
+    check = "test_loads_are_finished_only_once_their_bytes_landed"
+    run = run_kit(tmp_path, "planted_pair_faults:EarlyRecvNixlConnector", {}, "--kvbridge-pair", "-k", check)
+    assert run.outcomes == {check: "failed"}, run.outcomes
+    assert run.messages[check].startswith("kvbridge connector rule [landed-before-finished] broken:"), run.messages
