@@ -112,8 +112,10 @@ def serve_pair(target: ConnectorUnderTest, reference: Reference, prompts: list[l
     except EngineStalledError as exc:
         ctap.violate(Rule.FINISH_ONCE, f"a pass stalled: {exc} (started transfers never reported finished: "
                      f"producer {ptap.ledger.unfinished()}, consumer {ctap.ledger.unfinished()})")  # fmt: skip
-    finally:
+    except BaseException:
         _shutdown(consumer, producer)
+        raise
+    _shutdown(consumer, producer)
     return served
 
 
