@@ -1,5 +1,6 @@
 """The conformance kit's tests: one per rule of the connector contract (`rules.py`), run on the
-connector that `--kvbridge-connector` names. A failure starts with the rule's id in brackets."""
+connector that `--kvbridge-connector` names (with `--kvbridge-pair`, on a producer and a consumer
+engine, `pair.py`). A failure starts with the rule's id in brackets."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ from kvbridge.connectors.base import KVConnectorRole
 from kvbridge.errors import ConfigError
 from kvbridge.testing.plugin import target_from_options
 from kvbridge.testing.rules import Rule, failure_message
-from kvbridge.testing.scenarios import Served, abort_while_loading, memory_cycles, serve_twice
-from kvbridge.testing.target import ConnectorUnderTest, Reference, compute_reference, kit_prompts
+from kvbridge.testing.pair import abort_pair_while_loading, serve_pair, serve_pair_once
+from kvbridge.testing.scenarios import (
+    Served,
+    abort_while_loading,
+    memory_cycles,
+    preempt_while_storing,
+    serve_once,
+    serve_twice,
+)
+from kvbridge.testing.target import ConnectorUnderTest, Reference, compute_reference, kit_prompts, preempt_prompts
 
 
 def _check(rule: Rule, details: list[str]) -> None:
@@ -34,7 +43,8 @@ def kvbridge_reference() -> Reference:
 @pytest.fixture(scope="session")
 def served(kvbridge_target: ConnectorUnderTest, kvbridge_reference: Reference) -> Served:
     """The main scenario, run once; the checks below read what it saw."""
-    return serve_twice(kvbridge_target, kvbridge_reference, kit_prompts())
+    serve = serve_pair if kvbridge_target.is_pair else serve_twice
+    return serve(kvbridge_target, kvbridge_reference, kit_prompts())
 
 
 def test_bad_config_is_a_named_error_at_construction(kvbridge_target: ConnectorUnderTest) -> None:
@@ -57,58 +67,74 @@ def test_bad_config_is_a_named_error_at_construction(kvbridge_target: ConnectorU
 
 
 def test_halves_share_only_plain_metadata(served: Served) -> None:
-    details = list(served.tap.of(Rule.PLAIN_METADATA))
-    scheduler_half, worker_half = served.scheduler_half, served.worker_half
-    if scheduler_half is worker_half:
-        details.append("the engine got one instance for both halves")
-    if (scheduler_half.role, worker_half.role) != (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        details.append(f"halves built with roles {scheduler_half.role} and {worker_half.role}")
-    if not isinstance(scheduler_half.config, KVTransferConfig) or scheduler_half.config != worker_half.config:
-        details.append("the two halves hold different configs; both are built from one KVTransferConfig")
+    details = list(served.of(Rule.PLAIN_METADATA))
+    for tap in served.taps:
+        scheduler_half, worker_half = tap.scheduler_half, tap.worker_half
+        if scheduler_half is worker_half:
+            details.append("the engine got one instance for both halves")
+        if (scheduler_half.role, worker_half.role) != (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            details.append(f"halves built with roles {scheduler_half.role} and {worker_half.role}")
+        if not isinstance(scheduler_half.config, KVTransferConfig) or scheduler_half.config != worker_half.config:
+            details.append("the two halves hold different configs; both are built from one KVTransferConfig")
     _check(Rule.PLAIN_METADATA, details)
 
 
 def test_every_transfer_finishes_exactly_once(served: Served) -> None:
-    _check(Rule.FINISH_ONCE, served.tap.of(Rule.FINISH_ONCE))
+    _check(Rule.FINISH_ONCE, served.of(Rule.FINISH_ONCE))
 
 
 def test_loads_are_finished_only_once_their_bytes_landed(served: Served) -> None:
-    ledger = served.tap.ledger
-    if not ledger.recv_started and not ledger.num_sync_loads:
+    if not served.num_loads:
         pytest.skip("the connector loaded nothing when the kit served its prompts a second time")
-    _check(Rule.LANDED_BEFORE_FINISHED, served.tap.of(Rule.LANDED_BEFORE_FINISHED))
+    _check(Rule.LANDED_BEFORE_FINISHED, served.of(Rule.LANDED_BEFORE_FINISHED))
 
 
 def test_stores_release_blocks_after_reading_them(served: Served) -> None:
-    _check(Rule.RELEASE_AFTER_TRANSFER, served.tap.of(Rule.RELEASE_AFTER_TRANSFER))
+    _check(Rule.RELEASE_AFTER_TRANSFER, served.of(Rule.RELEASE_AFTER_TRANSFER))
 
 
 def test_aborted_load_releases_blocks_after_it_ends(kvbridge_target, kvbridge_reference) -> None:
-    tap, skip = abort_while_loading(kvbridge_target, kvbridge_reference, kit_prompts()[1])
+    abort = abort_pair_while_loading if kvbridge_target.is_pair else abort_while_loading
+    tap, skip = abort(kvbridge_target, kvbridge_reference, kit_prompts()[1])
     _check(Rule.RELEASE_AFTER_TRANSFER, tap.of(Rule.RELEASE_AFTER_TRANSFER))
     _check(Rule.FINISH_ONCE, tap.of(Rule.FINISH_ONCE))
     if skip:
         pytest.skip(skip)
 
 
+def test_preempted_request_releases_blocks_after_its_stores_end(kvbridge_target) -> None:
+    if kvbridge_target.is_pair:
+        pytest.skip("a pair's consumer loads before its requests run and its producer sends after they finish: no "
+                    "transfer reads a running request's blocks")  # fmt: skip
+    prompts = preempt_prompts()
+    tap, skip = preempt_while_storing(kvbridge_target, compute_reference(prompts), prompts)
+    _check(Rule.RELEASE_AFTER_TRANSFER, tap.of(Rule.RELEASE_AFTER_TRANSFER))
+    _check(Rule.LANDED_BEFORE_FINISHED, tap.of(Rule.LANDED_BEFORE_FINISHED))
+    _check(Rule.NEVER_WRONG_OUTPUT, tap.of(Rule.NEVER_WRONG_OUTPUT))
+    _check(Rule.FINISH_ONCE, tap.of(Rule.FINISH_ONCE))
+    if skip:
+        pytest.skip(skip)
+
+
 def test_reset_prefix_cache_waits_then_returns_true(served: Served) -> None:
-    _check(Rule.FLUSH_WAITS_WITH_DEADLINE, served.tap.of(Rule.FLUSH_WAITS_WITH_DEADLINE))
+    _check(Rule.FLUSH_WAITS_WITH_DEADLINE, served.of(Rule.FLUSH_WAITS_WITH_DEADLINE))
 
 
 def test_outputs_equal_an_engine_without_connector(served: Served) -> None:
-    _check(Rule.NEVER_WRONG_OUTPUT, served.tap.of(Rule.NEVER_WRONG_OUTPUT))
+    _check(Rule.NEVER_WRONG_OUTPUT, served.of(Rule.NEVER_WRONG_OUTPUT))
 
 
 def test_load_error_becomes_a_recompute(kvbridge_target: ConnectorUnderTest, kvbridge_reference: Reference) -> None:
     if kvbridge_target.failing_options is None:
         pytest.skip("give --kvbridge-connector-failing-config (a config under which loads fail) to check this rule")
-    failing = serve_twice(kvbridge_target, kvbridge_reference, kit_prompts(), kvbridge_target.failing_options)
-    tap = failing.tap
-    details = tap.of(Rule.NEVER_WRONG_OUTPUT) + tap.of(Rule.FINISH_ONCE)
-    if not tap.ledger.num_load_errors:
+    serve = serve_pair if kvbridge_target.is_pair else serve_twice
+    failing = serve(kvbridge_target, kvbridge_reference, kit_prompts(), kvbridge_target.failing_options)
+    details = failing.of(Rule.NEVER_WRONG_OUTPUT) + failing.of(Rule.FINISH_ONCE)
+    if not sum(tap.ledger.num_load_errors for tap in failing.taps):
         details.append("the failing config produced no load error (get_block_ids_with_load_errors stayed empty)")
     _check(Rule.NEVER_WRONG_OUTPUT, details)
 
 
 def test_shutdown_returns_every_byte(kvbridge_target: ConnectorUnderTest) -> None:
-    _check(Rule.SHUTDOWN_RETURNS_EVERYTHING, memory_cycles(kvbridge_target, kit_prompts()))
+    serve = serve_pair_once if kvbridge_target.is_pair else serve_once
+    _check(Rule.SHUTDOWN_RETURNS_EVERYTHING, memory_cycles(lambda: serve(kvbridge_target, kit_prompts())))

@@ -29,6 +29,7 @@ class Ledger:
     recv_finished: Counter = field(default_factory=Counter)
     send_started: Counter = field(default_factory=Counter)
     send_finished: Counter = field(default_factory=Counter)
+    num_loaded_blocks: Counter = field(default_factory=Counter)  # per request, async and sync loads
     num_sync_loads: int = 0
     num_load_errors: int = 0
 

@@ -22,6 +22,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "recompute (skipped without it)")  # fmt: skip
     group.addoption("--kvbridge-first-params", metavar="JSON", default=None,
                     help="kv_transfer_params of the first pass (a P/D producer: '{\"do_remote_decode\": true}')")
+    group.addoption("--kvbridge-pair", action="store_true", default=False,
+                    help="a P/D connector: run it as a producer engine and a consumer engine in this process, the "
+                         "consumer loading what the producer computed")  # fmt: skip
     group.addoption("--kvbridge-deadline-grace", metavar="SECONDS", type=float, default=10.0,
                     help="how long past its own deadline a wait may run before the kit calls it a hang (default 10)")
 
@@ -48,4 +51,5 @@ def target_from_options(config: pytest.Config):
         config.getoption("kvbridge_connector_failing_config"),
         config.getoption("kvbridge_first_params"),
         config.getoption("kvbridge_deadline_grace"),
+        config.getoption("kvbridge_pair"),
     )

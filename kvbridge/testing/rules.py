@@ -32,7 +32,8 @@ _STATEMENTS = {
     Rule.LANDED_BEFORE_FINISHED: "a load is reported finished (or a sync load's wait_for_layer_load returns) only once "
     "its bytes are in place in the KV cache",
     Rule.RELEASE_AFTER_TRANSFER: "a request's blocks are reported free (finished_recving after an abort, "
-    "finished_sending after a store) only once no transfer reads or writes them any more",
+    "finished_sending after a store, start_load_kv returning in the step that preempted it) only once no "
+    "transfer reads or writes them any more",
     Rule.FLUSH_WAITS_WITH_DEADLINE: "reset_prefix_cache waits for the transfers in flight and then returns True, "
     "and flush(timeout_s) returns by its deadline",
     Rule.SHUTDOWN_RETURNS_EVERYTHING: "create -> serve -> shutdown in a loop leaves tensors, memory, threads and "

@@ -16,7 +16,7 @@ from kvbridge.errors import EngineStalledError
 from kvbridge.testing.memory_snapshot import Census, rss_bytes
 from kvbridge.testing.rules import Rule
 from kvbridge.testing.tap import Tap
-from kvbridge.testing.target import GREEDY, ConnectorUnderTest, Reference
+from kvbridge.testing.target import GREEDY, PREEMPT_NUM_BLOCKS, ConnectorUnderTest, Reference
 from kvbridge.transfer.progress import drive_until
 
 MiB = 2**20
@@ -48,18 +48,25 @@ def call_with_deadline(fn: Callable[[], Any], deadline_s: float, what: str) -> A
     return result[0]
 
 
-def _generate(llm, prompts: list[list[int]], kv_params) -> list:
+def generate(llm, prompts: list[list[int]], kv_params) -> list:
     return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, kv_transfer_params=kv_params)
 
 
 @dataclass
 class Served:
-    """The main scenario: every prompt served, the prefix cache reset, every prompt served again."""
+    """The main scenario's findings: one tap per engine (the engine under test, or a pair's producer
+    and consumer), and the tokens the connector loaded."""
 
-    tap: Tap
-    scheduler_half: Any
-    worker_half: Any
-    num_external_tokens: int  # loaded by the connector in the second pass
+    taps: list[Tap]
+    num_external_tokens: int = 0
+
+    def of(self, rule: Rule) -> list[str]:
+        return [detail for tap in self.taps for detail in tap.of(rule)]
+
+    @property
+    def num_loads(self) -> int:
+        """Loads the scheduler halves asked for, asynchronous and synchronous."""
+        return sum(sum(t.ledger.recv_started.values()) + t.ledger.num_sync_loads for t in self.taps)
 
 
 def serve_twice(target: ConnectorUnderTest, reference: Reference, prompts: list[list[int]],
@@ -69,14 +76,14 @@ def serve_twice(target: ConnectorUnderTest, reference: Reference, prompts: list[
     tap records every break of a rule; both passes' completions must equal `reference.outputs`."""
     llm = target.engine(options)
     tap = Tap(llm, reference.kv)
-    served = Served(tap, tap.scheduler_half, tap.worker_half, 0)
+    served = Served([tap])
     grace = target.deadline_grace_s
     flush_timeout_s = llm.config.kv_transfer.flush_timeout_s
     try:
-        first = _generate(llm, prompts, target.first_params)
-        _check_outputs(tap, "first", first, reference)
+        first = generate(llm, prompts, target.first_params)
+        check_outputs(tap, "first", first, reference)
         llm.engine.step()  # computes nothing: hands the stores decided as requests finished to the worker
-        _check_flush_deadline(tap, grace)
+        check_flush_deadline(tap, grace)
         try:
             reset = call_with_deadline(llm.reset_prefix_cache, flush_timeout_s + grace, "reset_prefix_cache()")
         except DeadlineOverrun:
@@ -87,12 +94,12 @@ def serve_twice(target: ConnectorUnderTest, reference: Reference, prompts: list[
             return served
         if reset is not True:
             tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"reset_prefix_cache() returned {reset!r}, not True")
-        _check_nothing_in_flight(tap, llm, "reset_prefix_cache() returned True", grace)
+        check_nothing_in_flight(tap, llm, "reset_prefix_cache() returned True", grace)
         tap.after_reset()
-        second = _generate(llm, prompts, [o.kv_transfer_params for o in first])
+        second = generate(llm, prompts, [o.kv_transfer_params for o in first])
         served.num_external_tokens = sum(o.num_external_tokens for o in second)
-        _check_outputs(tap, "second", second, reference)
-        _drain(llm, tap, flush_timeout_s + grace)
+        check_outputs(tap, "second", second, reference)
+        drain(llm, tap, flush_timeout_s + grace)
     except DeadlineOverrun as exc:
         # A call still runs on the kit's thread inside the engine: the engine is left to it, not shut down.
         tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"{exc}: a wait without a deadline (the engine was abandoned)")
@@ -107,7 +114,7 @@ def serve_twice(target: ConnectorUnderTest, reference: Reference, prompts: list[
     return served
 
 
-def _check_outputs(tap: Tap, which: str, outputs: list, reference: Reference) -> None:
+def check_outputs(tap: Tap, which: str, outputs: list, reference: Reference) -> None:
     for i, (out, want) in enumerate(zip(outputs, reference.outputs)):
         got = out.outputs[0].token_ids
         if out.error or got != want:
@@ -116,13 +123,13 @@ def _check_outputs(tap: Tap, which: str, outputs: list, reference: Reference) ->
                         if out.error else ""))  # fmt: skip
 
 
-def _check_flush_deadline(tap: Tap, grace_s: float) -> None:
+def check_flush_deadline(tap: Tap, grace_s: float) -> None:
     """flush() with the first pass's stores possibly in flight, with a deadline of a millisecond."""
     report = call_with_deadline(lambda: tap.worker_half.flush(0.001), grace_s, "flush(timeout_s=0.001)")
     tap.check_flush_report(report, "right after the first pass")
 
 
-def _check_nothing_in_flight(tap: Tap, llm, when: str, grace_s: float) -> None:
+def check_nothing_in_flight(tap: Tap, llm, when: str, grace_s: float) -> None:
     if unfinished := tap.ledger.unfinished():
         tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"{when} while the transfers of {unfinished} had not been "
                     "reported finished")  # fmt: skip
@@ -135,7 +142,7 @@ def _check_nothing_in_flight(tap: Tap, llm, when: str, grace_s: float) -> None:
         tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"{when} while {used} blocks were still held")
 
 
-def _drain(llm, tap: Tap, deadline_s: float) -> None:
+def drain(llm, tap: Tap, deadline_s: float) -> None:
     """Step until no transfer is pending; what the connector never reported finished is a finding."""
     engine = llm.engine
     end = time.monotonic() + deadline_s
@@ -160,7 +167,7 @@ def abort_while_loading(target: ConnectorUnderTest, reference: Reference, prompt
     engine = llm.engine
     skip = None
     try:
-        first = _generate(llm, [prompt], target.first_params)[0]
+        first = generate(llm, [prompt], target.first_params)[0]
         llm.reset_prefix_cache()
         tap.after_reset()
         tap.watch_release(ABORTED_REQUEST_ID)
@@ -176,27 +183,88 @@ def abort_while_loading(target: ConnectorUnderTest, reference: Reference, prompt
         elif request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
             skip = "the asynchronous load ended within its first step: nothing in flight to abort"
         engine.abort_request(ABORTED_REQUEST_ID)
-        _drain(llm, tap, llm.config.kv_transfer.flush_timeout_s + grace)
+        drain(llm, tap, llm.config.kv_transfer.flush_timeout_s + grace)
     finally:
         llm.shutdown()  # stops the connector's threads: a late write has landed by now
     tap.check_released()
     return tap, skip
 
 
-def memory_cycles(target: ConnectorUnderTest, prompts: list[list[int]]) -> list[str]:
-    """create -> serve twice -> shutdown, twice after one warm-up; what the cycles did not give back."""
+PREEMPTED_REQUEST_ID = "kvbridge-kit-preempted"
 
-    def one_cycle() -> weakref.ref:
-        llm = target.engine()
-        try:
-            first = _generate(llm, prompts, target.first_params)
-            llm.reset_prefix_cache()
-            _generate(llm, prompts, [o.kv_transfer_params for o in first])
-            ref = weakref.ref(llm.engine.runner.kv_cache)
-        finally:
+
+def preempt_while_storing(target: ConnectorUnderTest, reference: Reference,
+                          prompts: list[list[int]]) -> tuple[Tap, str | None]:  # fmt: skip
+    """Serve two prompts (`target.preempt_prompts`) on an engine of PREEMPT_NUM_BLOCKS blocks: the
+    second is preempted at the first one's first decode (the tap then overwrites its blocks) and
+    aborted, so that nothing reads its blocks back early. Once the first finished and the prefix
+    cache was reset, the second prompt is served again: what the connector stored of it while it
+    ran is loaded back. Returns the tap and, when the check saw nothing it could judge, why."""
+    llm = target.engine(num_blocks=PREEMPT_NUM_BLOCKS)
+    engine = llm.engine
+    tap = Tap(llm, reference.kv)
+    grace = target.deadline_grace_s
+    flush_timeout_s = llm.config.kv_transfer.flush_timeout_s
+    first_id = "kvbridge-kit-preempting"
+    finished: dict[str, Any] = {}
+
+    def first_finished() -> bool:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if tap.preemption.preempted and engine.scheduler.requests.get(PREEMPTED_REQUEST_ID) is not None:
+            engine.abort_request(PREEMPTED_REQUEST_ID)  # admitted again, it would read its blocks back at once
+        return first_id in finished
+
+    try:
+        engine.add_request(first_id, list(prompts[0]), GREEDY, target.first_params)
+        engine.add_request(PREEMPTED_REQUEST_ID, list(prompts[1]), GREEDY, target.first_params)
+        if not drive_until(first_finished, time.monotonic() + flush_timeout_s + grace, first_wait_s=0.001,
+                           max_wait_s=0.02):  # fmt: skip
+            unfinished = tap.ledger.unfinished()
+            tap.violate(Rule.FINISH_ONCE, f"the preempting request had not finished {flush_timeout_s + grace:g} s "
+                        f"after it was added (transfers never reported finished: {unfinished})")  # fmt: skip
             llm.shutdown()
-        return ref
+            return tap, None
+        check_outputs(tap, "preempting", [finished[first_id]], reference)
+        drain(llm, tap, flush_timeout_s + grace)
+        call_with_deadline(llm.reset_prefix_cache, flush_timeout_s + grace, "reset_prefix_cache()")
+        tap.after_reset()
+        again = generate(llm, [prompts[1]], None)
+        check_outputs(tap, "preempted prompt, served again", again, Reference(reference.outputs[1:], reference.kv))
+        drain(llm, tap, flush_timeout_s + grace)
+    except DeadlineOverrun as exc:  # a call still runs inside the engine: it is left to it, not shut down
+        tap.violate(Rule.FLUSH_WAITS_WITH_DEADLINE, f"{exc}: a wait without a deadline (the engine was abandoned)")
+        return tap, None
+    except EngineStalledError as exc:
+        tap.violate(Rule.FINISH_ONCE, f"the preemption scenario stalled: {exc}")
+    except BaseException:
+        llm.shutdown()
+        raise
+    llm.shutdown()
+    if PREEMPTED_REQUEST_ID not in tap.preemption.preempted:
+        return tap, f"the engine preempted no request in {PREEMPT_NUM_BLOCKS} blocks (it should have): nothing to check"
+    if not sum(tap.ledger.num_loaded_blocks.values()):
+        return tap, ("the connector loaded nothing when the preempted request's prompt was served again: nothing "
+                     "shows whether a store still read its blocks after they were free (a connector that stores "
+                     "only as requests finish has no store in flight at a preemption)")  # fmt: skip
+    return tap, None
 
+
+def serve_once(target: ConnectorUnderTest, prompts: list[list[int]]) -> weakref.ref:
+    """create -> serve twice -> shutdown; a weak reference to the engine's KV cache."""
+    llm = target.engine()
+    try:
+        first = generate(llm, prompts, target.first_params)
+        llm.reset_prefix_cache()
+        generate(llm, prompts, [o.kv_transfer_params for o in first])
+        return weakref.ref(llm.engine.runner.kv_cache)
+    finally:
+        llm.shutdown()
+
+
+def memory_cycles(one_cycle: Callable[[], weakref.ref]) -> list[str]:
+    """`one_cycle` (create -> serve -> shutdown) twice after one warm-up; what the cycles did not give back."""
     one_cycle()  # warm-up: lazy torch state, thread pools, imports
     gc.collect()
     before, rss_before = Census.take(), rss_bytes()

@@ -13,18 +13,20 @@ correct connector cannot tell the difference:
   `finished_sending` names it (a store still reading them then stores the sentinel, which the load
   back finds); every block, once `reset_prefix_cache` returned (nothing may be in flight then);
   the blocks of a watched aborted load, once `finished_recving` names it (a write still landing
-  changes the sentinel, `check_released`).
+  changes the sentinel, `check_released`); a preempted request's blocks, once `start_load_kv`
+  returned for the step that preempted it (`preemption.PreemptionWatch`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
-from kvbridge.connectors.base import KVConnectorMetadata, KVHandoff, MatchResult
+from kvbridge.connectors.base import KVHandoff, MatchResult
 from kvbridge.testing.ledger import Ledger, Load
+from kvbridge.testing.metadata_trip import round_trip
+from kvbridge.testing.preemption import PreemptionWatch
 from kvbridge.testing.rules import Rule, Violation
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ class Tap:
         self._sent_to_fill: list[int] = []  # blocks whose store finished this step
         self._watched: set[str] = set()
         self._released: dict[int, str] = {}  # block id -> aborted request whose load released it
+        self.preemption = PreemptionWatch(self.kv, engine.scheduler.kv.pool)
         self._wrap()
 
     def of(self, rule: Rule) -> list[str]:
@@ -99,6 +102,7 @@ class Tap:
             last = min((num_local + num_external_tokens) // self.block_size, len(request.block_hashes))
             targets = [(block_ids[i], request.block_hashes[i]) for i in range(first, last)]
             load = Load(request.request_id, targets, bool(match.load_async))
+            self.ledger.num_loaded_blocks[load.request_id] += len(targets)
             self._to_poison.append(load)
             if load.is_async:
                 self.ledger.recv_started[load.request_id] += 1
@@ -110,37 +114,16 @@ class Tap:
 
     def _build_connector_meta(self, inner):
         def wrapper(scheduler_output):
+            self.preemption.note_step(scheduler_output)
             return self._round_trip(inner(scheduler_output))
 
         return wrapper
 
     def _round_trip(self, meta: Any) -> Any:
         self.num_metadata += 1
-        if not isinstance(meta, KVConnectorMetadata):
-            self.violate(Rule.PLAIN_METADATA, f"build_connector_meta returned a {type(meta).__name__}, not a "
-                          "KVConnectorMetadata")  # fmt: skip
-            return meta
-        if type(meta) is KVConnectorMetadata and not vars(meta):
-            return meta  # the empty base: nothing to carry
-        try:
-            encode = getattr(self.scheduler_half, "encode_metadata")
-            decode = getattr(self.worker_half, "decode_metadata")
-            try:
-                data = encode(meta)
-            except NotImplementedError:  # the connector has no codec of its own: msgspec's
-                data = msgspec.msgpack.encode(meta)
-                copy = msgspec.msgpack.decode(data, type=type(meta))
-            else:
-                copy = decode(data)
-        except Exception as exc:  # noqa: BLE001 - any failure to cross a process boundary is the finding
-            self.violate(Rule.PLAIN_METADATA, f"{type(meta).__name__} does not survive a msgspec round trip: "
-                          f"{type(exc).__name__}: {exc} (use dataclasses or msgspec.Structs of ids, block ids, "
-                          "hashes; no tensors, locks or references to connector objects)")  # fmt: skip
-            return meta
-        if copy != meta:
-            self.violate(Rule.PLAIN_METADATA, f"{type(meta).__name__} decoded differs from what was encoded: "
-                          f"{copy!r} != {meta!r}")  # fmt: skip
-            return meta
+        copy, finding = round_trip(meta, self.scheduler_half, self.worker_half)
+        if finding is not None:
+            self.violate(Rule.PLAIN_METADATA, finding)
         return copy
 
     def _request_finished(self, inner):
@@ -164,6 +147,7 @@ class Tap:
                     self._sync_loads.append(load)
             self._to_poison = []
             inner()
+            self.preemption.overwrite_released()
 
         return wrapper
 
@@ -239,7 +223,9 @@ class Tap:
             if torch.allclose(got, want.to(got.device), rtol=RTOL, atol=ATOL):
                 continue
             where = f"block {block_id}" + ("" if layer is None else f", layer {layer}")
-            if (got == STORE_SENTINEL).any():
+            if preempted := self.preemption.describe(got, where, load.request_id):
+                self.violate(Rule.RELEASE_AFTER_TRANSFER, preempted)
+            elif (got == STORE_SENTINEL).any():
                 self.violate(Rule.RELEASE_AFTER_TRANSFER, f"request {load.request_id!r} loaded ({where}) the sentinel the "
                               "kit wrote into a block once finished_sending named the request that stored it: that "
                               "store was still reading its blocks after it reported them free")  # fmt: skip

@@ -24,6 +24,10 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # room for every prompt of a pass at once, so no block is evicted mid-pass
 PROMPT_SEED = 36
 PROMPT_LENGTHS = (52, 75, 36)  # 3, 4 and 2 full blocks, each with a partial block after them
+# The preemption check: two prompts that fill PREEMPT_NUM_BLOCKS exactly (4 full blocks, then 2 full
+# and a partial one); the first one's first decode needs a fifth block, so the second is preempted.
+PREEMPT_PROMPT_LENGTHS = (64, 40)
+PREEMPT_NUM_BLOCKS = 7
 _CONFIG_FIELDS = {f.name for f in fields(KVTransferConfig)} - {"connector"}
 
 
@@ -31,6 +35,12 @@ def kit_prompts() -> list[list[int]]:
     """The prompts every check serves: distinct, so that no two share a prefix block."""
     rng = random.Random(PROMPT_SEED)
     return [[rng.randrange(3, 250) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def preempt_prompts() -> list[list[int]]:
+    """The prompts of the preemption check (no block in common with `kit_prompts`)."""
+    rng = random.Random(PROMPT_SEED + 1)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in PREEMPT_PROMPT_LENGTHS]
 
 
 def _json_object(text: str | None, option: str) -> dict[str, Any] | None:
@@ -57,17 +67,25 @@ class ConnectorUnderTest:
     """`name` is a registered connector, an entry point of `kvbridge.connectors` or a "module:Class"
     path; `options` the other KVTransferConfig fields; `failing_options` replace them for the load
     error check (a config under which the connector's loads fail); `first_params` the
-    kv_transfer_params of the first pass (the second pass gets what the first returned)."""
+    kv_transfer_params of the first pass (the second pass gets what the first returned); `is_pair`:
+    a P/D connector, run as a producer engine and a consumer engine (`pair.py`)."""
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
     failing_options: dict[str, Any] | None = None
     first_params: dict[str, Any] | None = None
     deadline_grace_s: float = 10.0
+    is_pair: bool = False
+
+    def __post_init__(self) -> None:
+        if self.is_pair and "role" in self.options:
+            raise ConfigError("--kvbridge-pair: the kit gives each engine of the pair its role; leave \"role\" out of "
+                              "--kvbridge-connector-config")  # fmt: skip
 
     @classmethod
     def parse(cls, name: str, config: str | None = None, failing_config: str | None = None,
-              first_params: str | None = None, deadline_grace_s: float = 10.0) -> ConnectorUnderTest:  # fmt: skip
+              first_params: str | None = None, deadline_grace_s: float = 10.0,
+              is_pair: bool = False) -> ConnectorUnderTest:  # fmt: skip
         """From the command line's strings; a malformed one is a ConfigError naming its option."""
         return cls(
             name,
@@ -75,16 +93,20 @@ class ConnectorUnderTest:
             _config_options(failing_config, "--kvbridge-connector-failing-config"),
             _json_object(first_params, "--kvbridge-first-params"),
             deadline_grace_s,
+            is_pair,
         )
 
-    def transfer_config(self, options: dict[str, Any] | None = None) -> KVTransferConfig:
-        return KVTransferConfig(connector=self.name, **(self.options if options is None else options))
+    def transfer_config(self, options: dict[str, Any] | None = None, role: str | None = None) -> KVTransferConfig:
+        options = self.options if options is None else options
+        return KVTransferConfig(connector=self.name, **(options if role is None else {**options, "role": role}))
 
-    def engine(self, options: dict[str, Any] | None = None) -> LLM:
-        """A tiny-model engine on CPU with this connector."""
+    def engine(self, options: dict[str, Any] | None = None, num_blocks: int = NUM_BLOCKS,
+               role: str | None = None) -> LLM:  # fmt: skip
+        """A tiny-model engine on CPU with this connector (`role`: the config's, or this one)."""
         from kvbridge.engine.llm import LLM  # torch, only once an engine is built
 
-        return LLM(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_transfer_config=self.transfer_config(options))
+        config = self.transfer_config(options, role)
+        return LLM(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_transfer_config=config)
 
 
 @dataclass(frozen=True)

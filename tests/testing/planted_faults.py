@@ -37,6 +37,7 @@ OPTIONS = {"delay_s", "fail_loads", "store"}
 class Job:
     request_id: str
     blocks: list[tuple[int, bytes]]  # (block id, block hash)
+    is_last: bool = True  # a store reports its request finished only with its last job
 
 
 @dataclass
@@ -150,7 +151,8 @@ class QueueTierConnector(KVConnectorBase):
         time.sleep(self.delay_s)
         for block_id, block_hash in job.blocks:
             self.store[block_hash] = self.kv[block_id].clone()
-        self.report_send(job.request_id)
+        if job.is_last:
+            self.report_send(job.request_id)
 
     def report_send(self, request_id: str) -> None:
         with self.lock:
@@ -309,3 +311,59 @@ class LaxConfigConnector(QueueTierConnector):
     @classmethod
     def check_config(cls, config) -> None:
         KVConnectorBase.check_config(config)
+
+
+@dataclass
+class StreamPlan(Plan):
+    preempted: list[str] = field(default_factory=list)
+
+
+class StreamingTierConnector(QueueTierConnector):
+    """Stores each full block while its request runs (as the offload tier does), so that a store can
+    be in flight when the request is preempted; `start_load_kv` finishes a preempted request's stores
+    first, as the contract asks. A finished request's free waits for its last store."""
+
+    def __init__(self, config, role, context) -> None:
+        super().__init__(config, role, context)
+        self.streamed: set[str] = set()  # scheduler half: requests with a store planned while running
+
+    def build_connector_meta(self, scheduler_output):
+        plan = super().build_connector_meta(scheduler_output)
+        plan = StreamPlan(plan.loads, plan.saves, sorted(scheduler_output.preempted_req_ids))
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            n = min((scheduled.start + scheduled.num_new_tokens) // self.bs, len(request.block_hashes))
+            blocks = [(scheduled.block_ids[i], request.block_hashes[i]) for i in range(n)
+                      if request.block_hashes[i] not in self.planned]  # fmt: skip
+            if blocks:
+                self.planned.update(h for _, h in blocks)
+                plan.saves.append(Job(request.request_id, blocks, is_last=False))
+                self.streamed.add(request.request_id)
+        return plan
+
+    def request_finished(self, request, block_ids):
+        handoff = super().request_finished(request, block_ids)
+        if handoff.delay_free_blocks or request.request_id not in self.streamed:
+            self.streamed.discard(request.request_id)
+            return handoff
+        # Its blocks may still be read by a store: free them once a last (empty) store behind it ran.
+        self.streamed.discard(request.request_id)
+        self.plan.saves.append(Job(request.request_id, []))
+        self.in_flight.add(request.request_id)
+        return KVHandoff(True, None)
+
+    def start_load_kv(self):
+        plan = self.get_connector_metadata()
+        if isinstance(plan, StreamPlan):
+            self.finish_stores_of(plan.preempted)
+        super().start_load_kv()
+
+    def finish_stores_of(self, request_ids: list[str]) -> None:
+        wait([f for f, r in self.futures.items() if r in request_ids])
+
+
+class PreemptReleaseConnector(StreamingTierConnector):
+    """Lets a preempted request's stores run on while the step that preempted it reuses its blocks."""
+
+    def finish_stores_of(self, request_ids: list[str]) -> None:
+        pass

@@ -33,6 +33,8 @@ def test_kit_passes_the_example_plugin(tmp_path, monkeypatch):
     failing = {"extra": {"dir": str(tmp_path / "failing"), "debug_fail_loads": True}}
     run = run_kit(tmp_path, name, config, failing=failing)
     assert run.exit_code == 0, run.messages
+    # It stores as requests finish: no store is in flight when a request is preempted.
+    assert run.outcomes.pop("test_preempted_request_releases_blocks_after_its_stores_end") == "skipped"
     assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 10, run.outcomes
 
 

@@ -16,10 +16,20 @@ def own_store(config: dict, tmp_path) -> dict:
     return {**config, "extra": {**config["extra"], "store": tmp_path.name}}
 
 
+PREEMPT_CHECK = "test_preempted_request_releases_blocks_after_its_stores_end"
+
+
 def test_the_connector_the_faults_derive_from_passes_every_check(tmp_path):
     run = run_kit(tmp_path, "planted_faults:QueueTierConnector", own_store(FAST, tmp_path), failing=FAILING)
     assert run.exit_code == 0, run.messages
+    # It stores only as requests finish: no store is in flight when a request is preempted.
+    assert run.outcomes.pop(PREEMPT_CHECK) == "skipped" and "loaded nothing" in run.messages[PREEMPT_CHECK]
     assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 10, run.outcomes
+
+
+def test_a_connector_storing_while_requests_run_passes_the_preemption_check(tmp_path):
+    run = run_kit(tmp_path, "planted_faults:StreamingTierConnector", own_store(FAST, tmp_path), "-k", PREEMPT_CHECK)
+    assert run.outcomes == {PREEMPT_CHECK: "passed"}, run.messages
 
 
 SLOW_STORES = ({"extra": {"delay_s": 1.0}}, "--kvbridge-deadline-grace", "0.3")
@@ -32,6 +42,7 @@ SLOW_STORES = ({"extra": {"delay_s": 1.0}}, "--kvbridge-deadline-grace", "0.3")
         ("LateSyncLoadConnector", "test_loads_are_finished_only_once_their_bytes_landed", "landed-before-finished", ()),
         ("EarlyStoreReleaseConnector", "test_stores_release_blocks_after_reading_them", "release-after-transfer", ()),
         ("AbortReleaseConnector", "test_aborted_load_releases_blocks_after_it_ends", "release-after-transfer", ()),
+        ("PreemptReleaseConnector", PREEMPT_CHECK, "release-after-transfer", ()),
         ("ResetAtOnceConnector", "test_reset_prefix_cache_waits_then_returns_true", "flush-waits-with-deadline", ()),
         ("HangingFlushConnector", "test_reset_prefix_cache_waits_then_returns_true", "flush-waits-with-deadline",
          SLOW_STORES),
