@@ -369,17 +369,15 @@ def _wsum_heads(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray, us
 
 def _xxh3_heads(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> list[list[int]]:
     """[num_kv_heads][n] xxh3-64 of each head's bytes of each block (its pages narrowed to the head, in
-    layer order), through one head-major copy of the blocks."""
-    import torch
-
+    layer order), through one head-major copy of the blocks (runs of a head moved whole, as void items)."""
     shape, at = layout.page_shape, layout.page_format.index("H")
-    e = layout.element_size
-    outer, inner_nbytes = int(np.prod(shape[:at])), int(np.prod(shape[at + 1 :])) * e
-    page_nbytes = layout.page_nbytes
-    pages = torch.stack([region[o : o + page_nbytes] for o in layout.page_offsets(ids).reshape(-1).tolist()]) if len(ids) else None
-    if pages is None:
-        return [[] for _ in range(layout.num_kv_heads)]
-    # [n, L, outer, H, inner bytes] -> [H, n, L, outer, inner bytes]: each head of each block one range
-    heads = pages.view(len(ids), layout.num_layers, outer, layout.num_kv_heads, inner_nbytes).permute(3, 0, 1, 2, 4)
-    buf = heads.contiguous().cpu().numpy().reshape(layout.num_kv_heads, len(ids), -1)
-    return [[xxhash.xxh3_64_intdigest(buf[h, b]) for b in range(len(ids))] for h in range(layout.num_kv_heads)]
+    outer, inner_nbytes = int(np.prod(shape[:at])), int(np.prod(shape[at + 1 :])) * layout.element_size
+    num_heads, page_nbytes = layout.num_kv_heads, layout.page_nbytes
+    buf = (region if not region.is_cuda else region.cpu()).numpy()  # [region_nbytes] uint8
+    runs = np.dtype((np.void, inner_nbytes))
+    # [n * L, page bytes] gathered, as [n, L, outer, H] runs of one head, then [H, n, L, outer] runs
+    offsets = layout.page_offsets(ids).reshape(-1)
+    pages = np.stack([buf[o : o + page_nbytes] for o in offsets.tolist()]) if len(offsets) else np.zeros((0, page_nbytes), np.uint8)
+    heads = pages.view(runs).reshape(len(ids), layout.num_layers, outer, num_heads)
+    by_head = np.ascontiguousarray(heads.transpose(3, 0, 1, 2)).view(np.uint8).reshape(num_heads, len(ids), -1)
+    return [[xxhash.xxh3_64_intdigest(by_head[h, b]) for b in range(len(ids))] for h in range(num_heads)]

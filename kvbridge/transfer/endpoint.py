@@ -76,6 +76,8 @@ from kvbridge.transfer.digest import (
     DigestJob,
     algorithm_for,
     block_digests,
+    head_block_digests,
+    lease_digests,
     region_bytes,
     start_block_digests,
 )
@@ -544,21 +546,9 @@ class KVEndpoint:
             return self._digest_lease(block_ids, per_head)
 
     def _digest_lease(self, block_ids, per_head: bool) -> m.KVDigest:
-        whole = self.digest_blocks(block_ids)
-        if self.layout.num_kv_heads == 1 or not per_head:
-            return whole
-        import torch
-
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        pages = self._kv.index_select(0, torch.as_tensor(ids, device=self._kv.device))  # [n, L, *page_shape]
-        head_dim = 2 + self.layout.page_format.index("H")  # the heads' dimension of `pages`
-        one_head = dataclasses.replace(self.layout, num_kv_heads=1).block_major(len(ids))
-        per_head = []
-        for head in range(self.layout.num_kv_heads):
-            # [n, L, *page_shape with one head]: the bytes a reader rebuilds as this head's pages (rebuild_blocks)
-            part = pages.narrow(head_dim, head, 1).contiguous().view(-1).view(torch.uint8)
-            per_head.append(block_digests(part, one_head, np.arange(len(ids)), self.digest_alg).values)
-        return m.KVDigest(alg=whole.alg, values=whole.values, head_values=per_head)
+        if not per_head:
+            return self.digest_blocks(block_ids)
+        return lease_digests(self._region_bytes, self.layout, block_ids, self.digest_alg)
 
     @staticmethod
     def _head_shard(shard: KVShard, head: int) -> KVShard:
@@ -612,7 +602,11 @@ class KVEndpoint:
                     blocks, layout = rebuild_blocks(self._region_bytes, mine, local_block_ids, shard, num_remote)
                 except ValueError as e:
                     raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
-                jobs.append((index, start_block_digests(blocks, layout, np.arange(num_remote), alg)))
+                if index is None:
+                    jobs.append((index, start_block_digests(blocks, layout, np.arange(num_remote), alg)))
+                else:  # one head of theirs: as `lease_digests` digests it (wsum64: with its words' whole-block multipliers)
+                    values = head_block_digests(blocks, layout, theirs.layout, index, alg)
+                    jobs.append((index, DigestJob(alg, values=values)))
             per_rank.append(jobs)
         return per_rank
 

@@ -25,10 +25,10 @@ class NixlOptions(TransferOptions):
     verify_kv_digest: bool = True
     # Prefill: with verify_kv_digest, also digest each KV head of the leased blocks (when the pages
     # hold several), which a decode rank holding only some of them needs (a decode of a larger TP size
-    # than this node's). Off by default: it costs a copy of the leased blocks at grant (31-33 ms against
-    # 1.7-2.5 ms for the whole blocks' digests of a 32 MiB lease on CPU), which every prefill would pay
-    # for readers that rarely need it; off, such readers refuse the read (a recompute, named in their log).
-    digest_kv_heads: bool = False
+    # than this node's, e.g. TP 1 -> 2). On by default: the heads' digests come from the pass that
+    # digests the blocks (transfer/digest.py `lease_digests`; wsum64 on a GPU splits its sum by head at
+    # no extra cost). Off, such readers refuse the read (a recompute, named in their log).
+    digest_kv_heads: bool = True
     # Prefill: grant a lease as its request finishes, where the worker half shares the scheduler's
     # process, and return it signed in the params (transfer/grants.py): decode nodes then verify what
     # they read without a round trip to this node. Off: readers confirm every read on the side channel.
