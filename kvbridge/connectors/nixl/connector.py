@@ -49,7 +49,8 @@ class NixlConnector(SplitConnector):
         opts = self.options
         secret = side_channel_secret(opts.insecure_side_channel)  # the worker's endpoint resolves the same one
         return NixlScheduler(
-            self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret
+            self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret,
+            unreachable_cooldown_s=opts.unreachable_peer_cooldown_s,
         )
 
     def make_worker_half(self) -> NixlWorker:

@@ -33,6 +33,10 @@ class NixlOptions(TransferOptions):
     # process, and return it signed in the params (transfer/grants.py): decode nodes then verify what
     # they read without a round trip to this node. Off: readers confirm every read on the side channel.
     sign_grants: bool = True
+    # Decode: a prefill side channel that did not answer (a failed handshake) is not read from for this
+    # long: requests naming it are computed here from the start, with no load error for
+    # kv_load_failure_policy to turn into a failed request. 0: every request tries again.
+    unreachable_peer_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +45,10 @@ class NixlOptions(TransferOptions):
         PeerPolicy(self.allowed_peers)  # raises ConfigError on a malformed entry
         if self.max_peers < 1:
             raise ConfigError(f"NixlConnector option max_peers must be >= 1, got {self.max_peers}")
+        if not 0 <= self.unreachable_peer_cooldown_s < 1e6:
+            raise ConfigError(
+                f"NixlConnector option unreachable_peer_cooldown_s must be in [0, 1e6), got {self.unreachable_peer_cooldown_s}"
+            )
         for name in ("lease_s", "peer_idle_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"NixlConnector option {name} must be positive, got {getattr(self, name)}")

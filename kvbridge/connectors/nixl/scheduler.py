@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Key of KVConnectorOutput.stats (the worker's get_step_stats) under which it reports its side-channel port.
 SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
+# ... and the prefill side channels that did not answer this step (their handshakes failed).
+UNREACHABLE_PEERS_STAT = "nixl_unreachable_peers"
 
 
 class NixlScheduler:
@@ -58,6 +60,8 @@ class NixlScheduler:
         peer_policy: PeerPolicy,
         secret: bytes | None = None,
         wall_clock: Callable[[], float] = time.time,
+        unreachable_cooldown_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -68,6 +72,10 @@ class NixlScheduler:
         # with it, the decode connects to no address it does not vouch for (transfer/address_proof.py).
         self._secret = secret
         self._wall_clock = wall_clock
+        # decode: side channels that did not answer, until when requests naming them are computed here
+        # (refused before admission: no load error, whatever vLLM's kv_load_failure_policy)
+        self._unreachable_cooldown_s, self._clock = unreachable_cooldown_s, clock
+        self._unreachable_until: dict[str, float] = {}
         self.side_channel_port = config.side_channel_port  # replaced by the bound port once the worker reports it
         self._local_hits: dict[str, int] = {}  # decode: local prefix hit seen at matching
         self._handled: set[str] = set()  # decode: remote KV already asked for (never twice)
@@ -82,6 +90,7 @@ class NixlScheduler:
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
         self.num_refused_peers = 0  # decode: params naming a peer outside allowed_peers
         self.num_unproven_addresses = 0  # decode: params naming an address the prefill did not vouch for
+        self.num_refused_unreachable = 0  # decode: params naming a side channel that did not answer lately
         self.num_granted_at_finish = 0  # prefill: leases granted and signed as their request finished
 
     # ------------------------------------------------------------------ decode
@@ -101,7 +110,20 @@ class NixlScheduler:
             return None
         if params is not None and params.remote_block_ids and not self._is_vouched(request.request_id, params):
             return None
+        if params is not None and params.remote_block_ids and self._is_unreachable(params.side_channel_address):
+            self._refuse(request.request_id, f"the prefill side channel {params.side_channel_address} did not answer a "
+                         f"handshake within the last {self._unreachable_cooldown_s:g} s (NixlConnector option "
+                         "unreachable_peer_cooldown_s): PeerUnreachableError, not tried again yet")  # fmt: skip
+            self.num_refused_unreachable += 1
+            return None
         return params
+
+    def _is_unreachable(self, address: str) -> bool:
+        until = self._unreachable_until.get(address)
+        if until is not None and self._clock() >= until:
+            del self._unreachable_until[address]
+            return False
+        return until is not None
 
     def _is_vouched(self, request_id: str, params: RemotePrefillParams) -> bool:
         """Whether the prefill vouched for the address the params name, with this node's secret: an API
@@ -224,6 +246,9 @@ class NixlScheduler:
         port = output.stats.get(SIDE_CHANNEL_PORT_STAT)
         if port:
             self.side_channel_port = int(port)
+        if self._unreachable_cooldown_s:
+            for address in output.stats.get(UNREACHABLE_PEERS_STAT) or ():
+                self._unreachable_until[str(address)] = self._clock() + self._unreachable_cooldown_s
         self._leased -= output.finished_sending
 
     def has_pending_transfers(self) -> bool:
@@ -289,5 +314,6 @@ class NixlScheduler:
             "num_mismatched_params": self.num_mismatched_params,
             "num_refused_peers": self.num_refused_peers,
             "num_unproven_addresses": self.num_unproven_addresses,
+            "num_refused_unreachable": self.num_refused_unreachable,
             "num_granted_at_finish": self.num_granted_at_finish,
         }
