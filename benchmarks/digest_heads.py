@@ -1,4 +1,4 @@
-"""What a lease's per-head digests cost beside its blocks' digests (transfer/digest.py `lease_digests`).
+"""What a lease's per-head digests cost beside its blocks' digests (transfer/head_digests.py).
 
     python3 benchmarks/digest_heads.py --json                    # CPU: wsum64 (torch path) and xxh3-64
     python3 benchmarks/digest_heads.py --json --device cuda      # GPU: wsum64, kernel and torch paths
@@ -28,6 +28,7 @@ from common import machine_info, versions  # noqa: E402
 
 from kvbridge.layout import KVCacheLayout  # noqa: E402
 from kvbridge.transfer import digest as d  # noqa: E402
+from kvbridge.transfer import head_digests as hd  # noqa: E402
 
 GEOMETRY = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
@@ -61,13 +62,13 @@ def main() -> int:
     paths = [("wsum64_kernel", True), ("wsum64_torch", False)] if args.device.startswith("cuda") else [("wsum64_torch", False)]
     for name, use_kernel in paths:
         blocks = median_s(lambda u=use_kernel: d._wsum(region, layout, ids, u).tolist(), args.reps, sync)
-        heads = median_s(lambda u=use_kernel: d._wsum_heads(region, layout, ids, u).tolist(), args.reps, sync)
-        split = d._wsum_heads(region, layout, ids, use_kernel).sum(dim=1)
+        heads = median_s(lambda u=use_kernel: hd._wsum_heads(region, layout, ids, u).tolist(), args.reps, sync)
+        split = hd._wsum_heads(region, layout, ids, use_kernel).sum(dim=1)
         assert torch.equal(split.cpu(), d._wsum(region, layout, ids, use_kernel).cpu()), "the heads do not add up"
         ways[name] = {"blocks_ms": blocks * 1e3, "blocks_and_heads_ms": heads * 1e3}
     if not args.device.startswith("cuda"):
         blocks = median_s(lambda: d.block_digests(region, layout, ids, d.XXH3), args.reps, sync)
-        heads = median_s(lambda: d.lease_digests(region, layout, ids, d.XXH3), args.reps, sync)
+        heads = median_s(lambda: hd.lease_digests(region, layout, ids, d.XXH3), args.reps, sync)
         ways["xxh3-64"] = {"blocks_ms": blocks * 1e3, "blocks_and_heads_ms": heads * 1e3}
     for way in ways.values():
         way["heads_vs_blocks"] = way["blocks_and_heads_ms"] / way["blocks_ms"]

@@ -78,12 +78,11 @@ from kvbridge.transfer.digest import (
     DigestJob,
     algorithm_for,
     block_digests,
-    head_block_digests,
-    lease_digests,
     region_bytes,
     start_block_digests,
 )
 from kvbridge.transfer.grants import GrantSigner
+from kvbridge.transfer.head_digests import head_block_digests, lease_digests
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
 from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.interfaces import ucx_on_interface_of

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.digest import WSUM, XXH3, block_digests, head_block_digests
+from kvbridge.transfer.digest import WSUM, XXH3, block_digests
+from kvbridge.transfer.head_digests import head_block_digests
 from kvbridge.transfer.kv_shard import KVShard
 from kvbridge.transfer.layout_gather import rebuild_blocks
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.digest import WSUM, _wsum, _wsum_heads, block_digests, has_wsum_kernel, region_bytes
+from kvbridge.transfer.digest import WSUM, _wsum, block_digests, has_wsum_kernel, region_bytes
+from kvbridge.transfer.head_digests import _wsum_heads
 
 # 40-token blocks of 4 heads of 128, bf16: 80 KiB pages = 20,480 words, 2.5 kernel chunks of 8,192
 GEOMETRY = dict(num_layers=2, block_size=40, num_kv_heads=4, head_dim=128, dtype="bfloat16")
@@ -60,7 +61,7 @@ def test_no_block_and_out_of_range_ids(device):
 @pytest.mark.parametrize("page_format", ["2NHD", "H2ND"])
 def test_the_per_head_kernel_splits_the_digest_by_head(device, page_format):
     """Each head's share, from the kernel, equals the torch path's, and the shares add up to the block's
-    digest (one pass yields both; transfer/digest.py `lease_digests`)."""
+    digest (one pass yields both; transfer/head_digests.py)."""
     layout = KVCacheLayout(**GEOMETRY, num_blocks=4, page_format=page_format)
     region = _region(layout, seed=9, device=device)
     ids = np.array([3, 0, 3], dtype=np.int64)

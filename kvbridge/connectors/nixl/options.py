@@ -26,7 +26,7 @@ class NixlOptions(TransferOptions):
     # Prefill: with verify_kv_digest, also digest each KV head of the leased blocks (when the pages
     # hold several), which a decode rank holding only some of them needs (a decode of a larger TP size
     # than this node's, e.g. TP 1 -> 2). On by default: the heads' digests come from the pass that
-    # digests the blocks (transfer/digest.py `lease_digests`; wsum64 on a GPU splits its sum by head at
+    # digests the blocks (transfer/head_digests.py; wsum64 on a GPU splits its sum by head at
     # no extra cost). Off, such readers refuse the read (a recompute, named in their log).
     digest_kv_heads: bool = True
     # Prefill: grant a lease as its request finishes, where the worker half shares the scheduler's
