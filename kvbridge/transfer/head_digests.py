@@ -123,15 +123,17 @@ def _wsum_heads(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray, us
 
 def _xxh3_heads(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray) -> list[list[int]]:
     """[num_kv_heads][n] xxh3-64 of each head's bytes of each block (its pages narrowed to the head, in
-    layer order), through one head-major copy of the blocks (runs of a head moved whole, as void items)."""
+    layer order), through one head-major copy of the blocks: a head's runs move whole, as void items."""
     shape, at = layout.page_shape, layout.page_format.index("H")
     outer, inner_nbytes = int(np.prod(shape[:at])), int(np.prod(shape[at + 1 :])) * layout.element_size
-    num_heads, page_nbytes = layout.num_kv_heads, layout.page_nbytes
+    num_heads, num_layers = layout.num_kv_heads, layout.num_layers
     buf = (region if not region.is_cuda else region.cpu()).numpy()  # [region_nbytes] uint8
     runs = np.dtype((np.void, inner_nbytes))
-    # [n * L, page bytes] gathered, as [n, L, outer, H] runs of one head, then [H, n, L, outer] runs
-    offsets = layout.page_offsets(ids).reshape(-1)
-    pages = np.stack([buf[o : o + page_nbytes] for o in offsets.tolist()]) if len(offsets) else np.zeros((0, page_nbytes), np.uint8)
-    heads = pages.view(runs).reshape(len(ids), layout.num_layers, outer, num_heads)
-    by_head = np.ascontiguousarray(heads.transpose(3, 0, 1, 2)).view(np.uint8).reshape(num_heads, len(ids), -1)
-    return [[xxhash.xxh3_64_intdigest(by_head[h, b]) for b in range(len(ids))] for h in range(num_heads)]
+    by_head = np.empty((num_heads, len(ids), num_layers, outer), dtype=runs)  # [H, n, L, outer] runs
+    strides = (layout.layer_stride_bytes, num_heads * inner_nbytes, inner_nbytes, 1)
+    for i, first_page in enumerate(layout.page_offsets(ids)[:, 0].tolist()):
+        # block i as [L, outer, H] runs of one head, straight from the region (no copy until this one)
+        block = np.lib.stride_tricks.as_strided(buf[first_page:], (num_layers, outer, num_heads, inner_nbytes), strides)
+        by_head[:, i] = block.view(runs)[..., 0].transpose(2, 0, 1)
+    flat = by_head.view(np.uint8).reshape(num_heads, len(ids), -1)
+    return [[xxhash.xxh3_64_intdigest(flat[h, b]) for b in range(len(ids))] for h in range(num_heads)]
