@@ -25,9 +25,9 @@ class NixlOptions(TransferOptions):
     verify_kv_digest: bool = True
     # Prefill: with verify_kv_digest, also digest each KV head of the leased blocks (when the pages
     # hold several), which a decode rank holding only some of them needs (a decode of a larger TP size
-    # than this node's, e.g. TP 1 -> 2). On by default: the heads' digests come from the pass that
-    # digests the blocks (transfer/head_digests.py; wsum64 on a GPU splits its sum by head at
-    # no extra cost). Off, such readers refuse the read (a recompute, named in their log).
+    # than this node's, e.g. TP 1 -> 2). On by default (transfer/head_digests.py): wsum64, a GPU's
+    # digest, splits its one pass by head; xxh3-64, host memory's, hashes the heads again (about 5x
+    # the blocks' cost). Off, such readers refuse the read (a recompute, named in their log).
     digest_kv_heads: bool = True
     # Prefill: grant a lease as its request finishes, where the worker half shares the scheduler's
     # process, and return it signed in the params (transfer/grants.py): decode nodes then verify what
