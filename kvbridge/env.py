@@ -129,6 +129,14 @@ def fault_delay_confirm_s() -> float:
     return max(0.0, _get_float("KVBRIDGE_FAULT_DELAY_CONFIRM_S", 0.0))
 
 
+def fault_delay_read_s() -> float:
+    """KVBRIDGE_FAULT_DELAY_READ_S: fault injection for tests. A reader (decode node) keeps each NIXL
+    read in flight, unposted, this long, then posts it: its bytes land that late, as a stalled peer's
+    would (transfer/delayed_post.py). Past transfer_timeout_s the read expires first and its blocks are
+    quarantined until the late bytes have landed. Default 0. Never set it in production."""
+    return max(0.0, _get_float("KVBRIDGE_FAULT_DELAY_READ_S", 0.0))
+
+
 def fault_flip_host_block_bit() -> bool:
     """KVBRIDGE_FAULT_FLIP_HOST_BIT: fault injection for tests. The OffloadingConnector flips one bit
     of the first host-tier slot of every store once the store completed and its digest was recorded,

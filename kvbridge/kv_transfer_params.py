@@ -21,6 +21,7 @@ import msgspec
 from kvbridge.errors import InvalidRequestError
 
 MAX_BLOCK_ID = (1 << 63) - 1  # block ids travel as int64 (NIXL descriptors, numpy)
+MAX_MAC_CHARS = 128  # remote_address_mac: an HMAC-SHA256 in hex is 64
 MAX_REMOTE_BLOCKS = 1 << 20  # far above any prompt; bounds what one request makes a node parse and plan
 # Fields a decode node needs to prove that the KV it reads belongs to its prompt: refused when missing.
 REQUIRED_FIELDS = ("remote_block_hash", "remote_incarnation", "remote_lease_token")
@@ -46,6 +47,11 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     # The lease granted when the request finished, signed by the prefill (transfer/grants.py): the
     # decode verifies what it read against it and needs no answer from the prefill. "": ask the prefill.
     remote_grant: str = ""
+    # The prefill's side-channel address (engine id, incarnation, host, port) vouched for with the
+    # side-channel secret until remote_address_expires_at (wall clock; transfer/address_proof.py): a
+    # decode node with a secret connects to no address without it. "": the prefill has no secret.
+    remote_address_mac: str = ""
+    remote_address_expires_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -97,6 +103,8 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefillParams |
         )
     if any(not 0 <= b <= MAX_BLOCK_ID for b in parsed.remote_block_ids):
         raise InvalidRequestError(f"kv_transfer_params.remote_block_ids holds an id outside [0, {MAX_BLOCK_ID}]")
+    if len(parsed.remote_address_mac) > MAX_MAC_CHARS or not 0 <= parsed.remote_address_expires_at < 1e12:
+        raise InvalidRequestError("kv_transfer_params.remote_address_mac or remote_address_expires_at is malformed")
     if parsed.remote_block_size < 0 or not 0 <= parsed.lease_s < 1e9 or parsed.remote_num_tokens < 0:
         raise InvalidRequestError(
             "kv_transfer_params.remote_block_size, remote_num_tokens and lease_s must be non-negative"

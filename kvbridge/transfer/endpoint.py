@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
+from kvbridge import env
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
@@ -71,6 +72,7 @@ from kvbridge.transfer.agent import NixlAgent, XferState
 from kvbridge.transfer.auth import audience_of, check_exposure, check_secret
 from kvbridge.transfer.cuda_ipc import IpcCopier, IpcCopy
 from kvbridge.transfer.cuda_ipc import export_tensor as cuda_ipc_export
+from kvbridge.transfer.delayed_post import DelayedPost
 from kvbridge.transfer.digest import (
     DigestError,
     DigestJob,
@@ -80,6 +82,7 @@ from kvbridge.transfer.digest import (
     start_block_digests,
 )
 from kvbridge.transfer.grants import GrantSigner
+from kvbridge.transfer.head_digests import head_block_digests, lease_digests
 from kvbridge.transfer.handshake import LocalIdentity, PeerInfo, answer_handshake, describe_layout
 from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.interfaces import ucx_on_interface_of
@@ -153,6 +156,7 @@ class KVEndpoint:
         self.compat_hash = layout.compat_hash(model_id)
         self.transfer_timeout_s = opts.transfer_timeout_s
         self._wait_ipc_reads = opts.wait_ipc_reads
+        self._read_delay_s = env.fault_delay_read_s()  # fault injection (tests): reads whose bytes land late
         if secret is _FROM_ENV:
             self._secret = side_channel_secret(opts.insecure_side_channel)
         else:
@@ -322,6 +326,10 @@ class KVEndpoint:
             return
         try:
             posted, num_descs = self._post_read(read, peer)
+            if self._read_delay_s and not self.is_translated(peer) and not isinstance(posted, IpcCopy):
+                # fault injection: its bytes land again past its deadline (transfer/delayed_post.py)
+                pages = self.layout.page_offsets(read.local_ids)
+                posted = DelayedPost(posted, self._region_bytes, pages, self.layout.page_nbytes, self._read_delay_s, self.tracker.clock)
         except (KVBridgeError, IndexError, ValueError) as e:
             self.tracker.mark_failed(rec.req_id, f"{type(e).__name__}: {e}")
             self.forget_peer(rec.peer)  # a post that fails with valid ids: the peer is gone or broken
@@ -407,7 +415,7 @@ class KVEndpoint:
                     self.tracker.mark_failed(rec.req_id, f"NIXL reported a failed READ from {rec.peer}")
                     self.forget_peer(rec.peer)
         for rec in self.tracker.expire_overdue():
-            if isinstance(rec.handle, NixlPost) and poll_post(self.agent, rec.handle) is XferState.IN_PROGRESS:
+            if isinstance(rec.handle, (NixlPost, DelayedPost)) and self._poll(rec.handle) is XferState.IN_PROGRESS:
                 self._quarantine_read(rec)
             else:
                 self._release(rec)
@@ -436,8 +444,10 @@ class KVEndpoint:
                     f"{rec.payload.expect} the transfer was meant for: it restarted, or the params are stale or forged",
                 )
 
-    def _finish(self, handle: NixlPost | IpcCopy) -> str | None:
+    def _finish(self, handle: NixlPost | IpcCopy | DelayedPost) -> str | None:
         """A staged plan's gather into our pages once its read is done; why it failed, if it did."""
+        if isinstance(handle, DelayedPost):
+            handle = handle.posted
         if not isinstance(handle, NixlPost):
             return None
         try:
@@ -473,7 +483,7 @@ class KVEndpoint:
         its client aborts it (the scheduler then holds the blocks until the record is reported)."""
         now = self.tracker.clock()
         for req_id, (rec, since, instance) in list(self._quarantine.items()):
-            is_over = poll_post(self.agent, rec.handle) is not XferState.IN_PROGRESS
+            is_over = self._poll(rec.handle) is not XferState.IN_PROGRESS
             current = self._peer_instance(rec.peer)
             is_gone = current != instance and current != ("", "")  # another instance registered at that address
             if not (is_over and (current == instance or is_gone)):
@@ -500,7 +510,9 @@ class KVEndpoint:
         """Reads quarantined now (expired while NIXL still ran them): their blocks are not released yet."""
         return len(self._quarantine)
 
-    def _poll(self, handle: NixlPost | IpcCopy) -> XferState:
+    def _poll(self, handle: NixlPost | IpcCopy | DelayedPost) -> XferState:
+        if isinstance(handle, DelayedPost):
+            return handle.poll(self.agent)
         if isinstance(handle, IpcCopy):
             if self._wait_ipc_reads:
                 handle.event.synchronize()  # the copy alone: its stream waits for nothing queued after it
@@ -513,6 +525,8 @@ class KVEndpoint:
 
     def _release(self, rec: TransferRecord) -> None:
         handle, rec.handle = rec.handle, None
+        if isinstance(handle, DelayedPost):
+            handle = handle.posted
         if isinstance(handle, IpcCopy):
             # An enqueued copy cannot be cancelled: an expired one still writes its blocks, so wait
             # for it (milliseconds) before anyone may reuse them.
@@ -546,21 +560,9 @@ class KVEndpoint:
             return self._digest_lease(block_ids, per_head)
 
     def _digest_lease(self, block_ids, per_head: bool) -> m.KVDigest:
-        whole = self.digest_blocks(block_ids)
-        if self.layout.num_kv_heads == 1 or not per_head:
-            return whole
-        import torch
-
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        pages = self._kv.index_select(0, torch.as_tensor(ids, device=self._kv.device))  # [n, L, *page_shape]
-        head_dim = 2 + self.layout.page_format.index("H")  # the heads' dimension of `pages`
-        one_head = dataclasses.replace(self.layout, num_kv_heads=1).block_major(len(ids))
-        per_head = []
-        for head in range(self.layout.num_kv_heads):
-            # [n, L, *page_shape with one head]: the bytes a reader rebuilds as this head's pages (rebuild_blocks)
-            part = pages.narrow(head_dim, head, 1).contiguous().view(-1).view(torch.uint8)
-            per_head.append(block_digests(part, one_head, np.arange(len(ids)), self.digest_alg).values)
-        return m.KVDigest(alg=whole.alg, values=whole.values, head_values=per_head)
+        if not per_head:
+            return self.digest_blocks(block_ids)
+        return lease_digests(self._region_bytes, self.layout, block_ids, self.digest_alg)
 
     @staticmethod
     def _head_shard(shard: KVShard, head: int) -> KVShard:
@@ -614,7 +616,11 @@ class KVEndpoint:
                     blocks, layout = rebuild_blocks(self._region_bytes, mine, local_block_ids, shard, num_remote)
                 except ValueError as e:
                     raise DigestError(f"the peer's blocks cannot be digested here: {e}") from None
-                jobs.append((index, start_block_digests(blocks, layout, np.arange(num_remote), alg)))
+                if index is None:
+                    jobs.append((index, start_block_digests(blocks, layout, np.arange(num_remote), alg)))
+                else:  # one head of theirs: as `lease_digests` digests it (wsum64: with its words' whole-block multipliers)
+                    values = head_block_digests(blocks, layout, theirs.layout, index, alg)
+                    jobs.append((index, DigestJob(alg, values=values)))
             per_rank.append(jobs)
         return per_rank
 

@@ -230,8 +230,9 @@ class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
     alg: str
     values: list[int]
     # Per KV head of the digested pages, in head order, each in `values`' order: what a reader holding
-    # only some of those heads checks (tensor parallelism, decode wider than prefill). []: not taken
-    # (pages of one head, whose `values` are that head's).
+    # only some of those heads checks (tensor parallelism, decode wider than prefill), as
+    # transfer/head_digests.py defines them (wsum64: the head's share of the block's sum, so a block's
+    # heads add up to its value). []: not taken (pages of one head, whose `values` are that head's).
     head_values: list[list[int]] = []
     # Tensor parallelism: the digests of the owner's ranks 1..N-1 (each rank digests its own heads of
     # the leased blocks when the lease is granted; rank 0 holds the lease and answers for all). []: one rank.

@@ -1,7 +1,9 @@
 """P/D failure semantics as an HTTP client sees them: the prefill node dies after the prefill leg.
 
 A decode node with the `recompute` policy still answers 200 with the colocated completion; one
-with the `fail` policy answers 500 with the reason. Neither hangs, and neither leaks a block.
+with the `fail` policy answers 500 with the reason, and 200 with the colocated completion to the next
+request naming the dead node (refused before admission, so no load error reaches the policy). Neither
+hangs, and neither leaks a block.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def test_prefill_killed_between_legs_recompute_succeeds_and_fail_policy_errors()
             t0 = time.monotonic()
             err_status, err = http_json(f"{fail.url}/v1/completions", decode_body, timeout_s=60)
             fail_s = time.monotonic() - t0
+            # The same params again: the side channel that did not answer is not tried again for a while
+            # (unreachable_peer_cooldown_s), so the prompt is computed there from the start, no load error.
+            again_status, again = http_json(f"{fail.url}/v1/completions", decode_body, timeout_s=60)
             states = [http_json(f"{p.url}/v1/kvbridge/state")[1] for p in (recompute, fail)]
         finally:
             for proc in procs:
@@ -83,6 +88,9 @@ def test_prefill_killed_between_legs_recompute_succeeds_and_fail_policy_errors()
     assert "--load-failure-policy recompute" in err["error"]["message"], err  # the flag the operator types
     assert "KVTransferConfig" not in err["error"]["message"], err
     assert recompute_s < 30 and fail_s < 30, (recompute_s, fail_s)  # bounded by the connector's deadlines
+    assert again_status == 200 and again["choices"][0]["token_ids"] == expected, again
+    assert again["kvbridge"]["num_external_tokens"] == again["kvbridge"]["num_failed_load_blocks"] == 0, again
+    assert load_failure_cause(again["kvbridge"]["kv_load_error"]) == "peer_unreachable", again["kvbridge"]
     for state in states:
         assert state["integrity"]["ok"], state
         assert state["stats"]["num_used_blocks"] == 0, state["stats"]

@@ -5,11 +5,14 @@ compat hash, no NIXL metadata) and cannot release a lease."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,8 +24,11 @@ from kvbridge.transfer import messages as m
 pytestmark = pytest.mark.nixl
 
 NODE_ARGS = ["--num-threads", "1", "--num-blocks", "64", "--max-model-len", "256", "--flush-timeout", "1"]
+# A decode node that gives up on a peer in a second (a connection it should never have made fails fast).
+DECODE_ARGS = [*NODE_ARGS, "--kv-connector-extra", '{"handshake_timeout_s": 1.0, "handshake_retries": 0}']
 PROMPT = "Nobody without the secret touches this prompt's KV cache. " * 2
 OTHER_PROMPT = "Nor may a plain client release the lease on this one. " * 2
+PORT_PROMPT = "Nor point the decode node at a port of its own choosing. " * 2
 NOBODY_UID = 65534
 
 
@@ -50,7 +56,7 @@ def nodes():
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")} | {"XDG_RUNTIME_DIR": runtime}
         ports = tuple(free_ports(2))  # HTTP, side channel
         procs = [start_node("prefill", "prefill", log_dir, extra_args=NODE_ARGS, env=env, ports=ports)]
-        procs.append(start_node("decode", "decode", log_dir, extra_args=NODE_ARGS, env=env))
+        procs.append(start_node("decode", "decode", log_dir, extra_args=DECODE_ARGS, env=env))
         try:
             wait_healthy(procs, 120)
             yield procs, Path(runtime), f"tcp://127.0.0.1:{ports[1]}"
@@ -135,3 +141,45 @@ def test_a_process_of_another_user_is_refused(nodes, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
     assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr
     assert f"kvbridge-{NOBODY_UID}" in done.stdout  # its own secret, not ours
+
+
+class _Listener:
+    """A local TCP service that is not kvbridge: counts the connections it accepts."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.1)
+        self.port, self.num_connections, self._stop = self._sock.getsockname()[1], 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = self._sock.accept()
+                self.num_connections += 1
+                conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def test_params_cannot_point_the_decode_node_at_another_local_port(nodes):
+    """An HTTP client that puts a port of its choosing into real params (loopback, so inside the default
+    allowed_peers), with the prefill's proof, a made-up one or none, makes the decode node connect nowhere:
+    it connects only to an address the prefill vouched for with the secret. The prompt is computed there
+    (the untouched params pull: the first test)."""
+    (prefill, decode), _, _ = nodes
+    listener = _Listener()
+    try:
+        for tamper in ({}, {"remote_address_mac": "0" * 64}, {"remote_address_mac": ""}):
+            params = _prefill(prefill.url, PORT_PROMPT)
+            status, body = _decode(decode.url, {**params, "remote_port": listener.port, **tamper}, PORT_PROMPT)
+            assert status == 200, body
+            assert body["kvbridge"]["num_external_tokens"] == 0, body
+            assert "AuthenticationError" in body["kvbridge"]["kv_load_error"], body
+    finally:
+        listener.close()
+    assert listener.num_connections == 0, f"the decode node connected {listener.num_connections} times to a port an API client named"

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.digest import block_digests
+from kvbridge.transfer.digest import WSUM, XXH3, block_digests
+from kvbridge.transfer.head_digests import head_block_digests
 from kvbridge.transfer.kv_shard import KVShard
 from kvbridge.transfer.layout_gather import rebuild_blocks
 
@@ -18,8 +19,9 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.nixl
 
 
+@pytest.mark.parametrize("alg", [XXH3, WSUM])
 @pytest.mark.parametrize("page_format", ["2NHD", "H2ND", "2HND"])
-def test_per_head_digests_are_what_a_reader_of_one_head_rebuilds(page_format):
+def test_per_head_digests_are_what_a_reader_of_one_head_rebuilds(page_format, alg):
     from kvbridge.transfer.endpoint import KVEndpoint
 
     seed = 4
@@ -27,6 +29,7 @@ def test_per_head_digests_are_what_a_reader_of_one_head_rebuilds(page_format):
     torch.manual_seed(seed)
     layout = KVCacheLayout(num_blocks=12, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype="float32", page_format=page_format)
     ep = KVEndpoint(f"heads-{page_format}", "m", torch.randn(layout.shape), layout, serve=False, kv_head_start=4, num_total_kv_heads=8)
+    ep.digest_alg = alg  # wsum64 is a GPU owner's: its heads are their words' shares of the block's sum
     try:
         ids = [7, 2, 9]
         digest = ep.digest_lease(ids)
@@ -34,7 +37,11 @@ def test_per_head_digests_are_what_a_reader_of_one_head_rebuilds(page_format):
         for local_head in range(4):  # a reader holding all four heads rebuilds global head 4 + local_head alone
             one = KVShard(_one_head(layout), 4 + local_head, 8)
             blocks, rebuilt = rebuild_blocks(ep._region_bytes, ep.shard, ids, one, len(ids))
-            assert block_digests(blocks, rebuilt, np.arange(len(ids)), digest.alg).values == digest.head_values[local_head]
+            assert head_block_digests(blocks, rebuilt, layout, local_head, alg) == digest.head_values[local_head]
+            if alg == XXH3:  # a head's own bytes, hashed
+                assert block_digests(blocks, rebuilt, np.arange(len(ids)), alg).values == digest.head_values[local_head]
+        if alg == WSUM:  # the heads add up to the block
+            assert [sum(h) & (2**64 - 1) for h in zip(*digest.head_values)] == digest.values
         assert ep.digest_lease(ids, per_head=False).head_values == []  # digest_kv_heads off
     finally:
         ep.close()

@@ -13,6 +13,7 @@ import torch
 
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.digest import WSUM, _wsum, block_digests, has_wsum_kernel, region_bytes
+from kvbridge.transfer.head_digests import _wsum_heads
 
 # 40-token blocks of 4 heads of 128, bf16: 80 KiB pages = 20,480 words, 2.5 kernel chunks of 8,192
 GEOMETRY = dict(num_layers=2, block_size=40, num_kv_heads=4, head_dim=128, dtype="bfloat16")
@@ -54,3 +55,18 @@ def test_no_block_and_out_of_range_ids(device):
     assert _wsum(region, layout, np.array([], dtype=np.int64), use_kernel=True).numel() == 0
     with pytest.raises(IndexError):
         block_digests(region, layout, [3], WSUM)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_format", ["2NHD", "H2ND"])
+def test_the_per_head_kernel_splits_the_digest_by_head(device, page_format):
+    """Each head's share, from the kernel, equals the torch path's, and the shares add up to the block's
+    digest (one pass yields both; transfer/head_digests.py)."""
+    layout = KVCacheLayout(**GEOMETRY, num_blocks=4, page_format=page_format)
+    region = _region(layout, seed=9, device=device)
+    ids = np.array([3, 0, 3], dtype=np.int64)
+    kernel = _wsum_heads(region, layout, ids, use_kernel=True).cpu()
+    torch_ = _wsum_heads(region.cpu(), layout, ids, use_kernel=False)
+    assert kernel.shape == (3, layout.num_kv_heads) and torch.equal(kernel, torch_)
+    assert torch.equal(kernel.sum(dim=1), _wsum(region.cpu(), layout, ids, use_kernel=False))
+    assert len(set(kernel[0].tolist())) == layout.num_kv_heads

@@ -16,6 +16,7 @@ from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.scheduler import NixlScheduler
 from kvbridge.connectors.nixl.worker import NixlWorker
 from kvbridge.connectors.split import SplitConnector
+from kvbridge.transfer.host_secret import side_channel_secret
 
 if TYPE_CHECKING:
     from kvbridge.config import KVTransferConfig
@@ -46,7 +47,11 @@ class NixlConnector(SplitConnector):
 
     def make_scheduler_half(self) -> NixlScheduler:
         opts = self.options
-        return NixlScheduler(self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy)
+        secret = side_channel_secret(opts.insecure_side_channel)  # the worker's endpoint resolves the same one
+        return NixlScheduler(
+            self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret,
+            unreachable_cooldown_s=opts.unreachable_peer_cooldown_s,
+        )
 
     def make_worker_half(self) -> NixlWorker:
         return NixlWorker(self.config, self.context, self.options)

@@ -25,14 +25,18 @@ class NixlOptions(TransferOptions):
     verify_kv_digest: bool = True
     # Prefill: with verify_kv_digest, also digest each KV head of the leased blocks (when the pages
     # hold several), which a decode rank holding only some of them needs (a decode of a larger TP size
-    # than this node's). Off by default: it costs a copy of the leased blocks at grant (31-33 ms against
-    # 1.7-2.5 ms for the whole blocks' digests of a 32 MiB lease on CPU), which every prefill would pay
-    # for readers that rarely need it; off, such readers refuse the read (a recompute, named in their log).
-    digest_kv_heads: bool = False
+    # than this node's, e.g. TP 1 -> 2). On by default (transfer/head_digests.py): wsum64, a GPU's
+    # digest, splits its one pass by head; xxh3-64, host memory's, hashes the heads again (about 5x
+    # the blocks' cost). Off, such readers refuse the read (a recompute, named in their log).
+    digest_kv_heads: bool = True
     # Prefill: grant a lease as its request finishes, where the worker half shares the scheduler's
     # process, and return it signed in the params (transfer/grants.py): decode nodes then verify what
     # they read without a round trip to this node. Off: readers confirm every read on the side channel.
     sign_grants: bool = True
+    # Decode: a prefill side channel that did not answer (a failed handshake) is not read from for this
+    # long: requests naming it are computed here from the start, with no load error for
+    # kv_load_failure_policy to turn into a failed request. 0: every request tries again.
+    unreachable_peer_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +45,10 @@ class NixlOptions(TransferOptions):
         PeerPolicy(self.allowed_peers)  # raises ConfigError on a malformed entry
         if self.max_peers < 1:
             raise ConfigError(f"NixlConnector option max_peers must be >= 1, got {self.max_peers}")
+        if not 0 <= self.unreachable_peer_cooldown_s < 1e6:
+            raise ConfigError(
+                f"NixlConnector option unreachable_peer_cooldown_s must be in [0, 1e6), got {self.unreachable_peer_cooldown_s}"
+            )
         for name in ("lease_s", "peer_idle_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"NixlConnector option {name} must be positive, got {getattr(self, name)}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,8 +32,9 @@ from kvbridge.connectors.base import (
 )
 from kvbridge.connectors.nixl import local_grants
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
-from kvbridge.errors import InvalidRequestError
+from kvbridge.errors import AuthenticationError, InvalidRequestError
 from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
+from kvbridge.transfer.address_proof import SideChannelAddress, check_address, prove_address
 from kvbridge.transfer.messages import LeaseRef
 
 if TYPE_CHECKING:
@@ -43,20 +46,40 @@ logger = logging.getLogger(__name__)
 
 # Key of KVConnectorOutput.stats (the worker's get_step_stats) under which it reports its side-channel port.
 SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
+# ... and the prefill side channels that did not answer this step (their handshakes failed).
+UNREACHABLE_PEERS_STAT = "nixl_unreachable_peers"
 
 
 class NixlScheduler:
     def __init__(
-        self, config: KVTransferConfig, block_size: int, lease_s: float, incarnation: str, peer_policy: PeerPolicy
+        self,
+        config: KVTransferConfig,
+        block_size: int,
+        lease_s: float,
+        incarnation: str,
+        peer_policy: PeerPolicy,
+        secret: bytes | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        unreachable_cooldown_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.block_size = block_size
         self.lease_s = lease_s
         self.incarnation = incarnation  # this engine instance, named in every lease it grants
         self.peer_policy = peer_policy
+        # The side-channel secret (None: --insecure-side-channel): the prefill vouches for its address
+        # with it, the decode connects to no address it does not vouch for (transfer/address_proof.py).
+        self._secret = secret
+        self._wall_clock = wall_clock
+        # decode: side channels that did not answer, until when requests naming them are computed here
+        # (refused before admission: no load error, whatever vLLM's kv_load_failure_policy)
+        self._unreachable_cooldown_s, self._clock = unreachable_cooldown_s, clock
+        self._unreachable_until: dict[str, float] = {}
         self.side_channel_port = config.side_channel_port  # replaced by the bound port once the worker reports it
         self._local_hits: dict[str, int] = {}  # decode: local prefix hit seen at matching
         self._handled: set[str] = set()  # decode: remote KV already asked for (never twice)
+        self._vouched: set[str] = set()  # decode: requests whose prefill address was proven (checked once)
         # decode: requests whose remote blocks were refused, counted and logged once however often the
         # engine asks (vLLM asks again each step a request waits: the answer must have no side effect)
         self._refused: set[str] = set()
@@ -66,6 +89,8 @@ class NixlScheduler:
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
         self.num_refused_peers = 0  # decode: params naming a peer outside allowed_peers
+        self.num_unproven_addresses = 0  # decode: params naming an address the prefill did not vouch for
+        self.num_refused_unreachable = 0  # decode: params naming a side channel that did not answer lately
         self.num_granted_at_finish = 0  # prefill: leases granted and signed as their request finished
 
     # ------------------------------------------------------------------ decode
@@ -83,7 +108,37 @@ class NixlScheduler:
                          f"option allowed_peers {list(self.peer_policy.allowed)} does not allow")  # fmt: skip
             self.num_refused_peers += 1
             return None
+        if params is not None and params.remote_block_ids and not self._is_vouched(request.request_id, params):
+            return None
+        if params is not None and params.remote_block_ids and self._is_unreachable(params.side_channel_address):
+            self._refuse(request.request_id, f"the prefill side channel {params.side_channel_address} did not answer a "
+                         f"handshake within the last {self._unreachable_cooldown_s:g} s (NixlConnector option "
+                         "unreachable_peer_cooldown_s): PeerUnreachableError, not tried again yet")  # fmt: skip
+            self.num_refused_unreachable += 1
+            return None
         return params
+
+    def _is_unreachable(self, address: str) -> bool:
+        until = self._unreachable_until.get(address)
+        if until is not None and self._clock() >= until:
+            del self._unreachable_until[address]
+            return False
+        return until is not None
+
+    def _is_vouched(self, request_id: str, params: RemotePrefillParams) -> bool:
+        """Whether the prefill vouched for the address the params name, with this node's secret: an API
+        client must not point this node at a port of its choosing (transfer/address_proof.py)."""
+        if self._secret is None or request_id in self._vouched:
+            return True
+        address = SideChannelAddress(params.remote_engine_id, params.remote_incarnation, params.remote_host, params.remote_port)
+        try:
+            check_address(self._secret, address, params.remote_address_expires_at, params.remote_address_mac, self._wall_clock())
+        except AuthenticationError as e:
+            self._refuse(request_id, f"AuthenticationError: {e}")
+            self.num_unproven_addresses += 1
+            return False
+        self._vouched.add(request_id)
+        return True
 
     def _refuse(self, request_id: str, reason: str) -> None:
         """Params this request will never load from: said once, in the log and to `take_refusal`."""
@@ -191,6 +246,9 @@ class NixlScheduler:
         port = output.stats.get(SIDE_CHANNEL_PORT_STAT)
         if port:
             self.side_channel_port = int(port)
+        if self._unreachable_cooldown_s:
+            for address in output.stats.get(UNREACHABLE_PEERS_STAT) or ():
+                self._unreachable_until[str(address)] = self._clock() + self._unreachable_cooldown_s
         self._leased -= output.finished_sending
 
     def has_pending_transfers(self) -> bool:
@@ -202,6 +260,7 @@ class NixlScheduler:
         if request.request_id not in self._handled:
             self._release_unread(request)
         self._handled.discard(request.request_id)
+        self._vouched.discard(request.request_id)
         self._refused.discard(request.request_id)
         self._refusals.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
@@ -238,12 +297,23 @@ class NixlScheduler:
             lease_s=self.lease_s,
             remote_incarnation=self.incarnation,
             remote_lease_token=secrets.token_hex(32) if held else "",  # 256 bits: only this request's client learns it
+            **self._address_proof(),
         )
+
+    def _address_proof(self) -> dict[str, Any]:
+        """This engine's side-channel address vouched for until its leases' term ends ({} without a secret)."""
+        if self._secret is None:
+            return {}
+        address = SideChannelAddress(self.config.engine_id, self.incarnation, self.config.side_channel_host, self.side_channel_port)
+        expires_at = self._wall_clock() + self.lease_s
+        return {"remote_address_mac": prove_address(self._secret, address, expires_at), "remote_address_expires_at": expires_at}
 
     def get_stats(self) -> dict[str, Any]:
         return {
             "num_leased_requests": len(self._leased),
             "num_mismatched_params": self.num_mismatched_params,
             "num_refused_peers": self.num_refused_peers,
+            "num_unproven_addresses": self.num_unproven_addresses,
+            "num_refused_unreachable": self.num_refused_unreachable,
             "num_granted_at_finish": self.num_granted_at_finish,
         }

@@ -95,8 +95,9 @@ class ReadVerifier:
                 else:
                     self._stats.num_unverified_reads += 1
                     return (f"{who} sent no digest of its TP rank {rank}'s KV head {index}, which this node read, and this "
-                            "node uses only verified KV: give the prefill node the NixlConnector option "
-                            '"digest_kv_heads": true when its readers run a wider tensor parallelism than it')
+                            "node uses only verified KV: the prefill node runs with the NixlConnector option "
+                            '"digest_kv_heads": false (or is an older build); unset it where readers run a wider '
+                            "tensor parallelism than it")
                 expected = values[job.lease_offset : job.lease_offset + num_read]
                 bad = mismatches(m.KVDigest(alg=digest.alg, values=expected), got_part)
                 if bad:

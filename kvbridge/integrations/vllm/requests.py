@@ -41,13 +41,14 @@ _UNFINISHED = {
 class RequestView:
     """One vLLM request as a kvbridge `Request` (the attributes connectors read)."""
 
-    __slots__ = ("_req", "block_size", "hash_namespace", "_hashes", "_extra")
+    __slots__ = ("_req", "block_size", "hash_namespace", "_hashes", "_next_mm", "_extra")
 
     def __init__(self, vllm_request: Any, block_size: int, hash_namespace: str, extra_keys: ExtraKeysFn | None) -> None:
         self._req = vllm_request
         self.block_size = block_size
         self.hash_namespace = hash_namespace
         self._hashes: list[BlockHash] = []
+        self._next_mm = 0  # the multimodal input the next block of `_hashes` starts looking at
         # Requests whose KV only their tokens decide (most) hash as in kvbridge's engine, without vLLM's help.
         self._extra = BlockExtraKeys(extra_keys) if has_extra_identity(vllm_request) else None
 
@@ -86,29 +87,32 @@ class RequestView:
         Raises `UnidentifiableRequest` when vLLM's extra keys of a block cannot be had."""
         num_full = self._req.num_tokens // self.block_size
         if len(self._hashes) < num_full:
-            self._hashes = self._chain(self._req.num_tokens, self.block_size, self._hashes)
+            self._hashes, self._next_mm = self._chain(self._req.num_tokens, self.block_size, self._hashes, self._next_mm)
         return self._hashes
 
     def prompt_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Chained hashes of the prompt's full blocks of `block_size` tokens (another engine's blocks)."""
         if block_size == self.block_size:
             return self.block_hashes[: self._req.num_prompt_tokens // block_size]
-        return self._chain(self._req.num_prompt_tokens, block_size, [])
+        return self._chain(self._req.num_prompt_tokens, block_size, [], 0)[0]  # a chain of its own: from the first input
 
-    def _chain(self, num_tokens: int, block_size: int, known: list[BlockHash]) -> list[BlockHash]:
-        """`known` extended to the full blocks of the first `num_tokens` tokens (extended only once
-        every new block's extra keys are known: `UnidentifiableRequest` otherwise)."""
+    def _chain(
+        self, num_tokens: int, block_size: int, known: list[BlockHash], next_mm: int
+    ) -> tuple[list[BlockHash], int]:
+        """`known` (whose next block looks at multimodal input `next_mm` first) extended to the full blocks
+        of the first `num_tokens` tokens, and the input the block after them starts at. Extended only
+        once every new block's extra keys are known: `UnidentifiableRequest` otherwise."""
         num_full = num_tokens // block_size
         tokens = self._req.all_token_ids[: num_full * block_size]
         if self._extra is None:
-            return hash_full_blocks(tokens, block_size, known, self.hash_namespace)
+            return hash_full_blocks(tokens, block_size, known, self.hash_namespace), next_mm
         hashes = list(known)
-        extra = self._extra
         for start in range(len(hashes) * block_size, num_full * block_size, block_size):
             parent = hashes[-1] if hashes else root_hash(self.hash_namespace)
             end = start + block_size
-            hashes.append(hash_block(parent, tokens[start:end], extra.of_block(self._req, start, end)))
-        return hashes
+            keys, next_mm = self._extra.of_block(self._req, start, end, next_mm)
+            hashes.append(hash_block(parent, tokens[start:end], keys))
+        return hashes, next_mm
 
     def __repr__(self) -> str:
         return f"RequestView({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

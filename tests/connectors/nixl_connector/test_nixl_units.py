@@ -10,7 +10,7 @@ from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
 from kvbridge.connectors.nixl.leases import EARLY_ABANDON_S, MAX_EARLY_ABANDONS, LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_policy import PeerPolicy
-from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, NixlScheduler
+from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT, NixlScheduler
 from kvbridge.connectors.nixl.stats import TransferStats, busy_seconds
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
@@ -99,6 +99,21 @@ def test_decode_refuses_params_naming_a_peer_outside_the_allow_list():
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed locally, nothing planned
     assert sched.build_connector_meta(SchedulerOutput()).recvs == {}
     assert sched.get_stats()["num_refused_peers"] == 1
+
+
+def test_decode_computes_requests_naming_an_unreachable_side_channel_until_the_cooldown_ends():
+    now = [100.0]
+    config = KVTransferConfig("NixlConnector", role="kv_consumer", engine_id="me", side_channel_port=0)
+    sched = NixlScheduler(config, BS, 30.0, "inc-me", PeerPolicy(), unreachable_cooldown_s=10.0, clock=lambda: now[0])
+    sched.update_connector_output(KVConnectorOutput(stats={UNREACHABLE_PEERS_STAT: ["tcp://127.0.0.1:5555"]}))
+    refused = request(2 * BS, remote_params([7, 8]), req_id="r1")
+    assert sched.get_num_new_matched_tokens(refused, 0) == (0, False)  # before admission: no load error
+    assert "PeerUnreachableError" in sched.take_refusal("r1")
+    other_port = request(2 * BS, remote_params([7, 8], port=5556), req_id="r2")
+    assert sched.get_num_new_matched_tokens(other_port, 0) == (2 * BS, True)
+    now[0] += 10.0
+    assert sched.get_num_new_matched_tokens(request(2 * BS, remote_params([7, 8]), req_id="r3"), 0) == (2 * BS, True)
+    assert sched.get_stats()["num_refused_unreachable"] == 1
 
 
 def test_options_reject_unknown_and_bad_values():

@@ -31,9 +31,9 @@ def want() -> tuple[list[dict], list[list[int]]]:
 
 def run_pd(prefill_tp: int, decode_tp: int, prompts, env: dict | None = None):
     """Prefill on a TP `prefill_tp` node, decode on a TP `decode_tp` engine; returns (outputs, decode worker stats)."""
-    # a decode rank holding only some of a prefill rank's heads checks them against per-head digests
-    extra = {"digest_kv_heads": decode_tp > prefill_tp}
-    kwargs = engine_kwargs(f"prefill-tp{prefill_tp}", "kv_producer", tensor_parallel_size=prefill_tp, kv={"extra": extra})
+    # a decode rank holding only some of a prefill rank's heads checks them against per-head digests,
+    # which the prefill gives by default (NixlConnector option digest_kv_heads)
+    kwargs = engine_kwargs(f"prefill-tp{prefill_tp}", "kv_producer", tensor_parallel_size=prefill_tp)
     with prefill_node(**kwargs) as node:
         params = node.prefill(prompts)
         with LLM(**engine_kwargs(f"decode-tp{decode_tp}", "kv_consumer", tensor_parallel_size=decode_tp)) as dec:

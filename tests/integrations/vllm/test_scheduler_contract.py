@@ -1,7 +1,8 @@
 """KVBridgeConnector's identity rules and connector contract inside vLLM's real `Scheduler` (0.32, CPU).
 
-* identity: a block's hash covers what vLLM's prefix-cache keys cover (cache salt, LoRA), computed
-  with vLLM's own extra-key function on real vLLM `Request`s; a request whose extra keys cannot be
+* identity: a block's hash covers what vLLM's prefix-cache keys cover (cache salt, LoRA, images), computed
+  with vLLM's own extra-key function on real vLLM `Request`s, and the LoRA adapter's content; images
+  keep their identity in a chain at another engine's block size; a request whose extra keys cannot be
   had is computed locally (no load, no store, no lease);
 * `get_num_new_matched_tokens` has no side effects: asked again and again, it answers the same and
   counts nothing twice (vLLM asks each step a request waits);
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -25,12 +27,13 @@ from sched_harness import BLOCK_SIZE, SchedulerHarness  # noqa: E402
 from sched_harness import OffloadWorkerModel  # noqa: E402
 from test_scheduler_side import Driver, consumer, leftovers, mint_params, model_id_of, offload, prompt_of  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvbridge.block_hash import hash_full_blocks  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
-from kvbridge.integrations.vllm.identity import vllm_extra_keys_fn  # noqa: E402
+from kvbridge.integrations.vllm.identity import UnidentifiableRequest, vllm_extra_keys_fn  # noqa: E402
 from kvbridge.integrations.vllm.requests import RequestViews  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -63,7 +66,15 @@ def test_the_host_tier_serves_a_salted_prompt_to_its_own_salt_only(tiny_checkpoi
     assert load.req_id == "a1"
 
 
-def test_unsalted_hashes_are_kvbridges_own_and_extra_keys_change_every_block(tiny_checkpoint):
+def _adapter(directory, weights: bytes) -> str:
+    """A LoRA adapter directory holding `weights` (rewritten in place when it exists)."""
+    directory.mkdir(exist_ok=True)
+    (directory / "adapter_config.json").write_text('{"r": 8}')
+    (directory / "adapter_model.safetensors").write_bytes(weights)
+    return str(directory)
+
+
+def test_unsalted_hashes_are_kvbridges_own_and_extra_keys_change_every_block(tiny_checkpoint, tmp_path):
     namespace = model_id_of(tiny_checkpoint)
     views = RequestViews(BLOCK_SIZE, namespace, vllm_extra_keys_fn())
     prompt = prompt_of(21, 48)
@@ -76,8 +87,8 @@ def test_unsalted_hashes_are_kvbridges_own_and_extra_keys_change_every_block(tin
     plain = hashes("plain")
     assert plain == hash_full_blocks(prompt, BLOCK_SIZE, namespace=namespace)  # what kvbridge's engine computes
     salt_a, salt_a_again, salt_b = hashes("a", cache_salt="a"), hashes("a2", cache_salt="a"), hashes("b", cache_salt="b")
-    lora_1 = hashes("l1", lora_request=LoRARequest("adapter-1", 1, "/adapters/1"))
-    lora_2 = hashes("l2", lora_request=LoRARequest("adapter-2", 2, "/adapters/2"))
+    lora_1 = hashes("l1", lora_request=LoRARequest("adapter-1", 1, _adapter(tmp_path / "1", b"one")))
+    lora_2 = hashes("l2", lora_request=LoRARequest("adapter-2", 2, _adapter(tmp_path / "2", b"two")))
     assert salt_a == salt_a_again
     for other in (salt_a, salt_b, lora_1, lora_2):
         assert len(other) == len(plain) == 3
@@ -85,6 +96,61 @@ def test_unsalted_hashes_are_kvbridges_own_and_extra_keys_change_every_block(tin
     for i, x in enumerate(variants):  # no block of one variant is any block of another
         for y in variants[i + 1 :]:
             assert not set(x) & set(y)
+
+
+def test_lora_identity_is_the_adapters_content(tiny_checkpoint, tmp_path):
+    """Two adapters under one name and path (rewritten in place, or another host's copy of other weights)
+    never share KV; the same weights do, whatever the files' times; an adapter that is not a local path
+    (a hub id resolved elsewhere) is not identifiable."""
+    views = RequestViews(BLOCK_SIZE, model_id_of(tiny_checkpoint), vllm_extra_keys_fn())
+    prompt, path = prompt_of(26, 48), tmp_path / "adapter"
+
+    def hashes(req_id: str, path: str) -> list[bytes]:
+        request = Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+                          pooling_params=None, arrival_time=0.0, lora_request=LoRARequest("tenant", 1, path))  # fmt: skip
+        return views.of(request).block_hashes
+
+    first = hashes("a", _adapter(path, b"weights-a" * 1000))
+    rewritten = hashes("b", _adapter(path, b"weights-b" * 1000))  # same name, same path, same size
+    assert not set(first) & set(rewritten), "two adapters under one name and path share KV"
+    os.utime(path / "adapter_model.safetensors", ns=(1, 1))
+    assert hashes("c", str(path)) == rewritten  # a copy with other times holds the same weights: same KV
+    os.utime(path / "adapter_config.json", ns=(1, 1))
+    (path / "adapter_model.safetensors").write_bytes(b"weights-a" * 1000)  # back to the first weights, old times
+    os.utime(path / "adapter_model.safetensors", ns=(1, 1))
+    assert hashes("d", str(path)) == first
+    with pytest.raises(UnidentifiableRequest):
+        hashes("hub", "some-org/some-adapter")
+
+
+def test_the_host_tier_never_serves_kv_of_another_adapter_under_the_same_name(tiny_checkpoint, tmp_path):
+    o = offload(tiny_checkpoint)
+    prompt, path = prompt_of(27, 40), tmp_path / "adapter"
+    _stored_then_reset(o, "a0", prompt, lora_request=LoRARequest("tenant", 1, _adapter(path, b"weights-a" * 100)))
+    _adapter(path, b"weights-b" * 100)  # the adapter is replaced in place; the name and path stay
+
+    o.add_request("b0", prompt, lora_request=LoRARequest("tenant", 1, str(path)))
+    step = o.step()
+    assert o.matches["b0"] == [(0, False)], "the host tier served KV computed with another adapter"
+    assert not step.metadata.loads
+
+
+def test_multimodal_identity_holds_across_block_sizes():
+    """The prefill's block size (a restarted chain) sees a request's images as a chain of its own does:
+    the decode's own blocks, hashed first, do not move its multimodal cursor."""
+    prompt = list(range(100, 164))
+
+    def request(image: str) -> Request:
+        feature = MultiModalFeatureSpec(data=None, modality="image", identifier=image, mm_position=PlaceholderRange(4, 8))
+        return Request(request_id=image, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+                       pooling_params=None, arrival_time=0.0, mm_features=[feature])  # fmt: skip
+
+    decode, prefill = RequestViews(8, "ns", vllm_extra_keys_fn()), RequestViews(16, "ns", vllm_extra_keys_fn())
+    seen = decode.of(request("cat"))
+    assert len(seen.block_hashes) == 8  # the decode's own chain walks past the image first
+    assert seen.prompt_block_hashes(16) == prefill.of(request("cat")).block_hashes
+    assert not set(seen.prompt_block_hashes(16)) & set(prefill.of(request("dog")).block_hashes)
+    assert seen.block_hashes == RequestViews(8, "ns", vllm_extra_keys_fn()).of(request("cat")).block_hashes
 
 
 def test_a_request_without_computable_extra_keys_is_computed_locally(tiny_checkpoint):
