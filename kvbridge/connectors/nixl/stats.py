@@ -51,6 +51,8 @@ class TransferStats:
         self._digest_s: deque[float] = deque(maxlen=_WINDOW)  # per verified read
         self.bytes_transferred = 0
         self.num_descriptors = 0
+        self.last_read_descriptors = 0  # descriptors of the last completed read: its runs of blocks x layers
+        self.max_read_descriptors = 0
         self._recent: deque[tuple[float, float, int]] = deque(maxlen=_WINDOW)  # (start, end, nbytes)
         self.last_error: str | None = None
         self._confirm_s: deque[float] = deque(maxlen=_WINDOW)  # landed -> confirmed, per read
@@ -61,6 +63,8 @@ class TransferStats:
         self.num_transfers += 1
         self.bytes_transferred += nbytes
         self.num_descriptors += num_descriptors
+        self.last_read_descriptors = num_descriptors
+        self.max_read_descriptors = max(self.max_read_descriptors, num_descriptors)
         self._recent.append((start, end, nbytes))
 
     def record_confirmed(self, posted: float, landed: float, confirmed: float) -> None:
@@ -102,6 +106,8 @@ class TransferStats:
             "digest_ms_p99": digest_p99,
             "bytes_transferred": self.bytes_transferred,
             "num_descriptors": self.num_descriptors,
+            "last_read_descriptors": self.last_read_descriptors,
+            "max_read_descriptors": self.max_read_descriptors,
             "last_error": self.last_error or "",
             "latency_ms_p50": p50,
             "latency_ms_p90": p90,

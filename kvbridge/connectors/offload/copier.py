@@ -42,6 +42,8 @@ import torch
 from kvbridge.block_runs import Run, paired_runs
 from kvbridge.connectors.offload.copy_base import BlockCopier, CopyHandle, DigestFn
 from kvbridge.connectors.offload.cuda_copier import CudaCopier
+from kvbridge.errors import ConfigError
+from kvbridge.layer_tensors import LayerTensors
 
 _DIGEST_PIECE_BYTES = 1 << 20  # CPU: copy this much, then hash it while it is in the copy thread's cache
 
@@ -209,4 +211,9 @@ def make_copier(
     `digest`: digest the KV-cache side of every copy (None: do not)."""
     if kv_cache.is_cuda:
         return CudaCopier(kv_cache, host_pool, staging_blocks, digest)
+    if isinstance(kv_cache, LayerTensors):
+        raise ConfigError(
+            "OffloadingConnector copies host KV held one tensor per layer on no path yet; give it one buffer "
+            "(a view [num_blocks, num_layers, *page_shape]) on the CPU"
+        )
     return ThreadCopier(kv_cache, host_pool, copy_threads, digest)
