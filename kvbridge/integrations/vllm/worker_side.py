@@ -2,11 +2,12 @@
 
 Lives next to vLLM's KV cache, on vLLM's worker thread. The kvbridge connector is built when vLLM
 registers its KV cache, since only then is the layout known: `register_kv_caches` (per-layer
-tensors; on CPU laid out by vLLM 0.32's `KVCacheTensor`, `kv_layout.py`) or
-`register_cross_layers_kv_cache` (vLLM 0.25's one tensor for every layer on CUDA, read through the
-attention backend, `backend_layout.py`). Either way the connector gets one strided view over vLLM's
-own KV buffer: nothing is copied, NIXL registers vLLM's memory. The other calls map one to one;
-layer names become layer indices.
+tensors; on CPU laid out by vLLM 0.32's `KVCacheTensor`, `kv_layout.py`; on CUDA read from the
+tensors' shapes and strides, `backend_layout.py`) or `register_cross_layers_kv_cache` (vLLM 0.25's
+one tensor for every layer, V1 model runner). Layers in one buffer give the connector one strided
+view over it; layers allocated one by one (vLLM 0.25's V2 model runner, its default) a
+`LayerTensors`, one NIXL region per layer. Nothing is copied: NIXL registers vLLM's memory. The
+other calls map one to one; layer names become layer indices.
 
 Under tensor parallelism each vLLM worker process holds one of these over its own KV heads, as a
 kvbridge rank (`tp_ranks.py`): rank 0's incarnation names the whole engine, rank 0 learns the
@@ -89,7 +90,7 @@ class WorkerSide:
     @run_unpinned
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's per-layer KV tensors: one buffer of pages on CPU (vLLM 0.32's KVCacheTensor strides) or,
-        on CUDA, whatever the attention backend and the allocation say (`backend_layout.py`)."""
+        on CUDA, what their shapes and strides say (`backend_layout.py`): one buffer, or one allocation each."""
         if self._device.startswith("cpu"):
             layout, names = layout_of(self._kv_cache_config, cpu_page_format(self._vllm_config, self._kv_cache_config))
             self._start(layout, names, strided_view(kv_caches, names, layout), "CPU_ATTN")
