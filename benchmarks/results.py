@@ -37,6 +37,7 @@ NESTED_HEADLINES = {
         "arms.*.by_prompt_len.*.handoff_s.p50",
         "arms.*.by_prompt_len.*.prefill_leg_s.p50", "arms.*.by_prompt_len.*.transfer.ms.p50",
         "arms.*.by_prompt_len.*.transfer.gb_per_s", "arms.*.by_prompt_len.*.transfer.vs_raw_copy",
+        "arms.*.by_prompt_len.*.transfer.device_read_vs_raw_copy", "arms.*.by_prompt_len.*.transfer.prefill_grant_ms.p50",
         "arms.*.by_prompt_len.*.ttft_vs_colocated", "arms.*.by_prompt_len.*.tokens_equal_colocated",
         "colocated.by_prompt_len.*.ttft_s.p50", "raw_device_copy_gbps.*", "step_overhead.*.mean_itl_ms",
         "step_overhead.colocated_itl.mean_itl_ms.p50", "tokens_equal_between_arms.*", "targets.*.by_prompt_len.*.*.met",

@@ -55,7 +55,10 @@ the transfer time of each timed request, post to completion, from the decode's /
 before and after it (`transfer.method` says how: vLLM's `vllm:nixl_xfer_time_seconds_sum`; kvbridge's
 busy time, `kvbridge_worker_bytes_transferred / kvbridge_worker_throughput_gbps`, the wall time with
 a read in flight, exact while it has made at most 4,096 reads; its `latency_ms_*` gauges cover all
-past reads, warm-ups included, and are kept as `latency_gauges_ms`; vLLM's push arm reports no
+past reads, warm-ups included, and are kept as `latency_gauges_ms`; on CUDA, its same-host reads are
+also timed on the device, CUDA events around the copies alone (`device_read_ms_p50`,
+`device_read_gbps`, `device_read_vs_raw_copy`), and the prefill's cost of granting each lease as its
+request finishes (digest, then sign) is `prefill_grant_ms`; vLLM's push arm reports no
 transfer time); whether the P/D tokens equal the colocated server's (`tokens_equal_colocated`) and,
 at the top level, whether each pair of arms produced the same tokens (`tokens_equal_between_arms`:
 two connectors that agree with each other but not with colocated point at numerics, not at KV); the ratio of the P/D TTFT to the colocated one (and kvbridge's to vLLM's when
@@ -374,6 +377,14 @@ class TransferMetrics:
         return result, transfer_seconds(self.is_vllm, after) - transfer_seconds(self.is_vllm, before)
 
 
+def prefill_gauges(url: str) -> dict[str, float]:
+    """A kvbridge prefill server's gauges, fresh: the adapter snapshots its stats at most once a second,
+    in a step, so wait a second and make it step once (a one-token request of its own, no lease)."""
+    time.sleep(1.05)
+    complete(url, {"prompt": [0, 3], "max_tokens": 1, "temperature": 0})
+    return scrape_metrics(url, ("kvbridge_",))
+
+
 def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[list[int]], expected: list) -> dict:
     """Warm-up prompts, then the timed ones, through the two-leg protocol; `expected`: colocated tokens."""
     warm, timed = batch[: args.warmup], batch[args.warmup :]
@@ -410,6 +421,13 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         # reads verified against the prefill's signed grant (no round trip) and grants refused (confirmed instead)
         for name in ("num_granted_reads", "num_unusable_grants", "num_digest_mismatches"):
             transfer[name] = end.get(f"kvbridge_worker_{name}", 0) - start.get(f"kvbridge_worker_{name}", 0)
+        # CUDA IPC reads timed on the device (CUDA events around the copies alone), over every read so
+        # far: the copy's own speed, apart from what posting and noticing the landing add to `ms`
+        transfer["device_read_ms_p50"] = end.get("kvbridge_worker_device_read_ms_p50")
+        transfer["device_read_gbps"] = end.get("kvbridge_worker_device_read_gbps")
+        # the prefill's cost of granting as the request finishes (digest of the leased blocks, then sign)
+        grant = prefill_gauges(prefill.url)
+        transfer["prefill_grant_ms"] = {p: grant.get(f"kvbridge_worker_grant_ms_{p}") for p in ("p50", "p99")}
     return {
         "ttft_s": percentiles([r.ttft_s for r in results]),
         "decode_ttft_s": percentiles([r.decode.ttft_s for r in results]),
@@ -504,6 +522,7 @@ def parse_args() -> argparse.Namespace:
                         help="seconds a leg may take before its arm is recorded as failed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: a temporary directory)")
+    parser.add_argument("--partial", default=None, help="after each arm, write the colocated run and the arms so far here")
     args = parser.parse_args()
     args.arms = args.arms.split(",")
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
@@ -537,7 +556,12 @@ def run(args: argparse.Namespace) -> dict:
         kv_bytes = {n: n * kv_bytes_per_token(model, dtype_nbytes) for n in lens}  # K and V of a whole prompt
         prompts = make_prompts(lens, args.warmup + args.reps, vocab_size, args.seed)
         colocated = run_colocated(args, model, prompts, log_dir)
-        arms = {arm: run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir) for arm in args.arms}
+        arms: dict = {}
+        for arm in args.arms:
+            arms[arm] = run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir)
+            if args.partial:  # what ran so far, should a later arm outlast the machine
+                with open(args.partial, "w") as f:
+                    json.dump({"colocated": colocated, "arms": arms}, f, default=str)
 
     copy = {n: raw_copy_gbps(kv_bytes[n]) for n in lens} if args.device == "cuda" else None
     ran = {name: arm for name, arm in arms.items() if "failed" not in arm}
@@ -547,6 +571,8 @@ def run(args: argparse.Namespace) -> dict:
             if copy is not None and row["transfer"]["gb_per_s"]:
                 row["transfer"]["raw_copy_gbps"] = max(copy[n].values())
                 row["transfer"]["vs_raw_copy"] = row["transfer"]["gb_per_s"] / max(copy[n].values())
+                if row["transfer"].get("device_read_gbps"):
+                    row["transfer"]["device_read_vs_raw_copy"] = row["transfer"]["device_read_gbps"] / max(copy[n].values())
     base = colocated["itl"]
     step_overhead = {"colocated_itl": base}
     for name, arm in ran.items():  # the decode server's ITL minus the colocated server's, same core, same run

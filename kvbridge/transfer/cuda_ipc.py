@@ -113,14 +113,20 @@ class IpcMapping:
 
 
 class IpcCopy:
-    """A transfer through a mapping, in flight until `event` completes."""
+    """A transfer through a mapping, in flight until `event` completes. `began` is recorded on the
+    copy stream once the work it waits for is done, so `device_seconds` is the copies' own time."""
 
-    def __init__(self, event: torch.cuda.Event, num_runs: int) -> None:
+    def __init__(self, began: torch.cuda.Event, event: torch.cuda.Event, num_runs: int) -> None:
+        self.began = began
         self.event = event
         self.num_runs = num_runs  # copies enqueued: byte ranges adjacent on both sides
 
     def is_done(self) -> bool:
         return self.event.query()
+
+    def device_seconds(self) -> float:
+        """The copies' time on the device, first copy's start to last copy's end (once done)."""
+        return self.began.elapsed_time(self.event) / 1e3
 
 
 def copy_plan(
@@ -170,15 +176,17 @@ class IpcCopier:
         stream, ready = self._copy_stream()
         ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
         stream.wait_event(ready)  # of blocks about to be overwritten, comes first
+        began = torch.cuda.Event(enable_timing=True)
+        began.record(stream)
         try:
             driver().copy(dsts, srcs, sizes, stream.cuda_stream, self.device.index)
         except TransferError:
             stream.synchronize()  # copies enqueued before the failure land before anyone reuses blocks
             raise
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
         self.num_copies += 1
-        return IpcCopy(done, len(sizes))
+        return IpcCopy(began, done, len(sizes))
 
     def synchronize(self) -> None:
         if self._stream is not None:

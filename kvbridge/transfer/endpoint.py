@@ -423,6 +423,8 @@ class KVEndpoint:
                     self.tracker.mark_failed(rec.req_id, f"the staged read from {rec.peer} could not be gathered: {gather_error}")
                 elif state is XferState.DONE:
                     self.tracker.mark_done(rec.req_id)
+                    if isinstance(handle, IpcCopy):
+                        rec.device_s = handle.device_seconds()
                     if isinstance(handle, NixlPost):
                         self._connected.add(rec.peer)
                 else:

@@ -60,6 +60,7 @@ class TransferRecord:
     num_descriptors: int = 0
     error: str | None = None
     finished_at: float | None = None
+    device_s: float | None = None  # a CUDA IPC read's copies timed on the device (None: not measured)
     handle: Any = None  # owner's in-flight handle(s); None once released
     payload: Any = None  # owner's data (block ids, the instance expected, ...)
     history: list[TransferState] = field(default_factory=list)

@@ -54,18 +54,30 @@ class TransferStats:
         self.last_read_descriptors = 0  # descriptors of the last completed read: its runs of blocks x layers
         self.max_read_descriptors = 0
         self._recent: deque[tuple[float, float, int]] = deque(maxlen=_WINDOW)  # (start, end, nbytes)
+        self._device: deque[tuple[float, int]] = deque(maxlen=_WINDOW)  # (seconds, nbytes) of device-timed reads
+        self._grant_s: deque[float] = deque(maxlen=_WINDOW)  # prefill: digest and sign, per grant at finish
         self.last_error: str | None = None
         self._confirm_s: deque[float] = deque(maxlen=_WINDOW)  # landed -> confirmed, per read
         self.last_read: ReadTimes | None = None
         self.last_digest_s: float | None = None
 
-    def record_done(self, start: float, end: float, nbytes: int, num_descriptors: int) -> None:
+    def record_done(
+        self, start: float, end: float, nbytes: int, num_descriptors: int, device_s: float | None = None
+    ) -> None:
+        """One read done: posted at `start`, seen landed at `end`; `device_s`, where the read was timed
+        on the device (a CUDA IPC copy), its copies' own time, waits before them excluded."""
         self.num_transfers += 1
         self.bytes_transferred += nbytes
         self.num_descriptors += num_descriptors
         self.last_read_descriptors = num_descriptors
         self.max_read_descriptors = max(self.max_read_descriptors, num_descriptors)
         self._recent.append((start, end, nbytes))
+        if device_s is not None:
+            self._device.append((device_s, nbytes))
+
+    def record_grant(self, seconds: float) -> None:
+        """Prefill: one lease digested and signed as its request finished (local_grants.py)."""
+        self._grant_s.append(seconds)
 
     def record_confirmed(self, posted: float, landed: float, confirmed: float) -> None:
         self._confirm_s.append(confirmed - landed)
@@ -92,6 +104,10 @@ class TransferStats:
         p50, p90, p99 = percentiles_ms(lat, (50, 90, 99))
         confirm_p50, confirm_p99 = percentiles_ms(self._confirm_s, (50, 99))
         digest_p50, digest_p99 = percentiles_ms(self._digest_s, (50, 99))
+        grant_p50, grant_p99 = percentiles_ms(self._grant_s, (50, 99))
+        device = np.asarray(self._device, dtype=np.float64).reshape(-1, 2)
+        (device_p50,) = percentiles_ms(device[:, 0], (50,))
+        device_s = float(device[:, 0].sum())
         return {
             "num_transfers": self.num_transfers,
             "num_failures": self.num_failures,
@@ -104,6 +120,11 @@ class TransferStats:
             "num_digested_bytes": self.num_digested_bytes,
             "digest_ms_p50": digest_p50,
             "digest_ms_p99": digest_p99,
+            "grant_ms_p50": grant_p50,
+            "grant_ms_p99": grant_p99,
+            # CUDA IPC reads timed on the device: the copies alone, none of the waits around them
+            "device_read_ms_p50": device_p50,
+            "device_read_gbps": float(device[:, 1].sum()) / device_s / 1e9 if device_s > 0 else 0.0,
             "bytes_transferred": self.bytes_transferred,
             "num_descriptors": self.num_descriptors,
             "last_read_descriptors": self.last_read_descriptors,

@@ -153,11 +153,14 @@ class NixlWorker:
         lease is then granted in the next step, as without a granter)."""
         if self._endpoint is None:
             return None
+        began = time.perf_counter()
         digest = self._digest(lease)  # on the endpoint's digest stream: no wait for a forward in flight
         if digest is None:
             return None
         self._leases.grant(lease, self._clock(), digest)
-        return self._endpoint.grants.sign(lease, self.context.incarnation, digest, lease_s)
+        grant = self._endpoint.grants.sign(lease, self.context.incarnation, digest, lease_s)
+        self.stats.record_grant(time.perf_counter() - began)
+        return grant
 
     # ------------------------------------------------------------------ per step
 
@@ -266,7 +269,7 @@ class NixlWorker:
         for rec in self._endpoint.poll():
             job = self._recvs[rec.req_id]
             if rec.is_ok:
-                self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors)
+                self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors, rec.device_s)
                 if self._flip_landed_bit:  # fault injection (tests): a bit flipped in flight
                     self._endpoint.flip_bit(job.local_block_ids[0])
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)

@@ -363,6 +363,20 @@ def test_throughput_counts_wall_time_with_transfers_in_flight():
     assert d["bytes_transferred"] == 8 * 10**9
     assert d["throughput_gbps"] == pytest.approx(8 / 1.07)
     assert d["latency_ms_p50"] == pytest.approx(1000.0)
+    assert d["device_read_gbps"] == 0.0  # none timed on a device
+
+
+def test_device_timed_reads_and_grants_are_reported_apart_from_wall_time():
+    stats = TransferStats()
+    stats.record_done(0.0, 0.010, 10**9, 4, device_s=0.002)  # 10 ms posted-to-seen, 2 ms of copying
+    stats.record_done(1.0, 1.010, 10**9, 4, device_s=0.004)
+    stats.record_done(2.0, 2.010, 10**9, 4)  # a NIXL read: no device time
+    stats.record_grant(0.0005)
+    d = stats.as_dict()
+    assert d["device_read_ms_p50"] == pytest.approx(3.0)
+    assert d["device_read_gbps"] == pytest.approx(2 / 0.006)
+    assert d["latency_ms_p50"] == pytest.approx(10.0)
+    assert d["grant_ms_p50"] == pytest.approx(0.5)
 
 
 def test_only_a_step_granting_leases_asks_tensor_parallel_ranks_for_a_report():

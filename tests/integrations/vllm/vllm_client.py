@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -58,8 +59,11 @@ class PDCompletion(NamedTuple):
         return self.prefill.total_s + self.decode.ttft_s
 
 
-def complete(base_url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S) -> Completion:
+def complete(
+    base_url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S, request_id: str | None = None
+) -> Completion:
     """POST /v1/completions with `body` (one prompt: text or token ids); `stream: true` streams it.
+    `request_id`: sent as X-Request-Id, from which vLLM derives its own request id.
 
     `return_token_ids` is always set, so the completion's token ids come back whatever the tokenizer.
     A streamed completion's `ttft_s` is the arrival of the first chunk that carries a token. An HTTP
@@ -70,7 +74,8 @@ def complete(base_url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     try:
         start = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"} | ({"X-Request-Id": request_id} if request_id else {})
+        conn.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
         resp = conn.getresponse()
         if resp.status != 200:
             detail = resp.read().decode(errors="replace")
@@ -130,16 +135,22 @@ def pd_complete(
        saying where that KV is.
     2. The decode server gets the original `body` with those kv_transfer_params, reads the KV from
        the prefill server and generates. Its completion (streamed if `body` says so) is the result.
+
+    Both legs carry one X-Request-Id, as the proxy sends it: vLLM's NixlPushConnector pairs the
+    decode's registration with the prefill's finished blocks by that id, and waits forever without it.
     """
     prefill_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_LEG_PARAMS)}
     prefill_body.pop("stream_options", None)
-    prefill = complete(prefill_url, prefill_body, timeout_s=timeout_s)
+    request_id = f"pd-{uuid.uuid4().hex}"
+    prefill = complete(prefill_url, prefill_body, timeout_s=timeout_s, request_id=request_id)
     if not prefill.kv_transfer_params:
         raise VLLMRequestError(
             f"the prefill server {prefill_url} returned no kv_transfer_params; start it with a KV connector "
             "in role kv_producer or kv_both"
         )
-    decode = complete(decode_url, {**body, "kv_transfer_params": prefill.kv_transfer_params}, timeout_s=timeout_s)
+    decode = complete(
+        decode_url, {**body, "kv_transfer_params": prefill.kv_transfer_params}, timeout_s=timeout_s, request_id=request_id
+    )
     return PDCompletion(decode, prefill, prefill.kv_transfer_params)
 
 
