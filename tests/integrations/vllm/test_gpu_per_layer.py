@@ -2,7 +2,7 @@
 each layer's KV cache alone. No VLLM_USE_V2_MODEL_RUNNER in any server's environment.
 
 Per attention backend (FLASH_ATTN, TRITON_ATTN, FLASHINFER), servers of one tiny bf16 checkpoint, all
-booted at once on one GPU:
+nine started at once on one GPU (each backend's test waits for its own three):
 * `prefill-B` / `decode-B` (kvbridge's NixlConnector, kv_producer / kv_consumer): P/D through the two-leg
   protocol of vLLM's toy proxy. The colocated reference is the prefill server answering the whole
   request itself (the connector idle for it: no kv_transfer_params), so both run the same kernels;
@@ -29,6 +29,7 @@ from adapter_e2e import BYTES, FAILURES, TRANSFERS, delta, greedy, kvbridge_metr
 from adapter_e2e import random_prompt, wait_for_metrics
 from vllm_checkpoint import kv_bytes_per_token
 from vllm_client import complete, pd_complete
+from vllm_server import wait_ready
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,37 +51,41 @@ def _args(backend: str, num_blocks: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(vllm_servers, tiny_checkpoint):
-    def start(name: str, backend: str, config: dict, num_blocks: int, env: dict | None = None):
+    """Every backend's three servers, started at once and not waited for: each backend's test waits for
+    its own, so FLASH_ATTN's and TRITON_ATTN's results come while FlashInfer may still be compiling."""
+
+    def start(name: str, backend: str, config: dict, num_blocks: int):
         return vllm_servers.start(name, tiny_checkpoint, max_model_len=MAX_MODEL_LEN, kv_transfer_config=config,
-                                  extra_args=_args(backend, num_blocks), env=env or {})  # fmt: skip
+                                  extra_args=_args(backend, num_blocks))  # fmt: skip
 
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ, "this test runs vLLM's default model runner: unset it"
-    start_s = time.monotonic()
-    running = {}
+    running = {"started_at": time.monotonic()}
     for backend in BACKENDS:
-        running[f"prefill-{backend}"] = start(
-            f"prefill-{backend}", backend, kvbridge_transfer_config("kv_producer", "NixlConnector", lease_s=60), 512)
-        running[f"decode-{backend}"] = start(
-            f"decode-{backend}", backend, kvbridge_transfer_config("kv_consumer", "NixlConnector"), 512)
-        running[f"offload-{backend}"] = start(
-            f"offload-{backend}", backend, kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=512),
-            OFFLOAD_BLOCKS)  # fmt: skip
-    vllm_servers.wait(timeout_s=600)  # FlashInfer compiles its kernels on a machine's first use
-    print(f"\n{len(running)} GPU servers ready after {time.monotonic() - start_s:.0f} s (default model runner)")
+        running[backend] = {
+            "prefill": start(f"prefill-{backend}", backend,
+                             kvbridge_transfer_config("kv_producer", "NixlConnector", lease_s=60), 512),
+            "decode": start(f"decode-{backend}", backend, kvbridge_transfer_config("kv_consumer", "NixlConnector"), 512),
+            "offload": start(f"offload-{backend}", backend,
+                             kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=512), OFFLOAD_BLOCKS),
+        }  # fmt: skip
     return running
 
 
-def test_every_server_reads_one_allocation_per_layer(servers):
-    for name, server in servers.items():
+@pytest.mark.parametrize("backend", BACKENDS)  # in this order: FlashInfer compiles its kernels on first use
+def test_default_runner_per_layer_pd_and_offload(servers, tiny_checkpoint, backend):
+    group = servers[backend]
+    wait_ready(list(group.values()), timeout_s=540)
+    print(f"\n{backend}: servers ready {time.monotonic() - servers['started_at']:.0f} s after the first started")
+    for name, server in group.items():  # the layout each read from vLLM's tensors
         log = server.log_tail(400000)
-        assert "one allocation per layer; page 2NHD" in log, (name, log[-3000:])
+        assert f"{backend}, one allocation per layer; page 2NHD" in log, (name, log[-3000:])
         assert "one region per layer" in log, (name, log[-3000:])
+    for num_tokens in (300, 1000):
+        _check_pd(group["prefill"], group["decode"], tiny_checkpoint, backend, num_tokens)
+    _check_offload(group["offload"], backend)
 
 
-@pytest.mark.parametrize("num_tokens", [300, 1000])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_pd_tokens_equal_colocated_one_descriptor_per_run_per_layer(servers, tiny_checkpoint, backend, num_tokens):
-    prefill, decode = servers[f"prefill-{backend}"], servers[f"decode-{backend}"]
+def _check_pd(prefill, decode, tiny_checkpoint, backend: str, num_tokens: int) -> None:
     prompt = random_prompt(seed=num_tokens, num_tokens=num_tokens)
     reference = complete(prefill.url, greedy(prompt, MAX_TOKENS))  # colocated: the prefill server alone
     before = kvbridge_metrics(decode.url)
@@ -88,7 +93,7 @@ def test_pd_tokens_equal_colocated_one_descriptor_per_run_per_layer(servers, tin
     out = pd_complete(prefill.url, decode.url, greedy(prompt, MAX_TOKENS))
     after = wait_for_metrics(decode.url, lambda m: delta(m, before, TRANSFERS) >= 1)
 
-    assert out.decode.token_ids == reference.token_ids
+    assert out.decode.token_ids == reference.token_ids, (backend, num_tokens)
     assert delta(after, before, TRANSFERS) == 1 and delta(after, before, FAILURES) == 0, after
     full_blocks = (num_tokens - 1) // BLOCK_SIZE  # vLLM keeps the last prompt token for the decode to compute
     block_nbytes = BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint, dtype_nbytes=2)
@@ -101,9 +106,8 @@ def test_pd_tokens_equal_colocated_one_descriptor_per_run_per_layer(servers, tin
           f"colocated {reference.total_s * 1e3:.1f} ms")  # fmt: skip
 
 
-@pytest.mark.parametrize("name", [f"offload-{b}" for b in BACKENDS])
-def test_offload_host_tier_serves_evicted_prompt(servers, name):
-    url = servers[name].url
+def _check_offload(server, backend: str) -> None:
+    url = server.url
     prompt = random_prompt(seed=77, num_tokens=40 * BLOCK_SIZE + 5)
     first = complete(url, greedy(prompt, MAX_TOKENS))
     for i in range(4):  # 240 blocks of other prompts through a 160-block KV cache: the prompt's blocks are evicted
@@ -112,6 +116,6 @@ def test_offload_host_tier_serves_evicted_prompt(servers, name):
     second = complete(url, greedy(prompt, MAX_TOKENS))
     loaded = "kvbridge_worker_blocks_loaded"
     after = wait_for_metrics(url, lambda m: delta(m, before, loaded) > 0)
-    assert second.token_ids == first.token_ids
+    assert second.token_ids == first.token_ids, backend
     assert delta(after, before, loaded) == 40, after
-    print(f"offload {name}: recompute {first.total_s * 1e3:.1f} ms, host-tier hit {second.total_s * 1e3:.1f} ms")
+    print(f"offload {backend}: recompute {first.total_s * 1e3:.1f} ms, host-tier hit {second.total_s * 1e3:.1f} ms")
