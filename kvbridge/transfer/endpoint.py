@@ -42,6 +42,12 @@ the address is another one, the peer is handshaked again, and the transfer fails
 still answers with another instance (it restarted since the caller learnt of it, or the caller was
 given stale or forged params).
 
+The KV cache may also be a `LayerTensors` (an engine that allocates each layer alone): every layer's
+pages are then registered as a region of their own in one NIXL registration, the handshake answer
+carries each layer's address (`KVRegion.layer_addrs`), and descriptors map the layout's offsets
+into them (one per run of blocks per layer). Such an endpoint reads through NIXL only (no CUDA IPC
+mapping of one allocation) and refuses translated reads, naming both layouts.
+
 A transfer goes through NIXL in a `DescriptorMode` (options.py, nixl_post.py), or, with a
 same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
 peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
