@@ -51,6 +51,9 @@ PAGE_FORMATS: dict[str, Callable[[int, int, int], tuple[int, int, int, int]]] = 
     # H2ND with each head's K transposed, [head_dim, block_size] (token innermost); V stays [block_size,
     # head_dim]: vLLM's CPU backend under its VEC kernels ("reshape K as column-major and V as row-major")
     "H2ND-KT": lambda block_size, heads, head_dim: (heads, 2, block_size, head_dim),
+    # K and V of one (token, head) side by side: vLLM 0.32's CUDA pages, whose cell is K|V of one head
+    "NH2D": lambda block_size, heads, head_dim: (block_size, heads, 2, head_dim),  # its LBNHC layout
+    "HN2D": lambda block_size, heads, head_dim: (heads, block_size, 2, head_dim),  # its LBHNC layout
 }
 K_TRANSPOSED_FORMATS = frozenset({"H2ND-KT"})
 # vLLM's CPU backend under its other kernels (AMX, NEON, VEC16, ...) packs a page's interior in tiles
@@ -223,6 +226,22 @@ class KVCacheLayout:
         return blocks[:, None] + np.arange(self.num_layers, dtype=np.int64) * self.layer_stride_bytes
 
     # ------------------------------------------------------------------ related layouts
+
+    @classmethod
+    def per_layer(cls, block_stride: int, **geometry) -> KVCacheLayout:
+        """The layout of KV held one layer per allocation (vLLM 0.25's V2 model runner): each layer's
+        pages at `block_stride` from each other in a region of its own.
+
+        Offsets stay this module's arithmetic: layer l's region is given the virtual offset
+        `l * layer_stride`, with one unused block between layers, so that no run of pages (a
+        descriptor) ever spans two layers; `transfer.descriptors.region_addresses` maps an offset to
+        the address in its layer's region."""
+        return cls(**geometry, layer_stride=(geometry["num_blocks"] + 1) * block_stride, block_stride=block_stride)
+
+    @property
+    def layer_region_nbytes(self) -> int:
+        """Bytes of one layer's pages, from its first to the end of its last."""
+        return (self.num_blocks - 1) * self.block_stride_bytes + self.page_nbytes
 
     def with_num_blocks(self, num_blocks: int) -> KVCacheLayout:
         """This layout with another block count; the strides are kept. Block-major stays

@@ -38,7 +38,7 @@ def test_page_formats_name_the_page_interior():
     assert vllm_cuda_hnd.page_shape == (2, 2, 4, 8) and vllm_cuda_hnd.page_nbytes == PAGE
     with pytest.raises(ConfigError, match=r"page_format='NHD2'; expected one of \['2HND', '2NHD', 'H2ND', 'H2ND-KT', "):
         KVCacheLayout(5, **GEOMETRY, page_format="NHD2")
-    assert sorted(set(PAGE_FORMATS) - OPAQUE_FORMATS) == ["2HND", "2NHD", "H2ND", "H2ND-KT"]
+    assert sorted(set(PAGE_FORMATS) - OPAQUE_FORMATS) == ["2HND", "2NHD", "H2ND", "H2ND-KT", "HN2D", "NH2D"]
 
 
 def test_a_k_transposed_page_keeps_each_heads_k_token_innermost():

@@ -352,6 +352,10 @@ class KVConnectorBase(ABC):
         """The engine's KV cache tensor and its geometry: a view `[num_blocks, num_layers, *page_shape]`
         with `layout.strides` (block-major in kvbridge's engine; layer-major over vLLM's buffer, see
         `kvbridge/layout.py`). Byte arithmetic goes through the layout, never through the tensor's shape.
+        An engine that allocates each layer alone (vLLM 0.25's V2 model runner) hands a
+        `kvbridge.layer_tensors.LayerTensors` instead, with a `KVCacheLayout.per_layer` layout: it
+        gathers and scatters whole blocks (`index_select`, `index_copy_`) but is no tensor; a connector
+        that needs one view refuses it with a `ConfigError`.
 
         Called by the model runner once, after allocating the cache and before the first step.
         The connector may register the memory with a transport. It must drop every reference to

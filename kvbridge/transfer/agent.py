@@ -179,6 +179,16 @@ class NixlAgent:
             )
         return self.register_region(reg)
 
+    def register_tensors(self, tensors: list[torch.Tensor]) -> list[Registration]:
+        """Register several contiguous tensors of one device in one NIXL registration (an engine's KV
+        held one tensor per layer); deregister them together, through the first one's Registration."""
+        regs = [tensor_registration(t) for t in tensors]
+        if len({(r.device_id, r.mem_type) for r in regs}) != 1:
+            raise ValueError("tensors registered together must share one device")
+        descs = [(r.base_addr, r.nbytes, r.device_id, "") for r in regs]
+        self._registrations[regs[0].base_addr] = (regs[0], self._agent.register_memory(descs, regs[0].mem_type))
+        return regs
+
     def register_region(self, reg: Registration, meta: str = "") -> Registration:
         """Register raw memory (or a FILE region: base_addr = offset, device_id = fd, meta = path)."""
         dlist = self._agent.register_memory([(reg.base_addr, reg.nbytes, reg.device_id, meta)], reg.mem_type)

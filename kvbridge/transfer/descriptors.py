@@ -129,18 +129,38 @@ def num_merged_ranges(local_ids: np.ndarray, remote_ids: np.ndarray, local_layou
     return len(run_starts(local, unit_offsets(remote_layout, remote_ids, unit), _unit_nbytes(local_layout, unit)))
 
 
-def range_descs(offsets: np.ndarray, nbytes: np.ndarray, base_addr: int, device_id: int) -> np.ndarray:
-    """NIXL descriptors [N, 3] uint64 = (base_addr + offset, nbytes, device_id)."""
+def region_addresses(offsets, base_addr: int, layer_addrs=(), layer_stride: int = 0) -> np.ndarray:
+    """Addresses [N] uint64 of layout byte offsets in a registered region: `base_addr + offset`, or,
+    for KV held one layer per allocation (`KVCacheLayout.per_layer`, `KVRegion.layer_addrs`), the
+    address in the offset's layer region, `layer_addrs[offset // layer_stride] + offset % layer_stride`.
+    A range never spans two layers there: the layout keeps a gap between them."""
+    off = np.asarray(offsets, dtype=np.int64)
+    if not len(layer_addrs):
+        return off.astype(np.uint64) + np.uint64(base_addr)
+    bases = np.asarray(layer_addrs, dtype=np.uint64)
+    return bases[off // layer_stride] + (off % layer_stride).astype(np.uint64)
+
+
+def range_descs(offsets: np.ndarray, nbytes: np.ndarray, base_addr: int, device_id: int,
+                layer_addrs=(), layer_stride: int = 0) -> np.ndarray:  # fmt: skip
+    """NIXL descriptors [N, 3] uint64 = (address of offset, nbytes, device_id); see `region_addresses`."""
     out = np.empty((len(offsets), 3), dtype=np.uint64)
-    out[:, 0] = np.asarray(offsets, dtype=np.uint64) + np.uint64(base_addr)
+    out[:, 0] = region_addresses(offsets, base_addr, layer_addrs, layer_stride)
     out[:, 1] = nbytes
     out[:, 2] = device_id
     return out
 
 
-def block_descs(layout: KVCacheLayout, base_addr: int, device_id: int, unit: Unit = Unit.BLOCK) -> np.ndarray:
+def region_descs(offsets: np.ndarray, nbytes: np.ndarray, region) -> np.ndarray:
+    """`range_descs` in a `messages.KVRegion` (one region, or one per layer)."""
+    return range_descs(offsets, nbytes, region.base_addr, region.device_id, region.layer_addrs, region.layer_stride)
+
+
+def block_descs(layout: KVCacheLayout, base_addr: int, device_id: int, unit: Unit = Unit.BLOCK,
+                layer_addrs=()) -> np.ndarray:  # fmt: skip
     """One NIXL descriptor per unit of a whole region, for cached lists posted by `unit_indices`:
     BLOCK: [num_blocks, 3], entry b = block b; PAGE: [num_layers * num_blocks, 3], entry
-    l * num_blocks + b = page (l, b)."""
+    l * num_blocks + b = page (l, b). `layer_addrs`: one region per layer (`region_addresses`)."""
     offsets = unit_offsets(layout, np.arange(layout.num_blocks), unit)
-    return range_descs(offsets, np.full(len(offsets), _unit_nbytes(layout, unit)), base_addr, device_id)
+    nbytes = np.full(len(offsets), _unit_nbytes(layout, unit))
+    return range_descs(offsets, nbytes, base_addr, device_id, layer_addrs, layout.layer_stride_bytes)

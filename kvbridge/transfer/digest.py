@@ -34,6 +34,7 @@ import numpy as np
 import xxhash  # at import: a missing xxhash fails when a connector is configured, not on its first digest
 
 from kvbridge.block_runs import run_starts
+from kvbridge.layer_tensors import LayerTensors
 from kvbridge.transfer.messages import KVDigest
 
 if TYPE_CHECKING:
@@ -64,9 +65,13 @@ def algorithm_for(kv_cache: torch.Tensor) -> str:
     return WSUM if kv_cache.is_cuda else XXH3
 
 
-def region_bytes(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
-    """[region_nbytes] uint8: every byte from page (0, 0) to the end of the last page, as one tensor."""
+def region_bytes(kv_cache: torch.Tensor | LayerTensors, layout: KVCacheLayout) -> torch.Tensor | LayerTensors:
+    """[region_nbytes] uint8: every byte from page (0, 0) to the end of the last page, as one tensor.
+    KV held one tensor per layer has no such tensor: it is its own region (digests gather its blocks)."""
     import torch
+
+    if isinstance(kv_cache, LayerTensors):
+        return kv_cache
 
     elements = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,), kv_cache.storage_offset())
     return elements.view(torch.uint8)
@@ -106,11 +111,35 @@ def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, 
     """
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     pages = layout.page_offsets(ids)  # [n, num_layers] byte offsets; raises IndexError
+    if isinstance(region, LayerTensors):
+        return _gathered_digests(region, layout, ids, alg)
     if alg == XXH3:
         return DigestJob(alg, values=_xxh3(region, layout, pages))
     if alg == WSUM:
         return DigestJob(alg, sums=_wsum(region, layout, ids))
     raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
+
+
+def _gathered_digests(layers: LayerTensors, layout: KVCacheLayout, ids: np.ndarray, alg: str) -> DigestJob:
+    """Digests of blocks held one tensor per layer: gathered, a chunk of blocks at a time, into one
+    block-major buffer (every layer's page in layer order: the bytes a block's digest is defined on)."""
+    import torch
+
+    if alg not in ALGORITHMS:
+        raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
+    per_chunk = max(1, _WSUM_CHUNK_NBYTES // layout.block_nbytes)
+    index = torch.from_numpy(ids)
+    if layers.is_cuda:
+        index = index.pin_memory().to(layers.device, non_blocking=True)
+    jobs = []
+    for first in range(0, len(ids), per_chunk):
+        blocks = layers.index_select(0, index[first : first + per_chunk])  # [n, L, *page_shape] contiguous
+        flat = blocks.view(-1).view(torch.uint8)
+        jobs.append(start_block_digests(flat, layout.block_major(len(blocks)), np.arange(len(blocks)), alg))
+    if alg == XXH3:
+        return DigestJob(alg, values=[v for job in jobs for v in job.result().values])
+    sums = [job._sums for job in jobs]
+    return DigestJob(alg, sums=torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=layers.device))
 
 
 class BlockDigester:

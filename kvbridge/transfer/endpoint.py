@@ -42,6 +42,12 @@ the address is another one, the peer is handshaked again, and the transfer fails
 still answers with another instance (it restarted since the caller learnt of it, or the caller was
 given stale or forged params).
 
+The KV cache may also be a `LayerTensors` (an engine that allocates each layer alone): every layer's
+pages are then registered as a region of their own in one NIXL registration, the handshake answer
+carries each layer's address (`KVRegion.layer_addrs`), and descriptors map the layout's offsets
+into them (one per run of blocks per layer). Such an endpoint reads through NIXL only (no CUDA IPC
+mapping of one allocation) and refuses translated reads, naming both layouts.
+
 A transfer goes through NIXL in a `DescriptorMode` (options.py, nixl_post.py), or, with a
 same-host GPU peer and at least `ipc_min_runs` runs of blocks, through a CUDA IPC mapping of the
 peer's KV tensor (cuda_ipc.py). docs/transfer.md has the measurements.
@@ -66,6 +72,7 @@ import numpy as np
 
 from kvbridge import env
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.layer_tensors import LayerTensors
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.agent import NixlAgent, XferState
@@ -109,8 +116,13 @@ class _Read(NamedTuple):
     expect: tuple[str, str] | None  # (engine_id, incarnation) the peer must be; None: whoever answers
 
 
-def check_kv_view(kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
-    """ConfigError unless `kv_cache` is the (num_blocks, num_layers, *page_shape) view `layout` describes."""
+def check_kv_view(kv_cache: torch.Tensor | LayerTensors, layout: KVCacheLayout) -> None:
+    """ConfigError unless `kv_cache` is the (num_blocks, num_layers, *page_shape) view `layout` describes,
+    or the `LayerTensors` of that layout (checked when it was built)."""
+    if isinstance(kv_cache, LayerTensors):
+        if kv_cache.layout != layout:
+            raise ConfigError(f"the layer tensors were built for layout {kv_cache.layout}, not {layout}")
+        return
     shape, strides = tuple(kv_cache.shape), tuple(kv_cache.stride())
     # a dimension of size 1 is never stepped over: its stride does not matter
     placed = all(n == 1 or s == want for n, s, want in zip(layout.shape, strides, layout.strides))
@@ -133,7 +145,7 @@ class KVEndpoint:
         self,
         engine_id: str,
         model_id: str,
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, *page_shape], strided as `layout` says
+        kv_cache: torch.Tensor | LayerTensors,  # [num_blocks, num_layers, *page_shape], strided as `layout` says
         layout: KVCacheLayout,
         *,
         host: str = "127.0.0.1",
@@ -176,20 +188,16 @@ class KVEndpoint:
             self._digest_stream = torch.cuda.Stream(kv_cache.device)
         with ucx_on_interface_of(host):  # transfers stay on the interface peers reach us at
             self.agent = NixlAgent(engine_id, opts.backend, backend_params=opts.backend_params)
-        # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
-        # as one contiguous tensor (as_strided refuses a view that outruns the storage)
-        region = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,))
-        reg = self.agent.register_tensor(region)
-        self._region = m.KVRegion(
-            base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type
-        )
+        self._region = self._register(kv_cache, layout)
         self._nixl = NixlPoster(
             self.agent, layout, self._region, opts.descriptor_mode, opts.max_descriptor_nbytes, device=kv_cache.device
         )
-        use_ipc = opts.cuda_ipc and kv_cache.is_cuda
+        # CUDA IPC maps one allocation: KV held one tensor per layer goes through NIXL
+        self._is_per_layer = isinstance(kv_cache, LayerTensors)
+        use_ipc = opts.cuda_ipc and kv_cache.is_cuda and not self._is_per_layer
         self._me = LocalIdentity(
             engine_id, self.incarnation, self.compat_hash, engine_id, self.agent.metadata, self._region, layout,
-            cuda_ipc=cuda_ipc_export(region) if use_ipc else None, digest_alg=self.digest_alg,
+            cuda_ipc=cuda_ipc_export(self._region_bytes) if use_ipc else None, digest_alg=self.digest_alg,
             model_hash=layout.model_hash(model_id, self.shard.total_kv_heads),
             kv_head_start=kv_head_start, num_total_kv_heads=num_total_kv_heads or 0,
             grant_key=self.grants.key if serve else b"",
@@ -220,6 +228,22 @@ class KVEndpoint:
         )  # fmt: skip
         # Says in the log when this process was not scheduled for a while (a peer then sees silence).
         self.stall_watch = StallWatch(f"KV endpoint of engine {engine_id}").start()
+
+    def _register(self, kv_cache: torch.Tensor | LayerTensors, layout: KVCacheLayout) -> m.KVRegion:
+        """Register the KV pages with NIXL: one region spanning them all, or one per layer (registered at
+        once) for KV held one tensor per layer."""
+        if isinstance(kv_cache, LayerTensors):
+            regs = self.agent.register_tensors([kv_cache.layer_span(i) for i in range(layout.num_layers)])
+            first = regs[0]
+            return m.KVRegion(
+                base_addr=first.base_addr, nbytes=first.nbytes, device_id=first.device_id, mem_type=first.mem_type,
+                layer_addrs=tuple(r.base_addr for r in regs), layer_stride=layout.layer_stride_bytes,
+            )  # fmt: skip
+        # [region_nbytes / element size]: every byte from page (0, 0) to the end of the last page,
+        # as one contiguous tensor (as_strided refuses a view that outruns the storage)
+        region = kv_cache.as_strided((layout.region_nbytes // layout.element_size,), (1,))
+        reg = self.agent.register_tensor(region)
+        return m.KVRegion(base_addr=reg.base_addr, nbytes=reg.nbytes, device_id=reg.device_id, mem_type=reg.mem_type)
 
     def rank_shard(self, rank: int) -> m.RankShard:
         """This endpoint as rank `rank` of a tensor-parallel node, for its rank 0's handshake answers."""
@@ -369,6 +393,12 @@ class KVEndpoint:
         return post, post.num_descriptors
 
     def _post_plan(self, read: _Read, peer: PeerInfo) -> tuple[NixlPost, int]:
+        if self._is_per_layer:
+            raise ConfigError(
+                f"the KV of {peer.address} ({describe_layout(peer.layout)}) is laid out unlike ours "
+                f"({describe_layout(self.layout)}), and reads translated between layouts are not supported into KV "
+                "held one tensor per layer; serve both sides with the same block size, page format and TP size"
+            )
         sources = peer.rank_shards()  # rank 0 first; one NIXL transfer per rank read from
         num_tokens = min(len(read.local_ids) * self.layout.block_size, len(read.remote_ids) * peer.layout.block_size)
         plan = plan_read(self.shard, read.local_ids, [s for _, _, s in sources], [read.remote_ids] * len(sources), num_tokens)
@@ -627,7 +657,8 @@ class KVEndpoint:
     def flip_bit(self, block_id: int) -> None:
         """Fault injection (env.fault_flip_read_bit): flip the lowest bit of block `block_id`'s first byte."""
         offset = self.layout.block_offset(block_id)
-        self._region_bytes[offset : offset + 1] ^= 1
+        region = self._kv.layer_span(0) if self._is_per_layer else self._region_bytes
+        region[offset : offset + 1] ^= 1
         if self._digest_stream is not None:  # in place before the digest stream reads it
             import torch
 

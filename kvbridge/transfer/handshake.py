@@ -188,11 +188,9 @@ def peer_from_response(
         raise IncompatiblePeerError(
             f"peer {address} has {resp.page_format!r} KV pages, ours are {local_layout.page_format!r}"
         )
-    if region.nbytes < layout.region_nbytes:
-        raise HandshakeError(
-            f"peer {address} claims {resp.num_blocks} blocks of {resp.block_nbytes} B spanning {layout.region_nbytes} B "
-            f"in a {region.nbytes}-byte region"
-        )
+    why = region_mismatch(region, layout)
+    if why:
+        raise HandshakeError(f"peer {address} claims {resp.num_blocks} blocks of {resp.block_nbytes} B, but {why}")
     if not resp.agent_name or not resp.agent_metadata:
         raise HandshakeError(f"peer {address} sent no NIXL agent name or metadata")
     if not resp.incarnation:
@@ -215,6 +213,23 @@ def peer_from_response(
     )
 
 
+def region_mismatch(region: m.KVRegion, layout: KVCacheLayout) -> str | None:
+    """Why `region` cannot hold `layout`'s pages, or None: one region spanning them all, or (KV held
+    one layer per allocation) one region per layer at the layout's layer stride, each spanning a layer."""
+    if not region.layer_addrs:
+        if region.nbytes < layout.region_nbytes:
+            return f"they span {layout.region_nbytes} B in a {region.nbytes}-byte region"
+        return None
+    if len(region.layer_addrs) != layout.num_layers or region.layer_stride != layout.layer_stride_bytes:
+        return (
+            f"it sent {len(region.layer_addrs)} layer regions at a layer stride of {region.layer_stride} B for "
+            f"{layout.num_layers} layers at {layout.layer_stride_bytes} B"
+        )
+    if region.nbytes < layout.layer_region_nbytes or region.layer_addrs[0] != region.base_addr:
+        return f"a layer's pages span {layout.layer_region_nbytes} B in a {region.nbytes}-byte layer region"
+    return None
+
+
 def _peer_ranks(resp: m.HandshakeResponse, address: str, layout: KVCacheLayout) -> tuple[PeerRank, ...]:
     """The peer node's other ranks, their pages laid out as its rank 0's with their own head counts."""
     ranks = []
@@ -224,7 +239,7 @@ def _peer_ranks(resp: m.HandshakeResponse, address: str, layout: KVCacheLayout) 
             shard = KVShard(rank_layout, r.kv_head_start, resp.num_total_kv_heads or None)
         except ConfigError as e:
             raise HandshakeError(f"peer {address} described an invalid KV layout for its rank {r.rank}: {e}") from None
-        if r.region.nbytes < rank_layout.region_nbytes or not r.agent_name or not r.agent_metadata:
+        if region_mismatch(r.region, rank_layout) or not r.agent_name or not r.agent_metadata:
             raise HandshakeError(f"peer {address} described its rank {r.rank} without a NIXL agent or a large enough region")
         ranks.append(PeerRank(r.rank, r.agent_name, r.agent_metadata, r.region, shard))
     return tuple(ranks)

@@ -59,6 +59,12 @@ class KVRegion(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     device_id: int = 0
     mem_type: str = "DRAM"
+    # KV held one layer per allocation (vLLM 0.25's V2 model runner): each layer's pages in a region
+    # of its own, registered at once. Layer l's region starts at layer_addrs[l] (base_addr is layer 0's)
+    # and spans `nbytes`; the layout's offset o lies at layer_addrs[o // layer_stride] + o % layer_stride
+    # (transfer/descriptors.py). Empty: one region.
+    layer_addrs: tuple[int, ...] = ()
+    layer_stride: int = 0
 
 
 class IpcExport(msgspec.Struct, frozen=True, kw_only=True):

@@ -32,6 +32,7 @@ from kvbridge.transfer.descriptors import (
     coalesce_blocks,
     num_merged_ranges,
     range_descs,
+    region_descs,
     transfer_unit,
     unit_indices,
 )
@@ -103,14 +104,14 @@ class NixlPoster:
         if self.mode is DescriptorMode.BLOCKS:
             unit = transfer_unit(self._layout, peer.layout)  # the unit the peer's list was made with
             if unit not in self._local_lists:
-                descs = block_descs(self._layout, mine.base_addr, mine.device_id, unit)
+                descs = block_descs(self._layout, mine.base_addr, mine.device_id, unit, mine.layer_addrs)
                 self._local_lists[unit] = self._agent.prep_local(descs, mine.mem_type)
             local_idx = unit_indices(self._layout, local_ids, unit)
             remote_idx = unit_indices(peer.layout, remote_ids, unit)
             xfer = self._agent.post(op, self._local_lists[unit], local_idx, remote_block_list, remote_idx)
             return NixlPost(xfer, (), num_merged_ranges(local_ids, remote_ids, self._layout, peer.layout))
         ranges = coalesce_blocks(local_ids, remote_ids, self._layout, peer.layout, self.max_descriptor_nbytes)
-        local = range_descs(ranges.local_offsets, ranges.nbytes, mine.base_addr, mine.device_id)
+        local = region_descs(ranges.local_offsets, ranges.nbytes, mine)
         return self._post_ranges(op, local, mine.mem_type, ranges.remote_offsets, ranges.nbytes, peer.agent_name, peer.region)
 
     def post_plan(self, plan: ReadPlan, sources: list[tuple[str, m.KVRegion]]) -> NixlPost:
@@ -123,7 +124,7 @@ class NixlPoster:
 
         reads, staging = plan.reads, None
         if plan.kind is PlanKind.DIRECT:
-            local = range_descs(reads.local_offsets, reads.nbytes, self._region.base_addr, self._region.device_id)
+            local = region_descs(reads.local_offsets, reads.nbytes, self._region)
             mem_type = self._region.mem_type
         else:
             buffer = torch.empty(plan.staging_nbytes, dtype=torch.uint8, device=self._device)
@@ -157,7 +158,7 @@ class NixlPoster:
         local_list = self._agent.prep_local(local_descs, local_mem_type)
         try:
             remote_list = self._agent.prep_remote(
-                agent_name, range_descs(remote_offsets, nbytes, r.base_addr, r.device_id), r.mem_type
+                agent_name, region_descs(remote_offsets, nbytes, r), r.mem_type
             )
         except TransferError:
             self._agent.release_dlist(local_list)

@@ -191,7 +191,7 @@ class PeerDirectory:
         is_translated = info.is_read_through_plan(self._me.shard)  # read through plans only
         if self._cache_block_lists and not is_translated:
             r = info.region
-            descs = block_descs(info.layout, r.base_addr, r.device_id, transfer_unit(self._me.layout, info.layout))
+            descs = block_descs(info.layout, r.base_addr, r.device_id, transfer_unit(self._me.layout, info.layout), r.layer_addrs)
             self._block_lists[info.address] = self._agent.prep_remote(info.agent_name, descs, r.mem_type)
         if self._ipc_device is not None and can_map(info.cuda_ipc) and not is_translated:
             self._map(info)

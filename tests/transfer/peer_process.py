@@ -4,7 +4,8 @@ Started by tests/transfer/test_endpoint.py and benchmarks/transfer_bw.py:
 
     python peer_process.py '{"engine_id": "p", "model_id": "m", "num_blocks": 64, ..., "seed": 1}'
 
-(optional layout keys: "page_format", "layer_major": true for vLLM's CPU placement, "block_padding": bytes)
+(optional layout keys: "page_format", "layer_major": true for vLLM's CPU placement, "block_padding": bytes,
+"per_layer": true for one allocation per layer, as vLLM 0.25's V2 model runner allocates)
 
 prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then answers one JSON line per command line:
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
@@ -45,6 +46,9 @@ def make_layout(spec: dict):
         spec.get("dtype", "bfloat16"), page_format=spec.get("page_format", "2NHD"),
     )
     page = layout.page_nbytes
+    if spec.get("per_layer"):  # each layer its own allocation (kvbridge.layer_tensors)
+        return KVCacheLayout.per_layer(page, **{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)
+                                                if f.name not in ("layer_stride", "block_stride")})  # fmt: skip
     if spec.get("layer_major"):  # vLLM's CPU backend: layer by layer, every block's page in each
         return dataclasses.replace(layout, layer_stride=layout.num_blocks * page, block_stride=page)
     if spec.get("block_padding"):  # block-outermost with a gap after each block
@@ -61,12 +65,31 @@ def allocate_kv(layout, device="cpu", fill: int = 0):
     return buffer.as_strided(layout.shape, layout.strides)
 
 
+def allocate_layers(layout, device="cpu", seed: int | None = None):
+    """`LayerTensors` of a per-layer layout, each layer a separate allocation; with `seed`, the pages a
+    block-major cache filled with that seed holds (`fill_kv`)."""
+    import torch
+
+    from kvbridge.layer_tensors import LayerTensors
+
+    dtype = getattr(torch, layout.dtype)
+    page_shape = layout.page_shape
+    layers = [torch.zeros((layout.num_blocks, *page_shape), dtype=dtype, device=device) for _ in range(layout.num_layers)]
+    if seed is not None:
+        full = torch.empty(layout.block_major(layout.num_blocks).shape, dtype=dtype)
+        fill_kv(full, seed)
+        for i, layer in enumerate(layers):
+            layer.copy_(full[:, i])
+    return LayerTensors(layers, layout)
+
+
 def blocks_digest(kv, ids) -> str:
     import torch
 
     h = hashlib.sha256()
     for i in ids:
-        h.update(kv[i].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        block = kv.index_select(0, torch.tensor([i], device=kv.device))[0] if hasattr(kv, "layers") else kv[i]
+        h.update(block.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -92,8 +115,8 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = make_layout(spec)
     device = spec.get("device", "cpu")
-    kv = allocate_kv(layout, device)
-    if spec.get("seed") is not None:
+    kv = allocate_layers(layout, device, spec.get("seed")) if spec.get("per_layer") else allocate_kv(layout, device)
+    if spec.get("seed") is not None and not spec.get("per_layer"):
         filled = kv if device == "cpu" else allocate_kv(layout)
         fill_kv(filled, spec["seed"])  # on CPU, so that a GPU peer holds the same bytes
         if filled is not kv:

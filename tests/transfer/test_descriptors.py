@@ -14,6 +14,7 @@ from kvbridge.transfer.descriptors import (
     coalesce_blocks,
     num_merged_ranges,
     range_descs,
+    region_addresses,
     transfer_unit,
     unit_indices,
     unit_offsets,
@@ -251,3 +252,23 @@ def test_range_and_block_descriptor_arrays():
     assert d.tolist() == [[1 << 40, 512, 3], [(1 << 40) + 4096, 1024, 3]]
     blocks = block_descs(LAYOUT.with_num_blocks(3), base_addr=100, device_id=0)
     assert blocks.tolist() == [[100, B, 0], [100 + B, B, 0], [100 + 2 * B, B, 0]]
+
+
+PER_LAYER = KVCacheLayout.per_layer(LAYOUT.page_nbytes, **{k: getattr(LAYOUT, k) for k in (
+    "num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")})  # fmt: skip
+
+
+def test_per_layer_offsets_land_in_their_layers_region_and_runs_never_span_two_layers():
+    """KV held one allocation per layer: a run of a layer's blocks is one range in that layer's region;
+    the last block of one layer and the first of the next are never merged (the layout's gap)."""
+    P, bases = LAYOUT.page_nbytes, (1 << 40, 1 << 20)  # layer 1's region below layer 0's: any order
+    ids = list(range(62, 64)) + [0, 1]  # a run to the end of the cache, then one from its start
+    ranges = coalesce_blocks(ids, ids, PER_LAYER)
+    descs = range_descs(ranges.local_offsets, ranges.nbytes, bases[0], 3, bases, PER_LAYER.layer_stride_bytes)
+    assert descs.tolist() == [
+        [bases[0] + 62 * P, 2 * P, 3], [bases[0], 2 * P, 3],  # layer 0: blocks 62-63, then 0-1
+        [bases[1] + 62 * P, 2 * P, 3], [bases[1], 2 * P, 3],  # layer 1
+    ]
+    everything = block_descs(PER_LAYER, bases[0], 0, Unit.PAGE, bases)  # entry l * num_blocks + b = page (l, b)
+    assert everything[64 + 5].tolist() == [bases[1] + 5 * P, P, 0] and everything[63].tolist() == [bases[0] + 63 * P, P, 0]
+    assert region_addresses([7 * P], 100).tolist() == [100 + 7 * P]  # one region: base + offset

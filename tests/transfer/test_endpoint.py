@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.nixl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_process import allocate_kv, blocks_digest, fill_kv, make_layout  # noqa: E402
+from peer_process import allocate_kv, allocate_layers, blocks_digest, fill_kv, make_layout  # noqa: E402
 
 PEER_SCRIPT = Path(__file__).parent / "peer_process.py"
 GEOMETRY = {"num_blocks": 64, "num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
@@ -183,6 +183,54 @@ def test_pages_move_between_a_layer_major_owner_and_a_reader_of_either_placement
         ep.read_blocks("lm-range", layer_major_peer.address, [0], [64])  # the owner has 64 blocks
         rec = _wait_final(ep, "lm-range")
         assert rec.state is TransferState.FAILED and "IndexError" in rec.error
+    finally:
+        ep.close()
+
+
+PER_LAYER = {**GEOMETRY, "per_layer": True}  # vLLM 0.25's V2 model runner: each layer its own allocation
+
+
+@pytest.fixture(scope="module")
+def per_layer_peer(tmp_path_factory):
+    """An owner whose layers are separate allocations, registered with NIXL as one region each."""
+    p = Peer(tmp_path_factory.mktemp("peer-per-layer"), engine_id="prefill-per-layer", seed=19, **PER_LAYER)
+    try:
+        yield p
+    finally:
+        p.quit()
+
+
+# reader's placement -> descriptors for the pairing below: one per run per layer where both sides keep a
+# layer's blocks adjacent, else one per page (a block-major reader's pages of one layer are a block apart)
+PER_LAYER_READERS = {"per-layer": 3 * 2, "block-major": 5 * 2}
+
+
+@pytest.mark.parametrize("reader", sorted(PER_LAYER_READERS))
+@pytest.mark.parametrize("mode", ["blocks", "ranges"])
+def test_pages_move_between_per_layer_allocations_one_descriptor_per_run_per_layer(per_layer_peer, reader, mode):
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    layout = make_layout(PER_LAYER if reader == "per-layer" else GEOMETRY)
+    kv = allocate_layers(layout) if reader == "per-layer" else allocate_kv(layout)
+    ep = KVEndpoint(f"decode-{reader}-{mode}", MODEL, kv, layout, secret=None, options=TransferOptions(descriptor_mode=mode))
+    try:
+        local_ids, remote_ids = [10, 11, 12, 0, 63], [3, 4, 5, 20, 9]  # a run of three, then two lone blocks
+        rec = _wait_final(ep, ep.read_blocks("pl-read", per_layer_peer.address, local_ids, remote_ids).req_id)
+        assert rec.state is TransferState.DONE, rec.error
+        assert rec.num_descriptors == PER_LAYER_READERS[reader]  # per layer: 3 runs x 2 layers, not 5 blocks x 2
+        region = ep.peers.get(per_layer_peer.address).region
+        assert len(region.layer_addrs) == 2 and region.layer_stride == make_layout(PER_LAYER).layer_stride_bytes
+        expected = allocate_kv(make_layout(GEOMETRY))
+        fill_kv(expected, 19)  # the owner's pages, block-major
+        got = kv.index_select(0, torch.tensor(local_ids)) if reader == "per-layer" else kv[local_ids]
+        assert torch.equal(got.view(torch.uint8), expected[remote_ids].view(torch.uint8))
+        untouched = sorted(set(range(64)) - set(local_ids))
+        rest = kv.index_select(0, torch.tensor(untouched)) if reader == "per-layer" else kv[untouched]
+        assert not rest.view(torch.uint8).any()
+        # a block's digest is of its bytes in layer order, wherever its pages lie: both sides agree
+        theirs = per_layer_peer.ask("block_digests", ids=remote_ids)
+        ours = ep.digest_blocks(local_ids)
+        assert (ours.alg, list(ours.values)) == (theirs["alg"], theirs["values"])
     finally:
         ep.close()
 

@@ -67,7 +67,7 @@ def test_invalid_or_mismatched_layouts_in_an_answer_are_named_errors():
     hash_ = reader.compat_hash
     with pytest.raises(HandshakeError, match="invalid KV layout.*overlap"):
         peer_from_response(_response(LAYER_MAJOR, layer_stride=PAGE), "tcp://p", hash_, BLOCK_MAJOR)
-    with pytest.raises(HandshakeError, match="claims 8 blocks .* spanning"):
+    with pytest.raises(HandshakeError, match="claims 8 blocks .* span"):
         small = m.KVRegion(base_addr=0, nbytes=LAYER_MAJOR.region_nbytes - 1)
         peer_from_response(_response(LAYER_MAJOR, regions=[small]), "tcp://p", hash_, BLOCK_MAJOR)
     with pytest.raises(HandshakeError, match="claims 0 blocks"):
@@ -106,3 +106,18 @@ def test_another_model_is_refused_by_both_sides_naming_both_layouts():
     with pytest.raises(IncompatiblePeerError) as err:  # the reader checks every answer too
         peer_from_response(answer, "tcp://owner", reader.compat_hash, reader.layout, reader.model_hash)
     assert "H2ND pages, 4-token blocks" in str(err.value) and "head_dim 16" in str(err.value)
+
+
+def test_a_region_per_layer_must_name_every_layer_at_the_layouts_stride():
+    per_layer = KVCacheLayout.per_layer(PAGE, num_blocks=8, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                                        dtype="bfloat16", page_format="H2ND")  # fmt: skip
+    reader = identity(per_layer, "reader")
+    good = m.KVRegion(base_addr=1 << 30, nbytes=per_layer.layer_region_nbytes, layer_addrs=(1 << 30, 1 << 20),
+                      layer_stride=per_layer.layer_stride_bytes)  # fmt: skip
+    peer = peer_from_response(_response(per_layer, regions=[good]), "tcp://p", reader.compat_hash, per_layer)
+    assert peer.region.layer_addrs == (1 << 30, 1 << 20)
+    for bad in (msgspec.structs.replace(good, layer_addrs=(1 << 30,)),  # a layer missing
+                msgspec.structs.replace(good, layer_stride=PAGE),  # another stride than the layout's
+                msgspec.structs.replace(good, nbytes=per_layer.layer_region_nbytes - 1)):  # fmt: skip
+        with pytest.raises(HandshakeError, match="layer region"):
+            peer_from_response(_response(per_layer, regions=[bad]), "tcp://p", reader.compat_hash, per_layer)

@@ -51,6 +51,8 @@ class TransferStats:
         self._digest_s: deque[float] = deque(maxlen=_WINDOW)  # per verified read
         self.bytes_transferred = 0
         self.num_descriptors = 0
+        self.last_read_descriptors = 0  # descriptors of the last completed read: its runs of blocks x layers
+        self.max_read_descriptors = 0
         self._recent: deque[tuple[float, float, int]] = deque(maxlen=_WINDOW)  # (start, end, nbytes)
         self._device: deque[tuple[float, int]] = deque(maxlen=_WINDOW)  # (seconds, nbytes) of device-timed reads
         self._grant_s: deque[float] = deque(maxlen=_WINDOW)  # prefill: digest and sign, per grant at finish
@@ -67,6 +69,8 @@ class TransferStats:
         self.num_transfers += 1
         self.bytes_transferred += nbytes
         self.num_descriptors += num_descriptors
+        self.last_read_descriptors = num_descriptors
+        self.max_read_descriptors = max(self.max_read_descriptors, num_descriptors)
         self._recent.append((start, end, nbytes))
         if device_s is not None:
             self._device.append((device_s, nbytes))
@@ -123,6 +127,8 @@ class TransferStats:
             "device_read_gbps": float(device[:, 1].sum()) / device_s / 1e9 if device_s > 0 else 0.0,
             "bytes_transferred": self.bytes_transferred,
             "num_descriptors": self.num_descriptors,
+            "last_read_descriptors": self.last_read_descriptors,
+            "max_read_descriptors": self.max_read_descriptors,
             "last_error": self.last_error or "",
             "latency_ms_p50": p50,
             "latency_ms_p90": p90,

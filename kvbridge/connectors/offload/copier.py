@@ -5,7 +5,9 @@ Two implementations behind one interface:
 * `ThreadCopier` (CPU KV cache): a copy's blocks are cut into shares for a pool of copy threads,
   one per core, which both directions share; runs of adjacent block ids on both sides coalesce
   into one copy.
-* `CudaCopier` (CUDA KV cache, cuda_copier.py): dedicated streams and a helper thread per direction, never the
+* `LayerCopier` (CPU KV cache held one tensor per layer, `kvbridge.layer_tensors`): a gather or a
+  scatter per layer on a helper thread per direction.
+* `CudaCopier` (CUDA KV cache, cuda_copier.py; per-layer caches too, always through staging): dedicated streams and a helper thread per direction, never the
   compute stream.
   Scattered GPU blocks are gathered with `index_select` into a device staging buffer, which then
   goes to a contiguous range of (pinned) host slots in one DMA; loads do the reverse with
@@ -42,6 +44,7 @@ import torch
 from kvbridge.block_runs import Run, paired_runs
 from kvbridge.connectors.offload.copy_base import BlockCopier, CopyHandle, DigestFn
 from kvbridge.connectors.offload.cuda_copier import CudaCopier
+from kvbridge.layer_tensors import LayerTensors
 
 _DIGEST_PIECE_BYTES = 1 << 20  # CPU: copy this much, then hash it while it is in the copy thread's cache
 
@@ -201,6 +204,43 @@ def _copy_share(src: np.ndarray, dst: np.ndarray, share: list[Run], digest: Dige
     return digests
 
 
+class LayerCopier(BlockCopier):
+    """CPU KV cache held one tensor per layer (`LayerTensors`): each copy on its direction's helper
+    thread, one gather and one scatter per layer (torch's index ops), then the digest of the KV-side
+    blocks. No engine allocates so on CPU today (vLLM's CPU backend keeps one buffer); the path keeps
+    per-layer caches whole on every device."""
+
+    def __init__(self, kv_cache: LayerTensors, host_pool: torch.Tensor, digest: DigestFn | None = None) -> None:
+        super().__init__(kv_cache, host_pool, digest)
+        self._helpers = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-layers-{d}") for d in ("store", "load")}
+
+    def _run(self, direction: str, before, gpu_ids, slots) -> CopyHandle:
+        kv, host, digest = self.kv_cache, self.host_pool, self.digest
+
+        def job() -> dict[int, int]:
+            if before is not None:
+                before()
+            kv_index, slot_index = torch.tensor(list(gpu_ids), dtype=torch.long), torch.tensor(list(slots), dtype=torch.long)
+            if direction == "store":
+                host.index_copy_(0, slot_index, kv.index_select(0, kv_index))
+            else:
+                kv.index_copy_(0, kv_index, host.index_select(0, slot_index))
+            return dict(zip(gpu_ids, digest(list(gpu_ids)).result().values)) if digest is not None and gpu_ids else {}
+
+        return _FutureHandle(self._helpers[direction].submit(job))
+
+    def store(self, gpu_ids, slots, before=None) -> CopyHandle:
+        return self._run("store", before, gpu_ids, slots)
+
+    def load(self, slots, gpu_ids, before=None) -> CopyHandle:
+        return self._run("load", before, gpu_ids, slots)
+
+    def close(self) -> None:
+        for pool in self._helpers.values():
+            pool.shutdown(wait=True)
+        super().close()
+
+
 def make_copier(
     kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int = 64, copy_threads: int | None = None,
     digest: DigestFn | None = None,
@@ -209,4 +249,6 @@ def make_copier(
     `digest`: digest the KV-cache side of every copy (None: do not)."""
     if kv_cache.is_cuda:
         return CudaCopier(kv_cache, host_pool, staging_blocks, digest)
+    if isinstance(kv_cache, LayerTensors):
+        return LayerCopier(kv_cache, host_pool, digest)
     return ThreadCopier(kv_cache, host_pool, copy_threads, digest)

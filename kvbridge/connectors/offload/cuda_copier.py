@@ -15,6 +15,7 @@ import torch
 
 from kvbridge.block_runs import capped_runs, is_one_run
 from kvbridge.connectors.offload.copy_base import BlockCopier, CopyHandle, DigestFn
+from kvbridge.layer_tensors import LayerTensors
 from kvbridge.transfer.digest import DigestJob
 from kvbridge.transfer.progress import drive_until
 
@@ -78,6 +79,7 @@ class CudaCopier(BlockCopier):
                  digest: DigestFn | None = None) -> None:  # fmt: skip
         super().__init__(kv_cache, host_pool, digest)
         device = kv_cache.device
+        self._is_per_layer = isinstance(kv_cache, LayerTensors)  # no view spans its layers: always staged
         self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
                          for d in ("store", "load")}  # fmt: skip  (DMA stream, kernel stream)
         half = max(1, staging_blocks // 2)
@@ -125,7 +127,7 @@ class CudaCopier(BlockCopier):
         for k, (ids, slot0) in enumerate(segments):
             n, host = len(ids), self.host_pool[slot0 : slot0 + len(ids)]
             seg_index, offset = index[offset : offset + n], offset + n
-            if is_one_run(ids):  # strided KV: torch stages it on `dma` (a temporary, same cost)
+            if is_one_run(ids) and not self._is_per_layer:  # strided KV: torch stages it on `dma` (a temporary, same cost)
                 torch.cuda.set_stream(dma)
                 dev = self.kv_cache[ids[0] : ids[0] + n]
                 (host.copy_(dev, non_blocking=True) if direction == "store" else dev.copy_(host, non_blocking=True))
@@ -135,7 +137,10 @@ class CudaCopier(BlockCopier):
                 if half_free[k % 2] is not None:
                     kernels.wait_event(half_free[k % 2])  # its previous DMA has read it
                 torch.cuda.set_stream(kernels)
-                torch.index_select(self.kv_cache, 0, seg_index, out=buf)  # gather on the device
+                if self._is_per_layer:  # KV held one tensor per layer: a gather from each
+                    self.kv_cache.gather_into(seg_index, buf)
+                else:
+                    torch.index_select(self.kv_cache, 0, seg_index, out=buf)  # gather on the device
                 gathered = torch.cuda.Event()
                 gathered.record(kernels)
                 dma.wait_event(gathered)

@@ -1,35 +1,47 @@
-"""The KV layout of a vLLM attention backend, read at run time from the backend and the tensors vLLM allocated.
+"""The KV layout of vLLM's attention layers, read at run time from the tensors vLLM allocated.
 
-No table of backends: the backend says which logical dimension is which (`get_kv_cache_shape`,
-probed by changing one argument at a time), and the tensors say where vLLM put them (their
-strides and addresses). What kvbridge can express is one buffer of dense pages:
+No table of backends or versions, and no call into the backend: a tensor's dimensions are named
+by their sizes (the KV cache spec gives blocks, block size, KV heads and head size), and, where
+two sizes coincide, by the order vLLM gives them (`CONVENTIONS`, by the tensor's rank); its
+strides then say where vLLM put them. What kvbridge can express is dense pages:
 
-    page (layer l, block b) at  l * layer_stride + b * block_stride  from page (0, 0),
+    page (layer l, block b), `block_stride` from page (l, b - 1),
 
 each page one layer's K and V for `block_size` tokens in one of kvbridge's page formats
-(`kvbridge.layout.PAGE_FORMATS`: "2NHD" is FLASH_ATTN / TRITON_ATTN / FLASHINFER with the NHD
-layout, "2HND" the HND layout). Two placements of vLLM 0.25 on CUDA qualify:
+(`kvbridge.layout.PAGE_FORMATS`): "2NHD" is FLASH_ATTN / TRITON_ATTN / FLASHINFER of vLLM 0.25 with
+the NHD layout, "2HND" the HND layout, "NH2D" / "HN2D" vLLM 0.32's CUDA pages (a head's K and V
+side by side, its LBNHC / LBHNC layouts). The layers lie
 
-* the cross-layer allocation vLLM makes when the connector prefers it (V1 model runner,
-  `prefer_cross_layer_blocks`): one tensor, blocks outermost, all of a block's layers adjacent —
-  kvbridge's own block-major layout, one NIXL descriptor per run of blocks;
-* per-layer tensors that sit in one allocation at a constant layer stride.
+* in one allocation at a constant layer stride (vLLM 0.25's cross-layer allocation, which its V1
+  model runner makes when the connector prefers it: kvbridge's own block-major layout; vLLM 0.32's
+  one buffer per KV cache group): one region, one view; or
+* each in an allocation of its own (vLLM 0.25's V2 model runner, its default on GPUs): one NIXL
+  region per layer, registered at once (`kvbridge.layer_tensors`).
 
-Anything else is refused at start-up with a `ConfigError` that names the backend, the layout it
-found and what to change: per-layer tensors in separate allocations (vLLM 0.25's V2 model runner,
-which ignores `prefer_cross_layer_blocks`), the HND cross-layer allocation (heads outside
-layers: a layer's page is not contiguous), padded or quantized-with-scales pages.
+Anything else is refused at start-up with a `ConfigError` that names the backend, the shape,
+strides and dimension order found, and what to change: dimensions no geometry explains or that
+sizes and order cannot tell apart, blocks not outermost, padded pages, a page order kvbridge has
+no format for, a kernel block size other than the cache's.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVCacheLayout
+from kvbridge.layout import DTYPE_SIZES, PAGE_FORMATS, KVCacheLayout
 
-# logical dimension -> its letter in a kvbridge page format
-_LETTERS = {"kv": "2", "tokens": "N", "heads": "H", "dim": "D"}
+# logical dimension -> its letters in a kvbridge page format ("kvdim": a head's K|V, K first)
+_LETTERS = {"kv": "2", "tokens": "N", "heads": "H", "dim": "D", "kvdim": "2D"}
+
+# The logical order of the dimensions of the KV tensors vLLM hands a connector, by rank; names a
+# dimension only where sizes cannot (e.g. 2 KV heads, or as many heads as tokens per block).
+CONVENTIONS: dict[int, tuple[str, ...]] = {
+    5: ("blocks", "kv", "tokens", "heads", "dim"),  # vLLM 0.25 per-layer: [num_blocks, 2, block_size, heads, head_size]
+    4: ("blocks", "heads", "tokens", "kvdim"),  # vLLM 0.32 per-layer: [B, H, N, C], C = K|V of one head
+    6: ("blocks", "layers", "kv", "tokens", "heads", "dim"),  # vLLM 0.25's cross-layer tensor, NHD, as allocated
+}
 
 
 class Geometry(NamedTuple):
@@ -40,37 +52,38 @@ class Geometry(NamedTuple):
     dtype: str
 
 
-def dim_names(backend: Any, geo: Geometry) -> tuple[str, ...]:
-    """The logical dimensions of `backend.get_kv_cache_shape(...)`, named by probing: each probe
-    changes one argument, and the one dimension that changes with it is that argument's."""
-    name = backend.get_name()
-    args = (geo.num_blocks, geo.block_size, geo.num_kv_heads, geo.head_size)
-    try:
-        base = tuple(backend.get_kv_cache_shape(*args))
-        probes = {
-            "blocks": (geo.num_blocks + 1, geo.block_size, geo.num_kv_heads, geo.head_size),
-            "tokens": (geo.num_blocks, geo.block_size * 2, geo.num_kv_heads, geo.head_size),
-            "heads": (geo.num_blocks, geo.block_size, geo.num_kv_heads + 1, geo.head_size),
-            "dim": (geo.num_blocks, geo.block_size, geo.num_kv_heads, geo.head_size + 16),
-        }
-        names: list[str | None] = [None] * len(base)
-        for dim, probe in probes.items():
-            shape = tuple(backend.get_kv_cache_shape(*probe))
-            changed = [i for i, (a, b) in enumerate(zip(base, shape)) if a != b]
-            if len(shape) != len(base) or len(changed) != 1:
-                raise ConfigError(f"changing {dim} changed dimensions {changed} of {shape}")
-            names[changed[0]] = dim
-        rest = [i for i, n in enumerate(names) if n is None]
-        if len(rest) != 1 or base[rest[0]] != 2:
-            raise ConfigError(f"expected one K|V dimension of size 2 besides blocks, tokens, heads, dim; got {base}")
-        names[rest[0]] = "kv"
-    except (ConfigError, ValueError, NotImplementedError, TypeError, AttributeError) as exc:
+def dim_names(shape: tuple[int, ...], element_size: int, geo: Geometry, backend_name: str,
+              num_layers: int | None = None) -> tuple[str, ...]:  # fmt: skip
+    """The logical dimension of each of `shape`'s dimensions, named by size (and `CONVENTIONS` where
+    sizes coincide), or ConfigError: no naming fits, or several do and vLLM's order is not one of them."""
+    shape = tuple(shape)
+    convention = CONVENTIONS.get(len(shape))
+    found = f"vLLM's {backend_name} KV tensor of shape {shape} ({element_size}-byte elements)"
+    if convention is None:
         raise ConfigError(
-            f"KVBridgeConnector cannot read the KV layout of vLLM's {name} attention backend "
-            f"(get_kv_cache_shape{args}): {exc}; kvbridge supports backends whose KV cache is "
-            "[num_blocks, 2, block_size, num_kv_heads, head_size] in some order (FLASH_ATTN, TRITON_ATTN, FLASHINFER)"
-        ) from exc
-    return tuple(n for n in names if n is not None)
+            f"KVBridgeConnector cannot read {found}: it knows KV tensors of {sorted(CONVENTIONS)} dimensions "
+            "(blocks, K|V, tokens, heads, head size; or blocks, heads, tokens, K|V x head size)"
+        )
+    sizes = {
+        "blocks": geo.num_blocks, "kv": 2, "tokens": geo.block_size, "heads": geo.num_kv_heads, "dim": geo.head_size,
+        "kvdim": 2 * geo.head_size * DTYPE_SIZES.get(geo.dtype, element_size) / element_size, "layers": num_layers,
+    }  # fmt: skip
+    fits = [p for p in itertools.permutations(convention) if all(shape[i] == sizes[n] for i, n in enumerate(p))]
+    if convention in fits:
+        return convention
+    if len(fits) == 1:
+        return fits[0]
+    want = {n: sizes[n] for n in convention}
+    if not fits:
+        raise ConfigError(
+            f"KVBridgeConnector cannot read {found}: its sizes are not those of {want} in any order (a kernel block "
+            "size other than the cache's block size, padded or quantized pages with scales, or another model's "
+            "geometry); kvbridge supports dense K and V pages of the cache's block size"
+        )
+    raise ConfigError(
+        f"KVBridgeConnector cannot tell the dimensions of {found} apart: {len(fits)} orders of {want} fit and "
+        f"vLLM's order {convention} is not one of them"
+    )
 
 
 class PagePlacement(NamedTuple):
@@ -91,49 +104,35 @@ def page_placement(tensor: Any, names: tuple[str, ...], backend_name: str) -> Pa
             raise ConfigError(f"KVBridgeConnector needs dense pages (no padding, no interleaved layers); {found}")
         expected *= tensor.shape[i]
     page_format = "".join(_LETTERS[names[i]] for i in inner)
-    from kvbridge.layout import PAGE_FORMATS
-
     if page_format not in PAGE_FORMATS:
         raise ConfigError(f"KVBridgeConnector has no page format {page_format} (known: {sorted(PAGE_FORMATS)}); {found}")
     return PagePlacement(page_format, tensor.stride(order[0]) * tensor.element_size())
 
 
-def layout_of_tensors(tensors: list[Any], names: tuple[str, ...], geo: Geometry, backend_name: str) -> KVCacheLayout:
-    """kvbridge's layout of vLLM's per-layer KV tensors (in layer order), or a ConfigError saying why not."""
+def layout_of_tensors(tensors: list[Any], geo: Geometry, backend_name: str) -> tuple[KVCacheLayout, bool]:
+    """kvbridge's layout of vLLM's per-layer KV tensors (in layer order) and whether each layer is an
+    allocation of its own (then the layout is `KVCacheLayout.per_layer`), or a ConfigError saying why not."""
     first = tensors[0]
-    blocks_dim, tokens_dim = names.index("blocks"), names.index("tokens")
-    if first.shape[blocks_dim] != geo.num_blocks or first.shape[tokens_dim] != geo.block_size:
-        raise ConfigError(
-            f"vLLM's {backend_name} KV tensors hold {first.shape[blocks_dim]} blocks of {first.shape[tokens_dim]} tokens "
-            f"but its scheduler manages {geo.num_blocks} blocks of {geo.block_size} (a kernel block size other than the "
-            "cache's); KVBridgeConnector needs them equal"
-        )
+    names = dim_names(tuple(first.shape), first.element_size(), geo, backend_name)
     placement = page_placement(first, names, backend_name)
     base = first.data_ptr()
     layer_stride = tensors[1].data_ptr() - base if len(tensors) > 1 else 0
+    is_one_buffer = layer_stride > 0
     for i, tensor in enumerate(tensors):
-        if page_placement(tensor, names, backend_name) != placement or tensor.shape != first.shape:
+        if tuple(tensor.shape) != tuple(first.shape) or page_placement(tensor, names, backend_name) != placement:
             raise ConfigError(f"vLLM's {backend_name} KV tensor of layer {i} is laid out unlike layer 0's")
         if tensor.data_ptr() != base + i * layer_stride or not _same_allocation(tensor, first):
-            raise ConfigError(
-                f"vLLM allocated each layer's KV ({backend_name}, {placement.page_format} pages) separately; "
-                "KVBridgeConnector needs every layer in one buffer. vLLM makes one (the cross-layer allocation) "
-                "for connectors that ask, in its V1 model runner: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
-            )
-    if len(tensors) == 1:
-        layer_stride = placement.block_stride  # any value no smaller than a page; one layer never steps it
+            is_one_buffer = False
+    geometry = dict(
+        num_blocks=geo.num_blocks, num_layers=len(tensors), block_size=geo.block_size, num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_size, dtype=geo.dtype, page_format=placement.page_format,
+    )  # fmt: skip
     try:
-        return KVCacheLayout(
-            num_blocks=geo.num_blocks,
-            num_layers=len(tensors),
-            block_size=geo.block_size,
-            num_kv_heads=geo.num_kv_heads,
-            head_dim=geo.head_size,
-            dtype=geo.dtype,
-            page_format=placement.page_format,
-            layer_stride=layer_stride,
-            block_stride=placement.block_stride,
-        )
+        if len(tensors) == 1:  # one layer never steps its layer stride: any no smaller than a page
+            return KVCacheLayout(**geometry, layer_stride=placement.block_stride, block_stride=placement.block_stride), False
+        if is_one_buffer:
+            return KVCacheLayout(**geometry, layer_stride=layer_stride, block_stride=placement.block_stride), False
+        return KVCacheLayout.per_layer(placement.block_stride, **geometry), True
     except ConfigError as exc:
         raise ConfigError(f"vLLM's {backend_name} KV layout cannot be expressed by kvbridge: {exc}") from exc
 
@@ -142,19 +141,24 @@ def _same_allocation(a: Any, b: Any) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def cross_layer_views(kv_cache: Any, backend: Any, num_layers: int, geo: Geometry) -> list[Any]:
-    """The per-layer views (logical shape) of vLLM's cross-layer KV tensor, as vLLM's own model runner makes them:
-    `kv_cache` is in physical order, `get_kv_cache_stride_order(include_num_layers_dimension=True)` maps it back."""
-    logical = (num_layers, *backend.get_kv_cache_shape(geo.num_blocks, geo.block_size, geo.num_kv_heads, geo.head_size))
-    try:
-        order = tuple(backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
-    except (AttributeError, NotImplementedError, TypeError):
-        order = tuple(range(len(logical)))
-    if tuple(kv_cache.shape) != tuple(logical[i] for i in order):
-        raise ConfigError(
-            f"vLLM's cross-layer KV tensor of {backend.get_name()} has shape {tuple(kv_cache.shape)}, not the "
-            f"{tuple(logical[i] for i in order)} its backend describes"
-        )
-    inverse = [order.index(i) for i in range(len(order))]
-    permuted = kv_cache.permute(*inverse)
-    return [permuted[i] for i in range(num_layers)]
+def cross_layer_views(kv_cache: Any, num_layers: int, geo: Geometry, backend_name: str) -> list[Any]:
+    """The per-layer views of vLLM's cross-layer KV tensor (one allocation for every layer, as allocated:
+    its dimensions in memory order), its layers' dimension named by size like the others."""
+    names = dim_names(tuple(kv_cache.shape), kv_cache.element_size(), geo, backend_name, num_layers=num_layers)
+    layers = names.index("layers")
+    return [kv_cache.select(layers, i) for i in range(num_layers)]
+
+
+def layer_views(tensors: list[Any], layout: KVCacheLayout) -> list[Any]:
+    """Each layer's pages as `[num_blocks, *page_shape]` in the layout's page format and dtype, over
+    vLLM's own memory (what `LayerTensors` holds)."""
+    import torch
+
+    dtype = getattr(torch, layout.dtype)
+    strides = layout.strides[:1] + layout.strides[2:]
+    shape = layout.shape[:1] + layout.shape[2:]
+    out = []
+    for t in tensors:
+        typed = t if t.dtype == dtype else t.view(dtype)  # a byte view of the pages (last dimension dense)
+        out.append(torch.as_strided(typed, shape, strides, typed.storage_offset()))
+    return out

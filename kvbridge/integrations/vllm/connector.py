@@ -1,5 +1,7 @@
 """`KVBridgeConnector`: any kvbridge connector, loaded into an unmodified vLLM (0.25 on CUDA, 0.32 on CPU) as a V1 KV connector.
 
+vLLM's defaults work: 0.25's V2 model runner (each layer's KV allocated alone) as well as its V1 runner.
+
     vllm ... --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.integrations.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"connector": "NixlConnector"}}'
@@ -65,14 +67,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """On CUDA, NHD: its cross-layer allocation is kvbridge's block-major layout (HND's interleaves
-        layers inside a page and is refused). vLLM's own override (VLLM_KV_CACHE_LAYOUT) still wins."""
+        """On CUDA, NHD: its cross-layer allocation (V1 model runner) is kvbridge's block-major layout (HND's
+        interleaves layers inside a page and is refused); per-layer allocations (V2 model runner) are read in
+        either layout. vLLM's own override (VLLM_KV_CACHE_LAYOUT) still wins."""
         return None if str(vllm_config.device_config.device).startswith("cpu") else "NHD"
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
         """Ask vLLM for one allocation holding every layer, blocks outermost (kvbridge's block-major layout:
-        one descriptor per run of blocks). vLLM's V1 model runner honours it on CUDA; elsewhere it is ignored."""
+        one descriptor per run of blocks). vLLM 0.25's V1 model runner honours it on CUDA; its V2 runner (the
+        default) allocates each layer alone, which the adapter registers as one region per layer (one
+        descriptor per run of blocks per layer)."""
         return not self._is_cpu
 
     # ------------------------------------------------------------------ worker side

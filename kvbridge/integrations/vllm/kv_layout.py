@@ -160,6 +160,15 @@ def geometry(kv_cache_config: Any):
     return Geometry(kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, _dtype_name(spec.dtype))
 
 
+def attention_backend_name(vllm_config: Any, layer_names: list[str]) -> str:
+    """The name of the attention backend vLLM chose, for messages only (the layout is read from the
+    tensors): one name, or the names joined, or "unknown backend"."""
+    try:
+        return attention_backend(vllm_config, layer_names).get_name()
+    except (ConfigError, AttributeError, TypeError) as exc:
+        return f"unknown backend ({exc})"
+
+
 def attention_backend(vllm_config: Any, layer_names: list[str]) -> Any:
     """The attention backend class vLLM chose for these layers (one for all of them, or ConfigError)."""
     context = vllm_config.compilation_config.static_forward_context

@@ -2,11 +2,12 @@
 
 Lives next to vLLM's KV cache, on vLLM's worker thread. The kvbridge connector is built when vLLM
 registers its KV cache, since only then is the layout known: `register_kv_caches` (per-layer
-tensors; on CPU laid out by vLLM 0.32's `KVCacheTensor`, `kv_layout.py`) or
-`register_cross_layers_kv_cache` (vLLM 0.25's one tensor for every layer on CUDA, read through the
-attention backend, `backend_layout.py`). Either way the connector gets one strided view over vLLM's
-own KV buffer: nothing is copied, NIXL registers vLLM's memory. The other calls map one to one;
-layer names become layer indices.
+tensors; on CPU laid out by vLLM 0.32's `KVCacheTensor`, `kv_layout.py`; on CUDA read from the
+tensors' shapes and strides, `backend_layout.py`) or `register_cross_layers_kv_cache` (vLLM 0.25's
+one tensor for every layer, V1 model runner). Layers in one buffer give the connector one strided
+view over it; layers allocated one by one (vLLM 0.25's V2 model runner, its default) a
+`LayerTensors`, one NIXL region per layer. Nothing is copied: NIXL registers vLLM's memory. The
+other calls map one to one; layer names become layer indices.
 
 Under tensor parallelism each vLLM worker process holds one of these over its own KV heads, as a
 kvbridge rank (`tp_ranks.py`): rank 0's incarnation names the whole engine, rank 0 learns the
@@ -30,10 +31,10 @@ from kvbridge.connectors.base import CompletedTransfers, ConnectorContext, KVCon
 from kvbridge.connectors.factory import create_connector
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.affinity import run_unpinned
-from kvbridge.integrations.vllm.backend_layout import cross_layer_views, dim_names, layout_of_tensors
+from kvbridge.integrations.vllm.backend_layout import cross_layer_views, layer_views, layout_of_tensors
 from kvbridge.integrations.vllm.config import AdapterConfig
 from kvbridge.integrations.vllm.kv_layout import (
-    attention_backend,
+    attention_backend_name,
     cpu_page_format,
     geometry,
     layer_names_in_order,
@@ -44,6 +45,7 @@ from kvbridge.integrations.vllm.load_failures import LoadFailureLog
 from kvbridge.integrations.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.integrations.vllm.stats import StatsSnapshots, StepTimer
 from kvbridge.integrations.vllm.tp_ranks import TPRank, all_gather_bytes
+from kvbridge.layer_tensors import LayerTensors
 from kvbridge.layout import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class WorkerSide:
     @run_unpinned
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's per-layer KV tensors: one buffer of pages on CPU (vLLM 0.32's KVCacheTensor strides) or,
-        on CUDA, whatever the attention backend and the allocation say (`backend_layout.py`)."""
+        on CUDA, what their shapes and strides say (`backend_layout.py`): one buffer, or one allocation each."""
         if self._device.startswith("cpu"):
             layout, names = layout_of(self._kv_cache_config, cpu_page_format(self._vllm_config, self._kv_cache_config))
             self._start(layout, names, strided_view(kv_caches, names, layout), "CPU_ATTN")
@@ -97,18 +99,24 @@ class WorkerSide:
         missing = [name for name in names if name not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:3]}")
-        backend, geo = attention_backend(self._vllm_config, names), geometry(self._kv_cache_config)
-        tensors = [kv_caches[name] for name in names]
-        layout = layout_of_tensors(tensors, dim_names(backend, geo), geo, backend.get_name())
-        self._start(layout, names, _view(tensors[0], layout), backend.get_name())
+        self._start_from_tensors([kv_caches[name] for name in names], names, attention_backend_name(self._vllm_config, names))
 
     @run_unpinned
     def register_cross_layers_kv_cache(self, kv_cache: Any, backend: Any) -> None:
         """vLLM's cross-layer KV tensor (one allocation for every layer, asked for by `prefer_cross_layer_blocks`)."""
         names, geo = layer_names_in_order(self._kv_cache_config), geometry(self._kv_cache_config)
-        tensors = cross_layer_views(kv_cache, backend, len(names), geo)
-        layout = layout_of_tensors(tensors, dim_names(backend, geo), geo, backend.get_name())
-        self._start(layout, names, _view(tensors[0], layout), f"{backend.get_name()}, cross-layer")
+        tensors = cross_layer_views(kv_cache, len(names), geo, backend.get_name())
+        self._start_from_tensors(tensors, names, f"{backend.get_name()}, cross-layer")
+
+    def _start_from_tensors(self, tensors: list[Any], names: list[str], backend_name: str) -> None:
+        """Read the layout from vLLM's per-layer tensors (`backend_layout.py`) and start over them: one
+        strided view where the layers share a buffer, else the tensors themselves, one NIXL region each."""
+        layout, is_per_layer = layout_of_tensors(tensors, geometry(self._kv_cache_config), backend_name)
+        views = layer_views(tensors, layout)
+        if is_per_layer:
+            self._start(layout, names, LayerTensors(views, layout), f"{backend_name}, one allocation per layer")
+        else:
+            self._start(layout, names, _view(views[0], layout), backend_name)
 
     def _start(self, layout: KVCacheLayout, layer_names: list[str], view: Any, backend_name: str) -> None:
         if self._inner is not None:
@@ -138,7 +146,8 @@ class WorkerSide:
             "KVBridgeConnector: %s registered %d layers x %d blocks of vLLM's KV cache (%s; page %s, %d B; %s; "
             "tensor-parallel rank %d of %d, KV heads [%d, %d) of %d)",
             self.setup.transfer.connector, layout.num_layers, layout.num_blocks, backend_name, layout.page_format,
-            layout.page_nbytes, "blocks outermost" if layout.is_block_contiguous else "layers outermost",
+            layout.page_nbytes, "blocks outermost" if layout.is_block_contiguous else (
+                "one region per layer" if isinstance(view, LayerTensors) else "layers outermost"),
             tp.rank, tp.size, tp.kv_head_start, tp.kv_head_start + layout.num_kv_heads, tp.num_total_kv_heads,
         )  # fmt: skip
 

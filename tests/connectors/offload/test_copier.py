@@ -258,3 +258,46 @@ def test_a_copier_with_a_digest_digests_the_kv_side_of_every_copy_as_it_copies()
     handle = plain.store([1], [0])
     assert handle.wait(10) and handle.digests() == {}
     plain.close()
+
+
+def _check_per_layer_round_trip(device: str) -> None:
+    """KV held one tensor per layer (vLLM 0.25's V2 model runner): stores gather every layer's page of a
+    block into its slot, loads scatter them back, digests are of the block's bytes in layer order."""
+    from kvbridge.layer_tensors import LayerTensors
+
+    geometry = dict(num_blocks=10, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+    layout = KVCacheLayout.per_layer(PAGE, **geometry)
+    gen = torch.Generator().manual_seed(2)
+    layers = [torch.randn((10, *layout.page_shape), generator=gen).to(device) for _ in range(3)]  # three allocations
+    kv = LayerTensors(layers, layout)
+    host = HostTier(layout, num_slots=6, pin_memory=device != "cpu")
+    alg = algorithm_for(kv)
+    digest = partial(start_block_digests, region_bytes(kv, layout), layout, alg=alg)
+    copier = make_copier(kv, host.pool, staging_blocks=2, digest=digest)
+    gpu_ids, slots = [7, 2, 3, 4, 9], [0, 1, 2, 3, 5]
+    handle = copier.store(gpu_ids, slots)
+    assert handle.wait(10) and handle.error is None
+    block_major = KVCacheLayout(**geometry, page_format="2NHD")
+    whole = torch.stack([t.cpu() for t in layers], dim=1)  # [10, 3, *page]: the same blocks, block-major
+    stored = block_digests(region_bytes(whole.to(device), block_major), block_major, gpu_ids, alg).values
+    assert handle.digests() == dict(zip(gpu_ids, stored))
+    for g, s in zip(gpu_ids, slots):
+        assert torch.equal(host.pool[s], whole[g])
+    target = [0, 1, 5, 6, 8]
+    handle = copier.load(slots, target)
+    assert handle.wait(10) and handle.error is None
+    assert [handle.digests()[g] for g in target] == stored
+    for g, src in zip(target, gpu_ids):
+        for layer in range(3):
+            assert torch.equal(layers[layer][g].cpu(), whole[src, layer])
+    assert all(torch.equal(layers[layer][b].cpu(), whole[b, layer]) for layer in range(3) for b in (2, 3, 4, 7, 9))
+    copier.close()
+
+
+def test_layer_copier_round_trip_of_a_per_layer_cache():
+    _check_per_layer_round_trip("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_copier_round_trip_of_a_per_layer_cache():
+    _check_per_layer_round_trip("cuda")

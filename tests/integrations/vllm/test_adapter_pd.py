@@ -64,6 +64,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.
 
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8
+NUM_LAYERS = 4  # conftest.TINY_MODEL
 PROMPT_LEN = 300  # two full blocks and a partial one: two blocks move
 # Short handshakes, so a dead or lying peer costs seconds (kvbridge/connectors/nixl/options.py); a read
 # may take 30 s: CI's 2-core machines have seen a server go silent for 16-20 s at the first read from it.
@@ -141,6 +142,10 @@ def _assert_read(pd: PD, before: dict, after: dict, num_blocks: int) -> None:
     assert delta(after, before, TRANSFERS) == 1, f"the decode read no KV over NIXL: {after}"
     assert delta(after, before, BYTES) == num_blocks * pd.block_nbytes
     assert delta(after, before, FAILURES) == 0 and delta(after, before, LOAD_ERRORS) == 0, after
+    # vLLM's CPU buffer is layer-outermost: one descriptor per run of blocks per layer, at most one per page
+    descriptors = after["kvbridge_worker_last_read_descriptors"]
+    assert descriptors % NUM_LAYERS == 0 and NUM_LAYERS <= descriptors <= num_blocks * NUM_LAYERS, after
+    print(f"read of {num_blocks} blocks x {NUM_LAYERS} layers: {descriptors:.0f} descriptors")
 
 
 def _wait_leases_ended(pd: PD) -> dict[str, float]:

@@ -9,8 +9,8 @@ honours the connector's `prefer_cross_layer_blocks` and allocates one cross-laye
   one transfer of exactly the prompt's full blocks per request;
 * `offload-triton` (TRITON_ATTN, OffloadingConnector, kv_both, a 160-block KV cache): the host tier
   serves a prompt that other prompts evicted from vLLM's cache, with the same tokens;
-* `v2-runner` (FLASH_ATTN, V2 model runner, which allocates each layer separately): refused at
-  start-up with an error that names the backend and says what to change.
+
+vLLM's default, the V2 model runner (each layer allocated alone), is test_gpu_per_layer.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from adapter_e2e import BYTES, FAILURES, TRANSFERS, delta, greedy, kvbridge_metr
 from adapter_e2e import random_prompt, wait_for_metrics
 from vllm_checkpoint import kv_bytes_per_token
 from vllm_client import complete, pd_complete
-from vllm_server import VLLMStartError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,24 +54,6 @@ def servers(vllm_servers, tiny_checkpoint):
     vllm_servers.wait()
     print(f"\nGPU servers ready after {time.monotonic() - start_s:.0f} s")
     return servers
-
-
-@pytest.fixture(scope="module")
-def v2_runner_refusal(servers, vllm_servers, tiny_checkpoint):
-    """A server with the V2 model runner (each layer allocated alone): it must exit at start-up.
-    Started after the others are up: a server that exits frees GPU memory, which vLLM's memory
-    profiling of a server booting beside it would count as its own."""
-    config = kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=64)
-    refused = vllm_servers.start("v2-runner", tiny_checkpoint, max_model_len=MAX_MODEL_LEN, kv_transfer_config=config,
-                                 extra_args=_gpu_args("FLASH_ATTN"), env={"VLLM_USE_V2_MODEL_RUNNER": "1"})  # fmt: skip
-    try:
-        vllm_servers.wait()
-        refusal = None
-    except VLLMStartError as exc:
-        refusal = str(exc)
-    vllm_servers.servers.remove(refused)
-    refused.stop()
-    return refused, refusal
 
 
 def test_layout_read_from_backend_is_cross_layer_block_major(servers):
@@ -118,11 +99,3 @@ def test_offload_host_tier_serves_evicted_prompt_triton(servers):
     assert second.token_ids == first.token_ids
     assert delta(after, before, loaded) == 40, after
     print(f"offload (TRITON_ATTN): recompute {first.total_s * 1e3:.1f} ms, host-tier hit {second.total_s * 1e3:.1f} ms")
-
-
-def test_v2_runner_per_layer_allocation_refused_at_start(v2_runner_refusal):
-    refused, refusal = v2_runner_refusal
-    log = refused.log_tail(20000)
-    assert refusal is not None, "a V2-runner server with KVBridgeConnector started serving"
-    for words in ("FLASH_ATTN", "allocated each layer's KV", "VLLM_USE_V2_MODEL_RUNNER=0"):
-        assert words in log, (words, refusal, log[-3000:])
