@@ -36,7 +36,9 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 NUM_PEERS = 200
 MAX_EXTRA_THREADS = 20
 THREADS_TIMEOUT_S = 60.0  # idle peers are forgotten well inside it
-DECODE_OPTIONS = {**FAST_FAIL, "allowed_peers": ["127.0.0.1"]}
+# Each made-up peer costs the decode node one handshake timeout; half of FAST_FAIL's second is still
+# far above a loopback handshake with the real prefill nodes.
+DECODE_OPTIONS = {**FAST_FAIL, "handshake_timeout_s": 0.5, "allowed_peers": ["127.0.0.1"]}
 WARM, BURST, OUTSIDE = prompt("bounds-warm", 80), prompt("bounds-burst", 60), prompt("bounds-outside", 80)
 LATE = prompt("bounds-late-prefill", 80)
 

@@ -184,7 +184,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-LEASE_S = 15.0  # long next to a few tiny-model completions; the test waits for it once
+LEASE_S = 8.0  # long next to a few tiny-model completions (well under a second each); the test waits for it once
 
 
 @pytest.mark.nixl
