@@ -25,6 +25,8 @@ from chaos_harness import (
 )
 from chaos_sockets import FrameRelay, message_type, side_channel_send
 
+from kvbridge.transfer.address_proof import SideChannelAddress, prove_address
+
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 SECRET = "chaos-suite-replay-secret-of-32-bytes"
@@ -55,12 +57,21 @@ def _assert_all_refused(address: str, frames: list[bytes]) -> None:
         )
 
 
+def via_relay(params: dict, port: int) -> dict:
+    """`params` pointing at `port` on the prefill's host, vouched for with the cluster's secret."""
+    address = SideChannelAddress(params["remote_engine_id"], params["remote_incarnation"], params["remote_host"], port)
+    mac = prove_address(SECRET.encode(), address, params["remote_address_expires_at"])
+    return {**params, "remote_port": port, "remote_address_mac": mac}
+
+
 def test_captured_frames_are_refused_by_another_node_and_by_a_restarted_one(cluster):
     a, d = cluster.url("prefill-a"), cluster.url("decode")
     params = prefill(a, TEXT)
     relay = FrameRelay(cluster.side_channel("prefill-a"))
     try:
-        status, body = complete(d, TEXT, {**params, "remote_port": relay.port})
+        # The decode connects only to addresses vouched for with the secret: the test holds it, so it
+        # vouches for its relay (an attacker without the secret cannot; test_side_channel_default_auth.py).
+        status, body = complete(d, TEXT, via_relay(params, relay.port))
         assert_correct(status, body, cluster.refs[TEXT])
     finally:
         relay.close()

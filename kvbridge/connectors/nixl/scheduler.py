@@ -305,7 +305,9 @@ class NixlScheduler:
         if self._secret is None:
             return {}
         address = SideChannelAddress(self.config.engine_id, self.incarnation, self.config.side_channel_host, self.side_channel_port)
-        expires_at = self._wall_clock() + self.lease_s
+        # whole seconds: an integer crosses any JSON proxy unchanged, where a fraction may not (vllm-router's
+        # parser may round a float's last bit, and the MAC covers every bit)
+        expires_at = float(math.ceil(self._wall_clock() + self.lease_s))
         return {"remote_address_mac": prove_address(self._secret, address, expires_at), "remote_address_expires_at": expires_at}
 
     def get_stats(self) -> dict[str, Any]:
