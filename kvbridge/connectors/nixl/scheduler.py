@@ -46,8 +46,14 @@ logger = logging.getLogger(__name__)
 
 # Key of KVConnectorOutput.stats (the worker's get_step_stats) under which it reports its side-channel port.
 SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
-# ... and the prefill side channels that did not answer this step (their handshakes failed).
+# ... and the prefill engines whose side channels did not answer this step (their handshakes failed), as
+# unreachable_peer_key strings: an engine restarted at the same address is another incarnation, tried at once.
 UNREACHABLE_PEERS_STAT = "nixl_unreachable_peers"
+
+
+def unreachable_peer_key(address: str, incarnation: str) -> str:
+    """Names one prefill engine instance in UNREACHABLE_PEERS_STAT (plain strings: the stats cross processes)."""
+    return f"{incarnation}@{address}"
 
 
 class NixlScheduler:
@@ -72,8 +78,8 @@ class NixlScheduler:
         # with it, the decode connects to no address it does not vouch for (transfer/address_proof.py).
         self._secret = secret
         self._wall_clock = wall_clock
-        # decode: side channels that did not answer, until when requests naming them are computed here
-        # (refused before admission: no load error, whatever vLLM's kv_load_failure_policy)
+        # decode: prefill engines (incarnation@address) that did not answer, until when requests naming them
+        # are computed here (refused before admission: no load error, whatever vLLM's kv_load_failure_policy)
         self._unreachable_cooldown_s, self._clock = unreachable_cooldown_s, clock
         self._unreachable_until: dict[str, float] = {}
         self.side_channel_port = config.side_channel_port  # replaced by the bound port once the worker reports it
@@ -110,7 +116,7 @@ class NixlScheduler:
             return None
         if params is not None and params.remote_block_ids and not self._is_vouched(request.request_id, params):
             return None
-        if params is not None and params.remote_block_ids and self._is_unreachable(params.side_channel_address):
+        if params is not None and params.remote_block_ids and self._is_unreachable(params):
             self._refuse(request.request_id, f"the prefill side channel {params.side_channel_address} did not answer a "
                          f"handshake within the last {self._unreachable_cooldown_s:g} s (NixlConnector option "
                          "unreachable_peer_cooldown_s): PeerUnreachableError, not tried again yet")  # fmt: skip
@@ -118,10 +124,11 @@ class NixlScheduler:
             return None
         return params
 
-    def _is_unreachable(self, address: str) -> bool:
-        until = self._unreachable_until.get(address)
+    def _is_unreachable(self, params: RemotePrefillParams) -> bool:
+        key = unreachable_peer_key(params.side_channel_address, params.remote_incarnation)
+        until = self._unreachable_until.get(key)
         if until is not None and self._clock() >= until:
-            del self._unreachable_until[address]
+            del self._unreachable_until[key]
             return False
         return until is not None
 
@@ -247,8 +254,8 @@ class NixlScheduler:
         if port:
             self.side_channel_port = int(port)
         if self._unreachable_cooldown_s:
-            for address in output.stats.get(UNREACHABLE_PEERS_STAT) or ():
-                self._unreachable_until[str(address)] = self._clock() + self._unreachable_cooldown_s
+            for key in output.stats.get(UNREACHABLE_PEERS_STAT) or ():
+                self._unreachable_until[str(key)] = self._clock() + self._unreachable_cooldown_s
         self._leased -= output.finished_sending
 
     def has_pending_transfers(self) -> bool:

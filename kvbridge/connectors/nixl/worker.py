@@ -42,7 +42,7 @@ from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_control import PeerControls, Reading, Verdict
-from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT
+from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT, unreachable_peer_key
 from kvbridge.connectors.nixl.stats import TransferStats
 from kvbridge.connectors.nixl.verify import ReadVerifier
 from kvbridge.errors import KVBridgeError
@@ -88,7 +88,7 @@ class NixlWorker:
         self._invalid_block_ids: set[int] = set()
         self._flip_landed_bit = env.fault_flip_read_bit() and env.fault_flip_read_bit_rank() in (None, context.tp_rank)
         self._confirm_delay_s = env.fault_delay_confirm_s()  # fault injection (tests): a slow confirmation
-        self._unreachable: set[str] = set()  # side channels whose handshake failed, until get_step_stats reports them
+        self._unreachable: set[str] = set()  # prefill engines whose handshake failed, until get_step_stats reports them
         self._verifier: ReadVerifier | None = None  # decode: checks each read's bytes (verify_kv_digest)
         self._load_errors: dict[str, str] = {}  # request id -> why its load failed, until reported
         # Tensor parallelism, prefill: rank 0 grants a lease once every rank's digest of its own heads
@@ -282,7 +282,7 @@ class NixlWorker:
                 if job.remote.address in self._endpoint.peers:  # it answered: let it free the blocks now
                     self._peers.abandon(job.remote, job.lease)
                 elif "PeerUnreachableError" in (rec.error or ""):  # no answer: the scheduler half stops trying it
-                    self._unreachable.add(job.remote.address)
+                    self._unreachable.add(unreachable_peer_key(job.remote.address, job.remote.incarnation))
                 self._finish_recv(rec.req_id)
         outcomes = self._peers.progress(self._reading())  # sends the confirmations queued above
         for job in landed:

@@ -10,7 +10,7 @@ from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
 from kvbridge.connectors.nixl.leases import EARLY_ABANDON_S, MAX_EARLY_ABANDONS, LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_policy import PeerPolicy
-from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT, NixlScheduler
+from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT, NixlScheduler, unreachable_peer_key
 from kvbridge.connectors.nixl.stats import TransferStats, busy_seconds
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
@@ -105,12 +105,16 @@ def test_decode_computes_requests_naming_an_unreachable_side_channel_until_the_c
     now = [100.0]
     config = KVTransferConfig("NixlConnector", role="kv_consumer", engine_id="me", side_channel_port=0)
     sched = NixlScheduler(config, BS, 30.0, "inc-me", PeerPolicy(), unreachable_cooldown_s=10.0, clock=lambda: now[0])
-    sched.update_connector_output(KVConnectorOutput(stats={UNREACHABLE_PEERS_STAT: ["tcp://127.0.0.1:5555"]}))
+    dead = unreachable_peer_key("tcp://127.0.0.1:5555", "inc-0")
+    sched.update_connector_output(KVConnectorOutput(stats={UNREACHABLE_PEERS_STAT: [dead]}))
     refused = request(2 * BS, remote_params([7, 8]), req_id="r1")
     assert sched.get_num_new_matched_tokens(refused, 0) == (0, False)  # before admission: no load error
     assert "PeerUnreachableError" in sched.take_refusal("r1")
     other_port = request(2 * BS, remote_params([7, 8], port=5556), req_id="r2")
     assert sched.get_num_new_matched_tokens(other_port, 0) == (2 * BS, True)
+    # the engine restarted at the same address is another incarnation: its leases are read at once
+    restarted = request(2 * BS, {**remote_params([7, 8]), "remote_incarnation": "inc-1"}, req_id="r4")
+    assert sched.get_num_new_matched_tokens(restarted, 0) == (2 * BS, True)
     now[0] += 10.0
     assert sched.get_num_new_matched_tokens(request(2 * BS, remote_params([7, 8]), req_id="r3"), 0) == (2 * BS, True)
     assert sched.get_stats()["num_refused_unreachable"] == 1

@@ -28,6 +28,7 @@ LOAD_ERRORS = "kvbridge_worker_num_load_errors"
 LEASES = "kvbridge_worker_num_leases"
 EXPIRED_LEASES = "kvbridge_worker_num_expired_leases"
 MISMATCHED = "kvbridge_scheduler_num_mismatched_params"
+UNPROVEN = "kvbridge_scheduler_num_unproven_addresses"  # params naming an address the prefill did not vouch for
 HELD = "kvbridge_scheduler_adapter_held_requests"
 TRACKED = "kvbridge_scheduler_adapter_tracked_requests"
 

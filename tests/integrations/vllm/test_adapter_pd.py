@@ -46,6 +46,7 @@ from adapter_e2e import (
     LEASES,
     LOAD_ERRORS,
     MISMATCHED,
+    UNPROVEN,
     TRANSFERS,
     delta,
     greedy,
@@ -293,9 +294,12 @@ FORGERIES = {
     "made_up_lease_token": lambda own, other: {**own, "remote_lease_token": "ab" * 32},
     "made_up_incarnation": lambda own, other: {**own, "remote_incarnation": "cd" * 16},
     "absurd_block_ids": lambda own, other: {**own, "remote_block_ids": [10**12, 10**12 + 1]},
-    # nothing listens there: the handshake's deadline (handshake_timeout_s x attempts) bounds the wait
+    # nothing listens there, and the prefill never vouched for that port: refused before any connection
     "unreachable_prefill": lambda own, other: {**own, "remote_port": free_ports(1)[0]},
 }
+# Forgeries of the address the prefill signed (engine id, incarnation, host, port): the decode connects to
+# nothing and computes the prompt, before admission, so vLLM sees no load error at all.
+ADDRESS_FORGERIES = {"made_up_incarnation", "unreachable_prefill"}
 
 
 @pytest.mark.parametrize("forgery", FORGERIES)
@@ -309,13 +313,17 @@ def test_forged_params_on_recompute_decode_give_colocated_tokens(pd, forgery):
     start = time.monotonic()
     out = complete(pd.decode.url, greedy(prompt, MAX_TOKENS, kv_transfer_params=params))
     elapsed = time.monotonic() - start
-    after = wait_for_metrics(pd.decode.url, lambda m: delta(m, before, MISMATCHED) + delta(m, before, LOAD_ERRORS) > 0)
+    refusals = (MISMATCHED, LOAD_ERRORS, UNPROVEN)
+    after = wait_for_metrics(pd.decode.url, lambda m: sum(delta(m, before, name) for name in refusals) > 0)
 
     assert out.token_ids == expected, "the decode used KV that was not its prompt's"
     assert elapsed < DEAD_PREFILL_DEADLINE_S, f"the decode took {elapsed:.1f} s to give up on forged params"
     # ...because it refused the params, not by luck: a hash mismatch, or a load error vLLM recomputed
     if forgery == "another_prompts_params":
         assert delta(after, before, MISMATCHED) == 1 and delta(after, before, TRANSFERS) == 0, after
+    elif forgery in ADDRESS_FORGERIES:
+        assert delta(after, before, UNPROVEN) == 1 and delta(after, before, LOAD_ERRORS) == 0, after
+        assert delta(after, before, TRANSFERS) == 0 and delta(after, before, FAILURES) == 0, after
     else:
         assert delta(after, before, LOAD_ERRORS) == PROMPT_LEN // CPU_BLOCK_SIZE, after
     print(f"{forgery}: recomputed in {elapsed:.2f} s")
