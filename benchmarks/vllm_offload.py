@@ -37,7 +37,10 @@ connector reports them on vLLM's Prometheus registry, and their GB/s. vLLM: its 
 counters, the time of each transfer between CUDA events; vLLM 0.25 records connector statistics only
 in engine steps that yield a token, and a hit's load ends in a step that yields none, so its loads
 may go unrecorded there (`num_loads` says how many were; 0.32 records every step). kvbridge: its
-offload worker's totals, the time of each transfer from submission until the worker saw it done.
+offload worker's totals: on CUDA the time of each copy between CUDA events too (from the end of the
+forward pass it waits for to the copy's end, the way vLLM times its own: `*_timed_on` "device"), with
+the wall time from submission until the worker saw it done beside it (`*_wall_gb_per_s`: with CUDA
+graphs it holds the rest of the step's forward pass, so it is no copy rate); on CPU the wall time.
 
 In the same run the limits (benchmarks/limits.py): recompute at the prompt's FLOPs over a measured
 matmul rate (`recompute_mfu`), a hit at its KV bytes over a measured pinned host -> device copy
@@ -110,10 +113,18 @@ def transfer_totals(arm: str) -> dict[str, dict[str, float]]:
         if arm == "vllm":
             num, nbytes = metrics.get(f"vllm:kv_offload_{way}_size_count", 0.0), metrics.get(f"vllm:kv_offload_{way}_bytes_total", 0.0)
             seconds = metrics.get(f"vllm:kv_offload_{way}_time_total", 0.0)
-        else:  # latency gauges: count and mean over every transfer so far
-            num, nbytes = metrics.get(f"kvbridge_worker_{way}_latency_count", 0.0), metrics.get(f"kvbridge_worker_bytes_{done}", 0.0)
-            seconds = num * metrics.get(f"kvbridge_worker_{way}_latency_mean_ms", 0.0) / 1e3
-        out[way] = {"num_transfers": num, "bytes": nbytes, "seconds": seconds}
+            out[way] = {"num_transfers": num, "bytes": nbytes, "seconds": seconds, "timed_on": "device"}
+            continue
+        # latency gauges, count and mean over every transfer so far: the device-timed ones where the copier
+        # times on the device (CUDA), as vLLM times its own; the wall-clock ones (CPU copies) otherwise
+        nbytes = metrics.get(f"kvbridge_worker_bytes_{done}", 0.0)
+        timed_on = "device" if metrics.get(f"kvbridge_worker_{way}_device_latency_count") else "wall"
+        gauge = f"kvbridge_worker_{way}_device_latency" if timed_on == "device" else f"kvbridge_worker_{way}_latency"
+        num = metrics.get(f"{gauge}_count", 0.0)
+        seconds = num * metrics.get(f"{gauge}_mean_ms", 0.0) / 1e3
+        wall_num = metrics.get(f"kvbridge_worker_{way}_latency_count", 0.0)
+        wall_s = wall_num * metrics.get(f"kvbridge_worker_{way}_latency_mean_ms", 0.0) / 1e3
+        out[way] = {"num_transfers": num, "bytes": nbytes, "seconds": seconds, "timed_on": timed_on, "wall_seconds": wall_s}
     return out
 
 
@@ -247,8 +258,10 @@ def arm_report(samples: dict, kv_bytes_per_token: int, limits: dict) -> dict:
         t = samples["transfers"][way]
         gbps = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] > 0 else None
         connector |= {f"num_{way}s": int(t["num_transfers"]), f"{way}_bytes": int(t["bytes"]), f"{way}_s": t["seconds"],
-                      f"{way}_gb_per_s": gbps,
+                      f"{way}_timed_on": t["timed_on"], f"{way}_gb_per_s": gbps,
                       f"{way}_fraction_of_limit": gbps * 1e9 / rate["bytes_per_s"] if gbps else None}  # fmt: skip
+        if t.get("wall_seconds"):  # from the hand-over to the copier to the poll that retired the copy
+            connector[f"{way}_wall_gb_per_s"] = t["bytes"] / t["wall_seconds"] / 1e9
     out["connector"] = connector
     return out
 

@@ -32,6 +32,12 @@ class CopyHandle(ABC):
     def wait(self, timeout_s: float) -> bool:
         """Block until done or `timeout_s` passed; True when done."""
 
+    def device_seconds(self) -> float | None:
+        """The copy's own time on the device, from the moment the work it waits for (the step's forward
+        pass) ended to its end; None where the copier cannot time it (CPU copies: their wall time is
+        theirs). Called once the copy is done and did not fail."""
+        return None
+
     def on_done(self, callback: Callable[[], object]) -> None:
         """Call `callback()` once the copy ended, on a copier thread (the owner still polls: this
         only wakes it early). A copier that cannot tell ends without polling never calls it."""

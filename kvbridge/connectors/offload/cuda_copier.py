@@ -27,6 +27,7 @@ class _CudaHandle(CopyHandle):
         self._waiter = waiter
         self.future: Future | None = None
         self.event: torch.cuda.Event | None = None
+        self.began: torch.cuda.Event | None = None  # on the DMA stream, once the work it waits for ended
         self._ready = threading.Event()  # set once `event` is recorded, or the helper's job failed
         self.digest_job: DigestJob | None = None  # of `digest_ids`, queued before `event`
         self.digest_ids: list[int] = []
@@ -35,6 +36,11 @@ class _CudaHandle(CopyHandle):
         if self.digest_job is None:
             return {}
         return dict(zip(self.digest_ids, self.digest_job.result().values))
+
+    def device_seconds(self) -> float | None:
+        if self.began is None or self.event is None:
+            return None
+        return self.began.elapsed_time(self.event) / 1e3
 
     def is_done(self) -> bool:
         if self.future is not None and self.future.done() and self.future.exception() is not None:
@@ -117,6 +123,10 @@ class CudaCopier(BlockCopier):
         device = self.kv_cache.device
         dma.wait_event(after)  # the compute stream's work on these blocks comes first
         kernels.wait_event(after)
+        # the copy's own time starts here, not when it was enqueued: with CUDA graphs the CPU enqueues a
+        # store long before the forward pass that writes its blocks has ended on the device
+        handle.began = torch.cuda.Event(enable_timing=True)
+        handle.began.record(dma)
         torch.cuda.set_stream(kernels)
         # every segment's block ids in one pinned host tensor, one upload: no pageable copy
         # (which would block this thread until the stream drains) inside the loop
@@ -166,7 +176,7 @@ class CudaCopier(BlockCopier):
             handle.digest_ids = [b for ids, _ in segments for b in ids]
             handle.digest_job = self.digest(handle.digest_ids)
         dma.wait_stream(kernels)
-        done = torch.cuda.Event(blocking=True)  # a waiter thread sleeps on it (`on_done`)
+        done = torch.cuda.Event(blocking=True, enable_timing=True)  # a waiter thread sleeps on it (`on_done`)
         done.record(dma)
         return done
 

@@ -78,6 +78,10 @@ class OffloadWorker:
         self._verifier: LoadVerifier | None = None  # verify_kv_digest
         self._fault_flip_host_bit = env.fault_flip_host_block_bit()
         self._store_latency, self._load_latency = LatencyStats(), LatencyStats()
+        # the copies' own time on the device (CUDA: from the end of the work they wait for, as vLLM's
+        # OffloadingConnector times its transfers); the latencies above are wall time from the hand-over
+        # to the copier, which with CUDA graphs includes the rest of the step's forward pass
+        self._store_device, self._load_device = LatencyStats(), LatencyStats()
 
     # ------------------------------------------------------------------ set-up
 
@@ -215,6 +219,8 @@ class OffloadWorker:
             self._stats["bytes_stored"] += nbytes
             self._stats["blocks_stored"] += len(job.slots)
             self._store_latency.add(elapsed)
+            if (device_s := op.handle.device_seconds()) is not None:
+                self._store_device.add(device_s)
             if self.disk is not None:
                 for block_hash, slot, write in zip(job.hashes, job.slots, job.write_to_disk):
                     if write:
@@ -234,6 +240,8 @@ class OffloadWorker:
                 self._stats["bytes_loaded"] += nbytes
                 self._stats["blocks_loaded"] += len(job.gpu_block_ids)
                 self._load_latency.add(elapsed)
+                if (device_s := op.handle.device_seconds()) is not None:
+                    self._load_device.add(device_s)
             self._end_load(job.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
@@ -297,6 +305,9 @@ class OffloadWorker:
         stats: dict[str, Any] = dict(self._stats)
         stats["store_latency"] = self._store_latency.summary()
         stats["load_latency"] = self._load_latency.summary()
+        for way, device in (("store", self._store_device), ("load", self._load_device)):
+            if device.count:
+                stats[f"{way}_device_latency"] = device.summary()
         stats["in_flight_copies"] = len(self._in_flight)
         if self.host is not None:
             stats["host_pool_bytes"] = self.host.nbytes if self.host.pool is not None else 0

@@ -301,3 +301,32 @@ def test_layer_copier_round_trip_of_a_per_layer_cache():
 @pytest.mark.gpu
 def test_cuda_copier_round_trip_of_a_per_layer_cache():
     _check_per_layer_round_trip("cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_copies_are_timed_from_the_end_of_the_work_they_wait_for():
+    """A store enqueued while the compute stream still runs (as with CUDA graphs, the CPU far ahead)
+    reports its own time on the device, not the compute's: device_seconds ends well under the wall
+    time from the hand-over, and under the compute it waited for. CPU copies have no device time."""
+    kv = torch.randn((64, *SHAPE), device="cuda")
+    host = torch.zeros((64, *SHAPE), pin_memory=True)
+    copier = make_copier(kv, host, 8)
+    a = torch.randn((4096, 4096), device="cuda")
+    compute_start, compute_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    compute_start.record()
+    for _ in range(40):  # tens of milliseconds of compute on the caller's stream, still running below
+        a = (a @ a).tanh_()
+    compute_end.record()
+    started = time.monotonic()
+    handle = copier.store(list(range(0, 64, 2)), list(range(32)))
+    assert handle.wait(30) and handle.error is None
+    wall_s = time.monotonic() - started
+    compute_s = compute_start.elapsed_time(compute_end) / 1e3
+    device_s = handle.device_seconds()
+    assert device_s is not None and 0 < device_s < compute_s < wall_s, (device_s, compute_s, wall_s)
+    assert torch.equal(host[:32].cpu(), kv[0:64:2].cpu())
+    copier.close()
+    cpu = make_copier(kv.cpu(), torch.zeros_like(host), 2)
+    cpu_handle = cpu.store([0, 1], [0, 1])
+    assert cpu_handle.wait(10) and cpu_handle.device_seconds() is None
+    cpu.close()
