@@ -102,8 +102,11 @@ def transfer_config(arm: str, host_nbytes: int, verify_kv_digest: bool) -> dict 
 
 
 def transfer_totals(arm: str) -> dict[str, dict[str, float]]:
-    """{"load"|"store": {"num_transfers", "bytes", "seconds"}}: the connector's running totals on vLLM's
-    Prometheus registry (in this process)."""
+    """{"load"|"store": {"bytes", "num_device", "device_seconds", "num_wall", "wall_seconds"}}: the
+    connector's running totals on vLLM's Prometheus registry (in this process), numbers only (a run's
+    figures are the totals after it minus those before). `device`: transfers timed between CUDA events,
+    from the end of the work they wait for (vLLM's; kvbridge's on CUDA); `wall`: kvbridge's, from the
+    hand-over to its copier until its worker saw the copy done (its only timing on CPU)."""
     from prometheus_client import REGISTRY, generate_latest
     from vllm_client import metric_totals
 
@@ -111,20 +114,15 @@ def transfer_totals(arm: str) -> dict[str, dict[str, float]]:
     out = {}
     for way, done in (("load", "loaded"), ("store", "stored")):
         if arm == "vllm":
-            num, nbytes = metrics.get(f"vllm:kv_offload_{way}_size_count", 0.0), metrics.get(f"vllm:kv_offload_{way}_bytes_total", 0.0)
-            seconds = metrics.get(f"vllm:kv_offload_{way}_time_total", 0.0)
-            out[way] = {"num_transfers": num, "bytes": nbytes, "seconds": seconds, "timed_on": "device"}
+            out[way] = {"bytes": metrics.get(f"vllm:kv_offload_{way}_bytes_total", 0.0),
+                        "num_device": metrics.get(f"vllm:kv_offload_{way}_size_count", 0.0),
+                        "device_seconds": metrics.get(f"vllm:kv_offload_{way}_time_total", 0.0),
+                        "num_wall": 0.0, "wall_seconds": 0.0}  # fmt: skip
             continue
-        # latency gauges, count and mean over every transfer so far: the device-timed ones where the copier
-        # times on the device (CUDA), as vLLM times its own; the wall-clock ones (CPU copies) otherwise
-        nbytes = metrics.get(f"kvbridge_worker_bytes_{done}", 0.0)
-        timed_on = "device" if metrics.get(f"kvbridge_worker_{way}_device_latency_count") else "wall"
-        gauge = f"kvbridge_worker_{way}_device_latency" if timed_on == "device" else f"kvbridge_worker_{way}_latency"
-        num = metrics.get(f"{gauge}_count", 0.0)
-        seconds = num * metrics.get(f"{gauge}_mean_ms", 0.0) / 1e3
-        wall_num = metrics.get(f"kvbridge_worker_{way}_latency_count", 0.0)
-        wall_s = wall_num * metrics.get(f"kvbridge_worker_{way}_latency_mean_ms", 0.0) / 1e3
-        out[way] = {"num_transfers": num, "bytes": nbytes, "seconds": seconds, "timed_on": timed_on, "wall_seconds": wall_s}
+        out[way] = {"bytes": metrics.get(f"kvbridge_worker_bytes_{done}", 0.0)}
+        for timing, gauge in (("device", f"kvbridge_worker_{way}_device_latency"), ("wall", f"kvbridge_worker_{way}_latency")):
+            num = metrics.get(f"{gauge}_count", 0.0)  # latency gauges: count and mean over every transfer so far
+            out[way] |= {f"num_{timing}": num, f"{timing}_seconds": num * metrics.get(f"{gauge}_mean_ms", 0.0) / 1e3}
     return out
 
 
@@ -256,11 +254,13 @@ def arm_report(samples: dict, kv_bytes_per_token: int, limits: dict) -> dict:
     connector = {}
     for way, rate in (("load", limits["host_load_rate"]), ("store", limits["host_store_rate"])):
         t = samples["transfers"][way]
-        gbps = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] > 0 else None
-        connector |= {f"num_{way}s": int(t["num_transfers"]), f"{way}_bytes": int(t["bytes"]), f"{way}_s": t["seconds"],
-                      f"{way}_timed_on": t["timed_on"], f"{way}_gb_per_s": gbps,
+        timed_on = "device" if t["num_device"] > 0 else "wall"  # device wherever both arms have it (CUDA)
+        seconds = t[f"{timed_on}_seconds"]
+        gbps = t["bytes"] / seconds / 1e9 if seconds > 0 else None
+        connector |= {f"num_{way}s": int(t[f"num_{timed_on}"]), f"{way}_bytes": int(t["bytes"]), f"{way}_s": seconds,
+                      f"{way}_timed_on": timed_on, f"{way}_gb_per_s": gbps,
                       f"{way}_fraction_of_limit": gbps * 1e9 / rate["bytes_per_s"] if gbps else None}  # fmt: skip
-        if t.get("wall_seconds"):  # from the hand-over to the copier to the poll that retired the copy
+        if timed_on == "device" and t["wall_seconds"] > 0:  # kvbridge: hand-over to the copier until retired
             connector[f"{way}_wall_gb_per_s"] = t["bytes"] / t["wall_seconds"] / 1e9
     out["connector"] = connector
     return out
