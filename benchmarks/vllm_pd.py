@@ -17,7 +17,9 @@ kvbridge with the prefill's signed grants off (NixlConnector option `sign_grants
 read is confirmed with the prefill on the side channel, the hand-off before them. An arm that fails or hangs
 (a leg past `--request-timeout`) is a result: its error is recorded and the other arms still run.
 
-On CUDA (`--device cuda`) every server shares one GPU (`--gpu-memory-utilization`, 0.3 each), runs
+On CUDA (`--device cuda`) every server shares one GPU (`--gpu-memory-utilization`, 0.3 each), unless
+`--prefill-gpu` and `--decode-gpu` put the prefill servers on one GPU and the decode and colocated
+servers on another (the transfer's baseline is then the peer copy between the two), and each server runs
 bf16 with FLASH_ATTN, block size 16 and vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, where
 KVBridgeConnector gets vLLM's cross-layer KV allocation) — the same settings for every arm and the
 colocated server — as vLLM deploys it: torch.compile and CUDA graphs (`--enforce-eager` turns them
@@ -130,7 +132,7 @@ def parse_arm(arm: str) -> tuple[str, set[str]]:
     return base, set(mods.split("+")) if mods else set()
 
 
-def server_options(args, arm: str | None = None) -> dict:
+def server_options(args, arm: str | None = None, gpu: int | None = None) -> dict:
     """What a server of a run gets besides its connector: cores on CPU; on CUDA the GPU settings, the
     same for every server, and the transport settings of `arm`'s modifiers."""
     if args.device != "cuda":
@@ -141,6 +143,8 @@ def server_options(args, arm: str | None = None) -> dict:
         env |= UCX_CUDA_IPC
     if "xl" in mods:
         env["VLLM_KV_CACHE_LAYOUT"] = "HND"
+    if gpu is not None:  # --prefill-gpu / --decode-gpu: the server sees that GPU alone, as its cuda:0
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return {
         "extra_args": ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                        "--attention-backend", "FLASH_ATTN", "--block-size", "16"],
@@ -149,13 +153,16 @@ def server_options(args, arm: str | None = None) -> dict:
     }  # fmt: skip
 
 
-def raw_copy_gbps(nbytes: int, reps: int = 20) -> dict:
-    """Device-to-device copy of `nbytes` on this process's GPU: by the SMs (an elementwise kernel) and by
-    `copy_`; GB/s of the median of `reps` after a warm-up, CUDA events around each."""
+def raw_copy_gbps(nbytes: int, reps: int = 20, src_gpu: int = 0, dst_gpu: int = 0) -> dict:
+    """Copy of `nbytes` from GPU `src_gpu` to GPU `dst_gpu` (the same one by default; two: the peer
+    copy over NVLink or PCIe that a P/D read between them can reach at best): by the SMs (an
+    elementwise kernel on the destination) and by `copy_`; GB/s of the median of `reps` after a
+    warm-up, CUDA events around each."""
     import torch
 
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{src_gpu}")
+    dst = torch.empty(src.shape, dtype=src.dtype, device=f"cuda:{dst_gpu}")
+    torch.cuda.set_device(dst_gpu)  # the events and the kernel on the destination's current stream
     ways = {"sm_kernel": lambda: torch.mul(src, 1, out=dst), "copy_": lambda: dst.copy_(src)}
     out = {}
     for name, fn in ways.items():
@@ -301,7 +308,7 @@ def measure_itl(args, url: str, is_kvbridge: bool = False) -> dict:
 def run_colocated(args, model: str, prompts: dict[int, list[list[int]]], log_dir: str) -> dict:
     """TTFT of every prompt on one vLLM server without a connector; its tokens are the reference."""
     server = start_vllm_server("colocated", model, log_dir, max_model_len=args.max_model_len, cpus=args.decode_cpus,
-                               **server_options(args))  # fmt: skip
+                               **server_options(args, gpu=args.decode_gpu))  # fmt: skip
     try:
         wait_ready([server])
         out: dict = {"server": server_report(server), "token_ids": {}, "ttft_s": {}}
@@ -460,14 +467,14 @@ def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], exp
     name = arm.replace("@", "-").replace("+", "-")  # server and log file names: letters, digits, '-'
     prefill = start_vllm_server(f"{name}-prefill", model, log_dir, max_model_len=args.max_model_len,
                                 cpus=args.prefill_cpus, kv_transfer_config=transfer_config(arm, "kv_producer", args.device),
-                                **server_options(args, arm))  # fmt: skip
+                                **server_options(args, arm, gpu=args.prefill_gpu))  # fmt: skip
     decode = None
     try:
-        if args.device == "cuda":  # one at a time: vLLM's memory profiling counts a neighbour's boot as its own use
-            wait_ready([prefill])
+        if args.device == "cuda" and args.prefill_gpu == args.decode_gpu:
+            wait_ready([prefill])  # one at a time on one GPU: vLLM's memory profiling counts a neighbour's boot as its own use
         decode = start_vllm_server(f"{name}-decode", model, log_dir, max_model_len=args.max_model_len,
                                    cpus=args.decode_cpus, kv_transfer_config=transfer_config(arm, "kv_consumer", args.device),
-                                   **server_options(args, arm))  # fmt: skip
+                                   **server_options(args, arm, gpu=args.decode_gpu))  # fmt: skip
         wait_ready([prefill, decode])
         metrics_url = prefill.url if parse_arm(arm)[0] == "vllm-nixl-push" else decode.url
         metrics = TransferMetrics(arm, decode.url, metrics_url)
@@ -514,6 +521,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-cpus", type=cpu_list, default=[1], help="cores of the decode and colocated servers")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="vLLM's device (cuda: one GPU shared)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each server's share of the GPU")
+    parser.add_argument("--prefill-gpu", type=int, default=None,
+                        help="CUDA: the GPU of every prefill server (default: all servers share the one GPU)")
+    parser.add_argument("--decode-gpu", type=int, default=None,
+                        help="CUDA: the GPU of every decode server and of the colocated one")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: run every server eagerly (default: torch.compile and CUDA graphs, as vLLM deploys)")
     parser.add_argument("--vllm-cache-root", default=None,
@@ -537,6 +548,8 @@ def parse_args() -> argparse.Namespace:
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the first P/D request between two servers includes the handshake")
     args.max_model_len = max(args.prompt_lens) + args.max_tokens + 64
+    if (args.prefill_gpu is None) != (args.decode_gpu is None) or (args.prefill_gpu is not None and args.device != "cuda"):
+        parser.error("--prefill-gpu and --decode-gpu go together, with --device cuda")
     if args.device == "cuda":
         args.prefill_cpus = args.decode_cpus = None  # GPU servers are not pinned
     return args
@@ -563,7 +576,8 @@ def run(args: argparse.Namespace) -> dict:
                 with open(args.partial, "w") as f:
                     json.dump({"colocated": colocated, "arms": arms}, f, default=str)
 
-    copy = {n: raw_copy_gbps(kv_bytes[n]) for n in lens} if args.device == "cuda" else None
+    gpus = {"src_gpu": args.prefill_gpu or 0, "dst_gpu": args.decode_gpu or 0}
+    copy = {n: raw_copy_gbps(kv_bytes[n], **gpus) for n in lens} if args.device == "cuda" else None
     ran = {name: arm for name, arm in arms.items() if "failed" not in arm}
     for arm in ran.values():
         for n, row in arm["by_prompt_len"].items():
