@@ -10,8 +10,9 @@ against colocated vLLM, in one run.
 Arms: `kvbridge` (KVBridgeConnector), `vllm-nixl` (vLLM's NixlConnector, which pulls) and
 `vllm-nixl-push` (vLLM's NixlPushConnector: the prefill writes into the decode's blocks). A vLLM arm
 may carry modifiers after `@`, joined by `+`: `ipc` lets UCX carry same-host GPU memory over CUDA IPC
-(`UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp`, every device; without it UCX sees loopback only, as the
-CPU tests set it), `xl` asks for vLLM's cross-layer blocks (`enable_cross_layers_blocks`, HND
+(`UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp`, every device, and `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`: UCX
+turns cuda_ipc's GET off on a GPU without NVLink peers, which sends a pull over TCP; without `ipc`
+UCX sees loopback only, as the CPU tests set it), `xl` asks for vLLM's cross-layer blocks (`enable_cross_layers_blocks`, HND
 layout: one descriptor per block instead of one per block and layer). `kvbridge@confirm` runs
 kvbridge with the prefill's signed grants off (NixlConnector option `sign_grants: false`): every
 read is confirmed with the prefill on the side channel, the hand-off before them. An arm that fails or hangs
@@ -120,7 +121,12 @@ ARMS = ("vllm-nixl", "vllm-nixl-push", "kvbridge")
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
 MODIFIERS = ("ipc", "xl")  # of the vLLM arms, see the module docstring
 KVBRIDGE_MODIFIERS = ("confirm",)  # kvbridge@confirm: the prefill signs no grant, every read is confirmed
-UCX_CUDA_IPC = {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self,tcp", "UCX_NET_DEVICES": "all"}
+# cuda_ipc for same-host GPU memory, and its GET: UCX disables cuda_ipc's get_zcopy on a GPU without
+# NVLink peers (one GPU alone included) and then serves a pull (NIXL READ) over TCP at < 1 GB/s, while
+# a push (WRITE) takes cuda_ipc; ENABLE_GET_ZCOPY=on lets the pull take it too. PROTO_INFO=y logs the
+# lanes UCX chose, so each server's log says which transport carried the KV.
+UCX_CUDA_IPC = {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self,tcp", "UCX_NET_DEVICES": "all",
+                "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", "UCX_PROTO_INFO": "y"}
 TARGET_TTFT_VS_COLOCATED = 1.1
 TARGET_HANDOFF_OVER_READ_S = 1e-3
 TARGET_ITL_OVERHEAD_MS = 0.3
