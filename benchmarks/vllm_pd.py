@@ -13,7 +13,10 @@ may carry modifiers after `@`, joined by `+`: `ipc` lets UCX carry same-host GPU
 (`UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp`, every device, and `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`: UCX
 turns cuda_ipc's GET off on a GPU without NVLink peers, which sends a pull over TCP; without `ipc`
 UCX sees loopback only, as the CPU tests set it), `xl` asks for vLLM's cross-layer blocks (`enable_cross_layers_blocks`, HND
-layout: one descriptor per block instead of one per block and layer). `kvbridge@confirm` runs
+layout: one descriptor per block instead of one per block and layer). The push arm sends both legs
+at once, as vLLM's proxy for its push connector does (the decode leg names the prefill engine, from
+the warm-up's answer, and registers its blocks while the prefill computes; `legs` says so); `seq`
+makes it wait for the prefill's answer like the other arms. `kvbridge@confirm` runs
 kvbridge with the prefill's signed grants off (NixlConnector option `sign_grants: false`): every
 read is confirmed with the prefill on the side channel, the hand-off before them. An arm that fails or hangs
 (a leg past `--request-timeout`) is a result: its error is recorded and the other arms still run.
@@ -53,7 +56,8 @@ arm with the figures it must reach (decode leg <= floor + read + 1 ms, TTFT <= 1
 inter-token latency <= colocated + 0.3 ms).
 
 Per arm and length: `ttft_s` = prefill leg (whole response) + decode leg's time to its first streamed
-token, what a user behind the proxy waits; `decode_ttft_s`, the decode leg alone; `prefill_leg_s`;
+token, what a user behind the proxy waits (legs sent at once: the decode leg's first token, which then
+spans the prefill too, as does `handoff_s`); `decode_ttft_s`, the decode leg alone; `prefill_leg_s`;
 the transfer time of each timed request, post to completion, from the decode's /metrics scraped
 before and after it (`transfer.method` says how: vLLM's `vllm:nixl_xfer_time_seconds_sum`; kvbridge's
 busy time, `kvbridge_worker_bytes_transferred / kvbridge_worker_throughput_gbps`, the wall time with
@@ -100,7 +104,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
 from common import machine_info, versions  # noqa: E402
 from vllm_checkpoint import kv_bytes_per_token, make_random_llama_checkpoint  # noqa: E402
-from vllm_client import VLLMRequestError, complete, pd_complete, scrape_metrics, warm_up_pd  # noqa: E402
+from vllm_client import VLLMRequestError, complete, pd_complete, pd_complete_at_once, push_coordinates  # noqa: E402
+from vllm_client import scrape_metrics, warm_up_pd  # noqa: E402
 from vllm_server import (  # noqa: E402
     VLLMServer,
     VLLMStartError,
@@ -119,7 +124,7 @@ CUDA_BENCH_MODEL = dict(num_layers=32, hidden_size=1024, num_heads=8, num_kv_hea
                         seed=0)  # fmt: skip
 ARMS = ("vllm-nixl", "vllm-nixl-push", "kvbridge")
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
-MODIFIERS = ("ipc", "xl")  # of the vLLM arms, see the module docstring
+MODIFIERS = ("ipc", "xl", "seq")  # of the vLLM arms, see the module docstring
 KVBRIDGE_MODIFIERS = ("confirm",)  # kvbridge@confirm: the prefill signs no grant, every read is confirmed
 # cuda_ipc for same-host GPU memory, and its GET: UCX disables cuda_ipc's get_zcopy on a GPU without
 # NVLink peers (one GPU alone included) and then serves a pull (NIXL READ) over TCP at < 1 GB/s, while
@@ -359,6 +364,9 @@ class TransferMetrics:
 
     def __init__(self, arm: str, url: str, metrics_url: str | None = None) -> None:
         self.url, self.is_vllm = url, parse_arm(arm)[0] in VLLM_CONNECTORS
+        base, mods = parse_arm(arm)
+        self.at_once = base == "vllm-nixl-push" and "seq" not in mods  # both legs together, as vLLM's push proxy
+        self.coordinates: dict | None = None  # the prefill engine's, from the warm-up's answer (push at once)
         self.metrics_url = metrics_url or url  # vLLM's push mode counts its writes on the prefill (the writer)
         self.count_name, self.bytes_name = (VLLM_XFER_COUNT, VLLM_XFER_BYTES) if self.is_vllm else (KVB_COUNT, KVB_BYTES)
         self.num_requests = 0  # P/D requests sent so far: each one's KV crosses the connector once
@@ -384,7 +392,10 @@ class TransferMetrics:
     def pd_request(self, prefill_url: str, body: dict, timeout_s: float):
         """One P/D request, and its transfer's seconds: the transfer time counted before and after it."""
         before = self.last if self.last is not None else self.totals()
-        result = pd_complete(prefill_url, self.url, body, timeout_s=timeout_s)
+        if self.at_once:
+            result = pd_complete_at_once(prefill_url, self.url, body, self.coordinates, timeout_s=timeout_s)
+        else:
+            result = pd_complete(prefill_url, self.url, body, timeout_s=timeout_s)
         self.num_requests += 1
         after = self.totals()
         return result, transfer_seconds(self.is_vllm, after) - transfer_seconds(self.is_vllm, before)
@@ -402,7 +413,8 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
     """Warm-up prompts, then the timed ones, through the two-leg protocol; `expected`: colocated tokens."""
     warm, timed = batch[: args.warmup], batch[args.warmup :]
     # the handshake, retried past vLLM's 5 s
-    warm_up_pd(prefill.url, metrics.url, body(args, warm[0]), timeout_s=args.request_timeout)
+    first = warm_up_pd(prefill.url, metrics.url, body(args, warm[0]), timeout_s=args.request_timeout)
+    metrics.coordinates = push_coordinates(first.kv_transfer_params)  # what a push proxy is configured with
     metrics.num_requests += 1
     metrics.last = None  # a retried handshake may have counted a failed transfer
     for prompt in warm[1:]:
@@ -442,6 +454,7 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         grant = prefill_gauges(prefill.url)
         transfer["prefill_grant_ms"] = {p: grant.get(f"kvbridge_worker_grant_ms_{p}") for p in ("p50", "p99")}
     return {
+        "legs": "at_once" if metrics.at_once else "prefill_then_decode",
         "ttft_s": percentiles([r.ttft_s for r in results]),
         "decode_ttft_s": percentiles([r.decode.ttft_s for r in results]),
         "cached_hit_ttft_s": percentiles(floors),
@@ -566,6 +579,7 @@ def run(args: argparse.Namespace) -> dict:
     lens = args.prompt_lens
     with tempfile.TemporaryDirectory(prefix="vllm-pd-") as tmp:
         log_dir = args.log_dir or tmp
+        os.makedirs(log_dir, exist_ok=True)
         args.vllm_cache_root = args.vllm_cache_root or os.path.join(tmp, "vllm-cache")
         spec = CUDA_BENCH_MODEL if args.device == "cuda" else BENCH_MODEL
         model = args.model or make_random_llama_checkpoint(os.path.join(tmp, "model"), **spec)

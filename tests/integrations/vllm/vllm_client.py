@@ -10,6 +10,7 @@ client drives vLLM's own NixlConnector and kvbridge's connector inside vLLM.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import http.client
 import json
@@ -47,7 +48,8 @@ class Completion(NamedTuple):
 class PDCompletion(NamedTuple):
     decode: Completion  # the decode server's completion: what the user gets
     prefill: Completion  # the prefill leg (max_tokens 1)
-    kv_transfer_params: dict[str, Any]  # what the prefill returned and the decode was sent
+    kv_transfer_params: dict[str, Any]  # what the decode was sent (the prefill's answer, or its coordinates)
+    at_once: bool = False  # both legs sent together (push mode), not the decode after the prefill
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,8 +57,9 @@ class PDCompletion(NamedTuple):
 
     @property
     def ttft_s(self) -> float:
-        """The user's time to first token: the whole prefill leg, then the decode leg's first token."""
-        return self.prefill.total_s + self.decode.ttft_s
+        """The user's time to first token: the whole prefill leg, then the decode leg's first token; with
+        both legs sent at once, the decode leg's first token alone (it started with the prefill)."""
+        return self.decode.ttft_s if self.at_once else self.prefill.total_s + self.decode.ttft_s
 
 
 def complete(
@@ -152,6 +155,39 @@ def pd_complete(
         decode_url, {**body, "kv_transfer_params": prefill.kv_transfer_params}, timeout_s=timeout_s, request_id=request_id
     )
     return PDCompletion(decode, prefill, prefill.kv_transfer_params)
+
+
+# What a push-mode decode leg needs of the prefill engine before it answers: where to register its blocks.
+PUSH_COORDINATES = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size")
+
+
+def push_coordinates(prefill_params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill engine's coordinates in kv_transfer_params it returned (any earlier request's): a
+    push-mode proxy is configured with them, since its decode leg goes out before the prefill answers."""
+    return {key: prefill_params[key] for key in PUSH_COORDINATES if key in prefill_params}
+
+
+def pd_complete_at_once(
+    prefill_url: str, decode_url: str, body: dict[str, Any], coordinates: dict[str, Any], *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> PDCompletion:  # fmt: skip
+    """Both legs at once, as vLLM's proxy for its NixlPushConnector sends them: the prefill leg as in
+    `pd_complete`, and with it the decode leg, whose kv_transfer_params name the prefill engine
+    (`coordinates`, see `push_coordinates`) and no blocks: the decode registers the blocks it allocated
+    with the prefill, which writes the KV into them as it finishes. Both legs carry one X-Request-Id
+    (the pairing key) and a transfer id. The user's TTFT is the decode leg's own."""
+    request_id = f"pd-{uuid.uuid4().hex}"
+    transfer_id = f"xfer-{uuid.uuid4().hex}"
+    prefill_body = {**body, "max_tokens": 1, "stream": False,
+                    "kv_transfer_params": {**PREFILL_LEG_PARAMS, "transfer_id": transfer_id}}  # fmt: skip
+    prefill_body.pop("stream_options", None)
+    decode_params = {"do_remote_decode": False, "do_remote_prefill": True, "pp_size": 1, **coordinates,
+                     "remote_request_id": request_id, "transfer_id": transfer_id}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        prefill = pool.submit(complete, prefill_url, prefill_body, timeout_s=timeout_s, request_id=request_id)
+        decode = complete(decode_url, {**body, "kv_transfer_params": decode_params}, timeout_s=timeout_s,
+                          request_id=request_id)  # fmt: skip
+        return PDCompletion(decode, prefill.result(), decode_params, at_once=True)
 
 
 def warm_up_pd(
