@@ -10,11 +10,10 @@ This is the baseline the KVBridgeConnector tests copy, with the connector swappe
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from vllm_checkpoint import kv_bytes_per_token, training_text
-from vllm_client import complete, pd_complete, scrape_metrics, warm_up_pd
+from vllm_client import complete, pd_complete, scrape_metrics, wait_for_counter, warm_up_pd
 from vllm_server import CPU_BLOCK_SIZE, nixl_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -43,22 +42,12 @@ def _greedy(prompt, **extra) -> dict:
     return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
 
 
-def _transfer_totals(url: str, want_transfers: float, timeout_s: float = 10.0) -> dict[str, float]:
-    """The decode's NIXL counters once they show `want_transfers` (stats reach /metrics a step later)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = scrape_metrics(url, prefixes=("vllm:nixl_",))
-        if metrics.get(TRANSFERS, 0) >= want_transfers or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.05)
-
-
 def _assert_pd_matches(servers, body: dict, num_prompt_tokens: int, tiny_checkpoint: str) -> None:
     colocated, prefill, decode = servers
     expected = complete(colocated.url, body)
     before = scrape_metrics(decode.url, prefixes=("vllm:nixl_",))
     out = pd_complete(prefill.url, decode.url, body)
-    after = _transfer_totals(decode.url, before.get(TRANSFERS, 0) + 1)
+    after = wait_for_counter(decode.url, TRANSFERS, before.get(TRANSFERS, 0) + 1, ("vllm:nixl_",))
 
     assert out.token_ids == expected.token_ids, (out.token_ids, expected.token_ids)
     assert len(out.token_ids) == MAX_TOKENS

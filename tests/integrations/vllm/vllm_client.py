@@ -205,6 +205,19 @@ def warm_up_pd(
     return pd_complete(prefill_url, decode_url, body, timeout_s=timeout_s)
 
 
+def wait_for_counter(
+    base_url: str, name: str, at_least: float, prefixes: Sequence[str] = ("vllm:",), timeout_s: float = 10.0
+) -> dict[str, float]:
+    """The server's metrics once counter `name` reaches `at_least`, or the last ones after `timeout_s`:
+    vLLM's statistics reach /metrics a step after the request that changed them has answered."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape_metrics(base_url, prefixes)
+        if metrics.get(name, 0) >= at_least or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
 def scrape_metrics(base_url: str, prefixes: Sequence[str] = ("vllm:",), timeout_s: float = 10.0) -> dict[str, float]:
     """GET /metrics: each sample whose name starts with one of `prefixes`, summed over its label sets.
 

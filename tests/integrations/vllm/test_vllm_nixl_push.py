@@ -1,0 +1,68 @@
+"""vLLM's NixlPushConnector on CPU, driven as vLLM's push proxy drives it: both legs at once.
+
+The benchmark's peer (benchmarks/vllm_pd.py, arm `vllm-nixl-push`) sends the decode leg together with
+the prefill leg: the decode names the prefill engine (coordinates learnt from an earlier prefill
+answer) and registers the blocks it allocated; the prefill writes the KV into them as it finishes.
+This proves that client: the decode's tokens equal a colocated server's, the prefill's /metrics count
+one write of every full block per request (a decode that recomputed the prompt fails).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm_checkpoint import kv_bytes_per_token
+from vllm_client import complete, pd_complete_at_once, push_coordinates, scrape_metrics, wait_for_counter, warm_up_pd
+from vllm_server import CPU_BLOCK_SIZE, nixl_transfer_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(900)]
+
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 8
+TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+BYTES = "vllm:nixl_bytes_transferred_sum"
+
+
+def _push_config(role: str) -> dict:
+    return nixl_transfer_config(role) | {"kv_connector": "NixlPushConnector"}
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_servers, tiny_checkpoint):
+    """(colocated, prefill, decode, the prefill's coordinates), booted together, after one P/D request
+    in turn (the NIXL handshake, retried if slow) whose answer gives the coordinates."""
+    colocated = vllm_servers.start("colocated", tiny_checkpoint, max_model_len=MAX_MODEL_LEN)
+    prefill = vllm_servers.start("push-prefill", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
+                                 kv_transfer_config=_push_config("kv_producer"))  # fmt: skip
+    decode = vllm_servers.start("push-decode", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
+                                kv_transfer_config=_push_config("kv_consumer"))  # fmt: skip
+    vllm_servers.wait()
+    warm = warm_up_pd(prefill.url, decode.url, _greedy([0, *range(3, 203)]))
+    return colocated, prefill, decode, push_coordinates(warm.kv_transfer_params)
+
+
+def _greedy(prompt, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+
+
+@pytest.mark.parametrize("prompt_len", [300, 700])
+def test_push_with_both_legs_at_once_gives_colocated_tokens(servers, tiny_checkpoint, prompt_len):
+    colocated, prefill, decode, coordinates = servers
+    assert {"remote_engine_id", "remote_host", "remote_port", "tp_size"} <= coordinates.keys(), coordinates
+    rng = random.Random(prompt_len)
+    body = _greedy([0, *(rng.randrange(3, 1024) for _ in range(prompt_len - 1))], stream=True)
+    expected = complete(colocated.url, body)
+    before = scrape_metrics(prefill.url, prefixes=("vllm:nixl_",))
+
+    out = pd_complete_at_once(prefill.url, decode.url, body, coordinates)
+
+    assert out.at_once and out.kv_transfer_params["do_remote_prefill"] is True
+    assert "remote_block_ids" not in out.kv_transfer_params  # the decode was told no block: it registered its own
+    assert out.token_ids == expected.token_ids, (out.token_ids, expected.token_ids)
+    # the writer counts the push
+    after = wait_for_counter(prefill.url, TRANSFERS, before.get(TRANSFERS, 0) + 1, ("vllm:nixl_",))
+    assert after.get(TRANSFERS, 0) - before.get(TRANSFERS, 0) == 1, "the prefill pushed no KV: the decode recomputed"
+    full_blocks = prompt_len // CPU_BLOCK_SIZE
+    block_nbytes = CPU_BLOCK_SIZE * kv_bytes_per_token(tiny_checkpoint)
+    assert after[BYTES] - before.get(BYTES, 0) >= full_blocks * block_nbytes
