@@ -363,8 +363,8 @@ class TransferMetrics:
     """
 
     def __init__(self, arm: str, url: str, metrics_url: str | None = None) -> None:
-        self.url, self.is_vllm = url, parse_arm(arm)[0] in VLLM_CONNECTORS
         base, mods = parse_arm(arm)
+        self.url, self.is_vllm = url, base in VLLM_CONNECTORS
         self.at_once = base == "vllm-nixl-push" and "seq" not in mods  # both legs together, as vLLM's push proxy
         self.coordinates: dict | None = None  # the prefill engine's, from the warm-up's answer (push at once)
         self.metrics_url = metrics_url or url  # vLLM's push mode counts its writes on the prefill (the writer)

@@ -43,7 +43,8 @@ def _push_config(role: str) -> dict:
 @pytest.fixture(scope="module")
 def servers(vllm_servers, tiny_checkpoint):
     """(colocated, prefill, decode, the prefill's coordinates), booted together, after one P/D request
-    in turn (the NIXL handshake, retried if slow) whose answer gives the coordinates."""
+    in turn (the NIXL handshake) whose answer gives the coordinates; the TimeoutError instead when
+    vLLM left that request unanswered."""
     colocated = vllm_servers.start("colocated", tiny_checkpoint, max_model_len=MAX_MODEL_LEN)
     prefill = vllm_servers.start("push-prefill", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
                                  kv_transfer_config=_push_config("kv_producer"))  # fmt: skip

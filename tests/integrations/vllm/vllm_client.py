@@ -128,6 +128,14 @@ def _read_stream(resp: http.client.HTTPResponse, start: float, base_url: str) ->
                       kv_transfer_params, finish_reason)  # fmt: skip
 
 
+def _prefill_leg_body(body: dict[str, Any], **params: Any) -> dict[str, Any]:
+    """`body` as the prefill leg: one token, not streamed, kv_transfer_params asking it to keep the KV."""
+    prefill_body = {**body, "max_tokens": 1, "stream": False}
+    prefill_body["kv_transfer_params"] = {**PREFILL_LEG_PARAMS, **params}
+    prefill_body.pop("stream_options", None)
+    return prefill_body
+
+
 def pd_complete(
     prefill_url: str, decode_url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S
 ) -> PDCompletion:
@@ -142,8 +150,7 @@ def pd_complete(
     Both legs carry one X-Request-Id, as the proxy sends it: vLLM's NixlPushConnector pairs the
     decode's registration with the prefill's finished blocks by that id, and waits forever without it.
     """
-    prefill_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_LEG_PARAMS)}
-    prefill_body.pop("stream_options", None)
+    prefill_body = _prefill_leg_body(body)
     request_id = f"pd-{uuid.uuid4().hex}"
     prefill = complete(prefill_url, prefill_body, timeout_s=timeout_s, request_id=request_id)
     if not prefill.kv_transfer_params:
@@ -178,9 +185,7 @@ def pd_complete_at_once(
     (the pairing key) and a transfer id. The user's TTFT is the decode leg's own."""
     request_id = f"pd-{uuid.uuid4().hex}"
     transfer_id = f"xfer-{uuid.uuid4().hex}"
-    prefill_body = {**body, "max_tokens": 1, "stream": False,
-                    "kv_transfer_params": {**PREFILL_LEG_PARAMS, "transfer_id": transfer_id}}  # fmt: skip
-    prefill_body.pop("stream_options", None)
+    prefill_body = _prefill_leg_body(body, transfer_id=transfer_id)
     decode_params = {"do_remote_decode": False, "do_remote_prefill": True, "pp_size": 1, **coordinates,
                      "remote_request_id": request_id, "transfer_id": transfer_id}  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
