@@ -18,7 +18,10 @@ at once, as vLLM's proxy for its push connector does (the decode leg names the p
 the warm-up's answer, and registers its blocks while the prefill computes; `legs` says so); `seq`
 makes it wait for the prefill's answer like the other arms. `kvbridge@confirm` runs
 kvbridge with the prefill's signed grants off (NixlConnector option `sign_grants: false`): every
-read is confirmed with the prefill on the side channel, the hand-off before them. An arm that fails or hangs
+read is confirmed with the prefill on the side channel, the hand-off before them; `kvbridge@sync` turns on
+the NixlConnector option `sync_ipc_reads`: a granted read from a same-host GPU peer loads in the step that
+schedules the request (a CUDA IPC copy and its digest before that step's forward pass), not in a later one.
+An arm that fails or hangs
 (a leg past `--request-timeout`) is a result: its error is recorded and the other arms still run.
 
 On CUDA (`--device cuda`) every server shares one GPU (`--gpu-memory-utilization`, 0.3 each), unless
@@ -125,7 +128,8 @@ CUDA_BENCH_MODEL = dict(num_layers=32, hidden_size=1024, num_heads=8, num_kv_hea
 ARMS = ("vllm-nixl", "vllm-nixl-push", "kvbridge")
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
 MODIFIERS = ("ipc", "xl", "seq")  # of the vLLM arms, see the module docstring
-KVBRIDGE_MODIFIERS = ("confirm",)  # kvbridge@confirm: the prefill signs no grant, every read is confirmed
+# kvbridge@confirm: the prefill signs no grant, every read is confirmed; kvbridge@sync: sync_ipc_reads on
+KVBRIDGE_MODIFIERS = ("confirm", "sync")
 # cuda_ipc for same-host GPU memory, and its GET: UCX disables cuda_ipc's get_zcopy on a GPU without
 # NVLink peers (one GPU alone included) and then serves a pull (NIXL READ) over TCP at < 1 GB/s, while
 # a push (WRITE) takes cuda_ipc; ENABLE_GET_ZCOPY=on lets the pull take it too. PROTO_INFO=y logs the
@@ -202,6 +206,8 @@ def transfer_config(arm: str, role: str, device: str = "cpu") -> dict:
             config["kv_connector_extra_config"] = {"enable_cross_layers_blocks": "True"}
         return config
     extra = {"connector": "NixlConnector"} | ({"sign_grants": False} if "confirm" in mods else {})
+    if "sync" in mods:
+        extra["sync_ipc_reads"] = True
     return {
         "kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
         "kv_role": role, "kv_connector_extra_config": extra,
@@ -444,7 +450,8 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         # percentiles over every read so far (warm-ups and earlier lengths included), for reference
         transfer["latency_gauges_ms"] = {p: end.get(f"kvbridge_worker_latency_ms_{p}") for p in ("p50", "p90", "p99")}
         # reads verified against the prefill's signed grant (no round trip) and grants refused (confirmed instead)
-        for name in ("num_granted_reads", "num_unusable_grants", "num_digest_mismatches"):
+        for name in ("num_granted_reads", "num_sync_reads", "num_refused_sync_reads", "num_unusable_grants",
+                     "num_digest_mismatches"):  # fmt: skip
             transfer[name] = end.get(f"kvbridge_worker_{name}", 0) - start.get(f"kvbridge_worker_{name}", 0)
         # CUDA IPC reads timed on the device (CUDA events around the copies alone), over every read so
         # far: the copy's own speed, apart from what posting and noticing the landing add to `ms`

@@ -334,6 +334,65 @@ class KVEndpoint:
             self.peers.start_handshake(address, refresh=address in self.peers)
         return rec
 
+    def can_read_in_step(self, address: str, expect: tuple[str, str] | None = None) -> bool:
+        """Whether a read from `address` (the instance `expect`) can go as device copies queued before
+        the engine's next work (`read_blocks_in_step`): the peer is known, on this host's GPUs (a CUDA IPC
+        mapping), one rank, and its pages are ours."""
+        if self._ipc is None or address not in self.peers:
+            return False
+        peer = self.peers.get(address)
+        return peer.is_instance(expect) and self.peers.mapping(address) is not None and not self.is_translated(peer)
+
+    def in_step_peers(self) -> list[tuple[str, PeerInfo]]:
+        """The known peers `can_read_in_step` holds for, with their addresses."""
+        return [(a, self.peers.get(a)) for a in self.peers.addresses() if self.can_read_in_step(a)]
+
+    def read_blocks_in_step(
+        self, req_id: str, address: str, local_block_ids, remote_block_ids, *, expect: tuple[str, str]
+    ) -> TransferRecord | None:
+        """`read_blocks` for a synchronous load: CUDA IPC copies queued now, after the work already queued
+        on this device's current stream, and ordered before the digest stream's next work. The caller
+        makes the engine's stream wait for them (`hold_stream_for_digests`). None, with nothing queued,
+        when the read cannot go that way (`can_read_in_step`, or too few runs of blocks for a copy).
+
+        Stream order is the guarantee a synchronous load needs: whatever happens after, no byte of this
+        read lands in the blocks once the engine's next work on the device has begun.
+        """
+        if not self.can_read_in_step(address, expect):
+            return None
+        local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
+        if local.shape != remote.shape:
+            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+        peer = self.peers.get(address)
+        self.layout.block_offsets(local)
+        peer.layout.block_offsets(remote)  # IndexError for ids the peer does not have
+        copy = self._ipc.start(TransferOp.READ, self.peers.mapping(address), peer.layout, local, remote)
+        if copy is None:
+            return None
+        if self._digest_stream is not None:
+            self._digest_stream.wait_event(copy.event)
+        self.tracker.start(req_id, address, self.transfer_timeout_s, payload=_Read(local, remote, expect))
+        return self.tracker.mark_posted(
+            req_id, self.transfer_timeout_s, handle=copy, nbytes=len(local) * self.layout.block_nbytes,
+            num_descriptors=copy.num_runs,
+        )  # fmt: skip
+
+    def hold_stream_for_digests(self) -> None:
+        """The device's current stream waits for every digest queued so far (and the reads they
+        follow): the engine's next forward pass may rewrite a slot of a block just read, and its
+        digest must see the bytes as they landed."""
+        if self._digest_stream is None:
+            return
+        import torch
+
+        torch.cuda.current_stream(self._digest_stream.device).wait_stream(self._digest_stream)
+
+    def wait_in_step_read(self, rec: TransferRecord) -> None:
+        """Block until a read queued by `read_blocks_in_step` has landed, so this step's `poll` returns it."""
+        if isinstance(rec.handle, IpcCopy):
+            rec.handle.event.synchronize()
+
     def _post(self, rec: TransferRecord) -> None:
         read: _Read = rec.payload
         peer = self.peers.get(rec.peer)

@@ -66,6 +66,10 @@ class PeerDirectory:
     def get(self, address: str) -> PeerInfo:
         return self._peers[address]
 
+    def addresses(self) -> list[str]:
+        """The known peers' addresses (handshake answered)."""
+        return list(self._peers)
+
     def mapping(self, address: str) -> IpcMapping | None:
         """The peer's KV tensor mapped through CUDA IPC (same host, GPU to GPU), or None: use NIXL."""
         return self._mappings.get(address)

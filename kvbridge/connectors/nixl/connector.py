@@ -50,7 +50,7 @@ class NixlConnector(SplitConnector):
         secret = side_channel_secret(opts.insecure_side_channel)  # the worker's endpoint resolves the same one
         return NixlScheduler(
             self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret,
-            unreachable_cooldown_s=opts.unreachable_peer_cooldown_s,
+            unreachable_cooldown_s=opts.unreachable_peer_cooldown_s, sync_ipc_reads=opts.sync_ipc_reads,
         )
 
     def make_worker_half(self) -> NixlWorker:

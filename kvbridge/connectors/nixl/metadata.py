@@ -39,6 +39,9 @@ class RecvJob:
     lease_offset: int = 0  # remote_block_ids start at lease.block_ids[lease_offset] (local prefix hits before)
     lease_s: float = 0.0  # the prefill's lease term from the params (0: not given); renewals keep inside it
     grant: str = ""  # the prefill's signed grant from the params (transfer/grants.py); "": confirm the read
+    # loaded in this step, before its forward pass (the NixlConnector option sync_ipc_reads): a CUDA IPC
+    # copy verified by `grant`, or a load error; never a read still in flight when the step ends
+    sync: bool = False
 
     @property
     def remote_request_id(self) -> str:

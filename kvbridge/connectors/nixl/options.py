@@ -37,6 +37,13 @@ class NixlOptions(TransferOptions):
     # long: requests naming it are computed here from the start, with no load error for
     # kv_load_failure_policy to turn into a failed request. 0: every request tries again.
     unreachable_peer_cooldown_s: float = 10.0
+    # Decode: a read from a same-host GPU peer whose params carry its signed grant loads in the step that
+    # schedules the request (vLLM's synchronous load), not in a later one: the CUDA IPC copy and its digest
+    # are queued before that step's forward pass, which waits for them on the device, and the digest is
+    # compared as the step ends; a mismatch is a load error, and vLLM drops that step's token and
+    # recomputes. Reads that cannot go that way (a first read from a peer, NIXL, tensor parallelism) load
+    # asynchronously as before.
+    sync_ipc_reads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

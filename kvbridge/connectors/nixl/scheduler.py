@@ -49,6 +49,10 @@ SIDE_CHANNEL_PORT_STAT = "nixl_side_channel_port"
 # ... and the prefill engines whose side channels did not answer this step (their handshakes failed), as
 # unreachable_peer_key strings: an engine restarted at the same address is another incarnation, tried at once.
 UNREACHABLE_PEERS_STAT = "nixl_unreachable_peers"
+# ... and, when it changed, every prefill engine (unreachable_peer_key) it can read from on its own device in
+# a step (a CUDA IPC mapping, the same pages, one rank, a grant key): requests whose params name one and carry
+# a grant load synchronously there (NixlConnector option sync_ipc_reads).
+DEVICE_READ_PEERS_STAT = "nixl_device_read_peers"
 
 
 def unreachable_peer_key(address: str, incarnation: str) -> str:
@@ -68,6 +72,7 @@ class NixlScheduler:
         wall_clock: Callable[[], float] = time.time,
         unreachable_cooldown_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        sync_ipc_reads: bool = False,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -91,6 +96,11 @@ class NixlScheduler:
         self._refused: set[str] = set()
         self._refusals: dict[str, str] = {}  # decode: why a request's params were refused, until taken
         self._new_recvs: dict[str, RecvJob] = {}
+        # decode, with sync_ipc_reads: the prefill engines the worker reads from on its device in a step, and
+        # the requests last matched to load that way (decided again each time the engine asks)
+        self._sync_ipc_reads = sync_ipc_reads
+        self._device_peers: frozenset[str] = frozenset()
+        self._sync_matched: set[str] = set()
         self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
@@ -169,7 +179,23 @@ class NixlScheduler:
             # be checked against a part of it, so nothing is read and the rest is computed here.
             num_remote = 0
         self._local_hits[request.request_id] = num_computed_tokens
-        return MatchResult(max(0, num_remote - num_computed_tokens), True)
+        num_external = max(0, num_remote - num_computed_tokens)
+        if num_external and self._loads_in_step(params):
+            # loaded before this step's forward pass, which must compute at least the prompt's last token:
+            # its slot is rewritten after the digest of what landed was taken
+            self._sync_matched.add(request.request_id)
+            return MatchResult(min(num_external, request.num_prompt_tokens - 1 - num_computed_tokens), False)
+        self._sync_matched.discard(request.request_id)
+        return MatchResult(num_external, True)
+
+    def _loads_in_step(self, params: RemotePrefillParams) -> bool:
+        """Whether the worker will read these blocks synchronously: sync_ipc_reads is on, the params carry
+        the prefill's signed grant, and the worker said it reads from that engine on its device."""
+        return (
+            self._sync_ipc_reads
+            and bool(params.remote_grant)
+            and unreachable_peer_key(params.side_channel_address, params.remote_incarnation) in self._device_peers
+        )
 
     def _remote_block_size(self, params: RemotePrefillParams) -> int:
         return params.remote_block_size or self.block_size  # 0: an older prefill, whose blocks are ours
@@ -213,7 +239,10 @@ class NixlScheduler:
             return
         self._handled.add(request.request_id)
         num_hits = self._local_hits.pop(request.request_id, request.num_computed_tokens)
-        first, count = num_hits // self.block_size, num_external_tokens // self.block_size
+        sync = request.request_id in self._sync_matched
+        self._sync_matched.discard(request.request_id)
+        # a synchronous load leaves the prompt's last token to compute, in the last block it reads
+        first, count = num_hits // self.block_size, -(-num_external_tokens // self.block_size)
         remote_block_size = self._remote_block_size(params)
         remote_first = num_hits // remote_block_size
         remote_count = -(-num_external_tokens // remote_block_size)  # the same tokens, in the prefill's blocks
@@ -226,6 +255,7 @@ class NixlScheduler:
             lease_offset=remote_first,
             lease_s=params.lease_s,
             grant=params.remote_grant,
+            sync=sync,
         )
 
     def _release_unread(self, request: ConnectorRequest) -> None:
@@ -253,6 +283,9 @@ class NixlScheduler:
         port = output.stats.get(SIDE_CHANNEL_PORT_STAT)
         if port:
             self.side_channel_port = int(port)
+        device_peers = output.stats.get(DEVICE_READ_PEERS_STAT)
+        if device_peers is not None:
+            self._device_peers = frozenset(str(key) for key in device_peers)
         if self._unreachable_cooldown_s:
             for key in output.stats.get(UNREACHABLE_PEERS_STAT) or ():
                 self._unreachable_until[str(key)] = self._clock() + self._unreachable_cooldown_s
@@ -271,6 +304,7 @@ class NixlScheduler:
         self._refused.discard(request.request_id)
         self._refusals.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
+        self._sync_matched.discard(request.request_id)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return KVHandoff(False, None)
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):

@@ -46,6 +46,8 @@ class TransferStats:
         self.num_digest_mismatches = 0  # reads whose bytes differ from the prefill's digest: never served
         self.num_unverified_reads = 0  # reads the prefill sent no usable digest for: never served
         self.num_granted_reads = 0  # reads verified against the prefill's signed grant: no round trip
+        self.num_sync_reads = 0  # of those, loaded in the step that scheduled them (sync_ipc_reads)
+        self.num_refused_sync_reads = 0  # synchronous loads that could not be made: load errors in their step
         self.num_unusable_grants = 0  # grants refused (forged, stale, another lease): confirmed instead
         self.num_digested_bytes = 0
         self._digest_s: deque[float] = deque(maxlen=_WINDOW)  # per verified read
@@ -116,6 +118,8 @@ class TransferStats:
             "num_digest_mismatches": self.num_digest_mismatches,
             "num_unverified_reads": self.num_unverified_reads,
             "num_granted_reads": self.num_granted_reads,
+            "num_sync_reads": self.num_sync_reads,
+            "num_refused_sync_reads": self.num_refused_sync_reads,
             "num_unusable_grants": self.num_unusable_grants,
             "num_digested_bytes": self.num_digested_bytes,
             "digest_ms_p50": digest_p50,

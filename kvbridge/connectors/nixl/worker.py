@@ -42,7 +42,12 @@ from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_control import PeerControls, Reading, Verdict
-from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT, unreachable_peer_key
+from kvbridge.connectors.nixl.scheduler import (
+    DEVICE_READ_PEERS_STAT,
+    SIDE_CHANNEL_PORT_STAT,
+    UNREACHABLE_PEERS_STAT,
+    unreachable_peer_key,
+)
 from kvbridge.connectors.nixl.stats import TransferStats
 from kvbridge.connectors.nixl.verify import ReadVerifier
 from kvbridge.errors import KVBridgeError
@@ -58,6 +63,7 @@ if TYPE_CHECKING:
     from kvbridge.config import KVTransferConfig
     from kvbridge.layout import KVCacheLayout
     from kvbridge.transfer.endpoint import KVEndpoint
+    from kvbridge.transfer.tracker import TransferRecord
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,8 @@ class NixlWorker:
         self._admitted: dict[str, float] = {}  # local request id -> when its read began (lease renewals count from it)
         self._landed: dict[str, tuple[float, float]] = {}  # read, awaiting its verdict -> (posted, landed)
         self._newly_landed: set[str] = set()  # landed since the last get_landed_recving, still unconfirmed
+        self._in_step: dict[str, TransferRecord] = {}  # this step's synchronous loads (sync_ipc_reads), until its verdicts
+        self._reported_device_peers: list[str] | None = None  # DEVICE_READ_PEERS_STAT as last reported
         self._peers = PeerControls(
             self._send, config.engine_id, max_peers=options.max_peers, idle_s=options.peer_idle_s,
             renew_interval_s=options.renew_interval_s, clock=self._clock, wake=context.wakeup.ring,
@@ -180,7 +188,10 @@ class NixlWorker:
                     self._rank_digests[lease.req_id] = digest
                 self._digested.add(lease.req_id)
         for job in metadata.recvs.values():
-            self._start_recv(job, now)
+            if job.sync:
+                self._start_in_step(job, now)
+            else:
+                self._start_recv(job, now)
 
     def _digest(self, lease: m.LeaseRef) -> m.KVDigest | None:
         """The digest of the leased blocks' bytes now, on their device (None: verification is off)."""
@@ -214,6 +225,47 @@ class NixlWorker:
         except (KVBridgeError, ValueError, IndexError, OverflowError) as e:  # this request's fault only
             self._refuse(job, f"{type(e).__name__}: {e}")
 
+    def _start_in_step(self, job: RecvJob, now: float) -> None:
+        """A synchronous load (NixlConnector option sync_ipc_reads; the scheduler half chose it for a
+        granted read from a peer this worker said it reads on its device): the CUDA IPC copy and its
+        digest are queued now, and this step's forward pass waits for both on the device. Its verdict
+        comes in this step's `get_finished`, before vLLM takes the step's output: a mismatch is a load
+        error, and vLLM drops the token computed on those blocks and recomputes them. A read that cannot
+        go that way any more (the peer forgotten or restarted, the grant expired) is a load error too,
+        reported in this step: nothing is left in flight, so no byte lands after the step began."""
+        self._recvs[job.request_id] = job
+        self._deadlines[job.request_id] = now + self.options.transfer_timeout_s
+        self._admitted[job.request_id] = now
+        remote = job.remote
+        if not self._policy.allows(remote.host):
+            return self._refuse(job, f"prefill host {remote.host!r} is not in the NixlConnector option allowed_peers")
+        if self._usable_grant(job) is None:
+            return self._refuse_in_step(job, "its prefill's signed grant cannot be relied on, and a synchronous load is "
+                                        "verified by its grant in its own step")  # fmt: skip
+        try:
+            rec = self._endpoint.read_blocks_in_step(
+                job.request_id, remote.address, job.local_block_ids, job.remote_block_ids,
+                expect=(remote.engine_id, remote.incarnation),
+            )  # fmt: skip
+        except (KVBridgeError, ValueError, IndexError, OverflowError) as e:
+            return self._refuse_in_step(job, f"{type(e).__name__}: {e}")
+        if rec is None:
+            return self._refuse_in_step(job, f"engine {remote.engine_id} at {remote.address} cannot be read by CUDA IPC "
+                                        "in this step any more (forgotten, restarted, or too few runs of blocks)")  # fmt: skip
+        if self._flip_landed_bit:  # fault injection (tests): a bit flipped in flight, before the digest sees it
+            self._endpoint.hold_stream_for_digests()  # after the copy
+            self._endpoint.flip_bit(job.local_block_ids[0])
+        self._verifier.start(job)  # on the digest stream, after the copy
+        self._endpoint.hold_stream_for_digests()  # the forward pass may rewrite the prompt's last slot
+        self._in_step[job.request_id] = rec
+
+    def _refuse_in_step(self, job: RecvJob, error: str) -> None:
+        """A synchronous load that cannot be made: a load error now, and the prefill's blocks released."""
+        self.stats.num_refused_sync_reads += 1
+        if job.remote.address in self._endpoint.peers:
+            self._peers.abandon(job.remote, job.lease)
+        self._refuse(job, f"synchronous load: {error}")
+
     def _refuse(self, job: RecvJob, error: str) -> None:
         """Fail a read that never started: a load error for its blocks, nothing sent anywhere."""
         self._fail(job, error)
@@ -223,7 +275,10 @@ class NixlWorker:
         pass  # prefill never writes: the decode side reads the blocks while they are leased
 
     def get_finished(self, finished_req_ids: set[str]) -> CompletedTransfers:
+        for rec in self._in_step.values():  # this step's synchronous loads: their verdicts come now
+            self._endpoint.wait_in_step_read(rec)
         self._progress()
+        self._in_step.clear()
         recving, self._finished_recving = self._finished_recving, set()
         sending, self._digested = self._leases.collect(self._clock()) | self._digested, set()
         return CompletedTransfers(sending, recving)
@@ -271,10 +326,16 @@ class NixlWorker:
             job = self._recvs[rec.req_id]
             if rec.is_ok:
                 self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors, rec.device_s)
-                if self._flip_landed_bit:  # fault injection (tests): a bit flipped in flight
+                if self._flip_landed_bit and not job.sync:  # fault injection (tests): a bit flipped in flight
                     self._endpoint.flip_bit(job.local_block_ids[0])
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
-                if not self._verify_by_grant(job):
+                if self._verify_by_grant(job):
+                    pass
+                elif job.sync:  # its grant's term ended within the step: no verdict now means none in time
+                    self._fail(job, "synchronous load: its prefill's signed grant could not be relied on when it landed")
+                    self._peers.abandon(job.remote, job.lease)
+                    self._finish_recv(rec.req_id)
+                else:
                     self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
                     landed.append(job)
             else:
@@ -317,6 +378,7 @@ class NixlWorker:
             self._fail(job, error)
         else:
             self.stats.num_granted_reads += 1
+            self.stats.num_sync_reads += job.sync
             posted, landed = self._landed[job.request_id]
             self.stats.record_confirmed(posted, landed, self._clock())
         self._peers.release(job.remote, job.lease)
@@ -429,7 +491,20 @@ class NixlWorker:
         stats: dict[str, Any] = {SIDE_CHANNEL_PORT_STAT: self.side_channel_port} if self.side_channel_port else {}
         if self._unreachable:
             stats[UNREACHABLE_PEERS_STAT], self._unreachable = sorted(self._unreachable), set()
+        device_peers = self._device_read_peers()
+        if device_peers != self._reported_device_peers:
+            stats[DEVICE_READ_PEERS_STAT] = self._reported_device_peers = device_peers
         return stats
+
+    def _device_read_peers(self) -> list[str] | None:
+        """With sync_ipc_reads, one rank and verified reads: the prefill engines this worker can read from
+        in a step (CUDA IPC, same pages, a grant key), as unreachable_peer_key strings. None: the option is off."""
+        if not self.options.sync_ipc_reads or self._endpoint is None:
+            return None
+        if self.context.tp_size != 1 or self._verifier is None:
+            return []
+        return sorted(unreachable_peer_key(address, peer.incarnation)
+                      for address, peer in self._endpoint.in_step_peers() if peer.grant_key and not peer.ranks)  # fmt: skip
 
     def get_stats(self) -> dict[str, Any]:
         stats = self.stats.as_dict()

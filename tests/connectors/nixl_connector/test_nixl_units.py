@@ -10,7 +10,13 @@ from kvbridge.connectors.base import KVConnectorOutput, SchedulerOutput
 from kvbridge.connectors.nixl.leases import EARLY_ABANDON_S, MAX_EARLY_ABANDONS, LeaseTable
 from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.peer_policy import PeerPolicy
-from kvbridge.connectors.nixl.scheduler import SIDE_CHANNEL_PORT_STAT, UNREACHABLE_PEERS_STAT, NixlScheduler, unreachable_peer_key
+from kvbridge.connectors.nixl.scheduler import (
+    DEVICE_READ_PEERS_STAT,
+    SIDE_CHANNEL_PORT_STAT,
+    UNREACHABLE_PEERS_STAT,
+    NixlScheduler,
+    unreachable_peer_key,
+)
 from kvbridge.connectors.nixl.stats import TransferStats, busy_seconds
 from kvbridge.engine.request import Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
@@ -151,6 +157,47 @@ def test_decode_asks_only_for_blocks_missing_locally_and_plans_one_read():
     # asked once: a re-admission (after preemption) computes locally
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sched.build_connector_meta(SchedulerOutput()).recvs == {}
+
+
+def test_granted_reads_from_a_device_peer_load_in_their_step_and_leave_the_last_token():
+    """sync_ipc_reads: only params with a grant, naming a peer the worker reads on its device (its
+    last report of them), load synchronously; such a load leaves the prompt's last token to compute
+    and reads every block (the last slot is rewritten after its digest)."""
+    config = KVTransferConfig("NixlConnector", role="kv_consumer", engine_id="me", side_channel_port=0)
+    sched = NixlScheduler(config, BS, 30.0, "inc-me", PeerPolicy(("127.0.0.0/8",)), sync_ipc_reads=True)
+    granted = {**remote_params([10, 11, 12, 13]), "remote_grant": "g" * 40}
+    peer = unreachable_peer_key("tcp://127.0.0.1:5555", "inc-0")
+
+    def match(params, req_id):
+        return sched.get_num_new_matched_tokens(request(4 * BS, params, req_id), BS)
+
+    assert match(granted, "a") == (3 * BS, True)  # the worker has not named the peer yet
+    sched.update_connector_output(KVConnectorOutput(stats={DEVICE_READ_PEERS_STAT: [peer]}))
+    assert match(remote_params([10, 11, 12, 13]), "b") == (3 * BS, True)  # no grant: confirmed, asynchronously
+    assert match({**granted, "remote_incarnation": "inc-1"}, "c") == (3 * BS, True)  # another instance
+    req = request(4 * BS, granted, "d")
+    assert sched.get_num_new_matched_tokens(req, BS) == (3 * BS - 1, False)
+    sched.update_state_after_alloc(req, [0, 1, 2, 3], 3 * BS - 1)
+    job = sched.build_connector_meta(SchedulerOutput()).recvs["d"]
+    assert job.sync and job.local_block_ids == (1, 2, 3) and job.remote_block_ids == (11, 12, 13)
+    assert job.grant == "g" * 40
+    # a later report without the peer (forgotten, restarted): asynchronous again; a step with no report keeps the set
+    sched.update_connector_output(KVConnectorOutput(stats={}))
+    assert match(granted, "e") == (3 * BS - 1, False)
+    sched.update_connector_output(KVConnectorOutput(stats={DEVICE_READ_PEERS_STAT: []}))
+    req = request(4 * BS, granted, "f")
+    assert sched.get_num_new_matched_tokens(req, BS) == (3 * BS, True)
+    sched.update_state_after_alloc(req, [0, 1, 2, 3], 3 * BS)
+    assert not sched.build_connector_meta(SchedulerOutput()).recvs["f"].sync
+
+
+def test_without_sync_ipc_reads_every_read_is_asynchronous():
+    sched = scheduler("kv_consumer")
+    sched.update_connector_output(
+        KVConnectorOutput(stats={DEVICE_READ_PEERS_STAT: [unreachable_peer_key("tcp://127.0.0.1:5555", "inc-0")]})
+    )
+    granted = {**remote_params([10, 11]), "remote_grant": "g" * 40}
+    assert sched.get_num_new_matched_tokens(request(2 * BS, granted), 0) == (2 * BS, True)
 
 
 def test_remote_blocks_of_another_prompt_are_never_read():

@@ -111,3 +111,35 @@ def test_a_restarted_gpu_prefill_is_never_read_for_its_predecessors_leases():
             assert [o.outputs[0].token_ids for o in fresh] == want_other
             assert all(o.num_external_tokens > 0 for o in fresh)  # pulled from the new instance again
             second.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=30)
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["clean", "bit_flipped"])
+def test_sync_ipc_reads_load_in_their_step_and_never_serve_a_flipped_bit(flip: bool, monkeypatch):
+    """NixlConnector option sync_ipc_reads: once the decode knows the prefill (its first read loads
+    asynchronously, with the handshake), granted reads through CUDA IPC load in the step that
+    schedules them. A bit flipped after the copy, before the digest, is a load error in that very
+    step: the token computed on it is dropped, the prompt recomputed, and the output equals colocated."""
+    if flip:
+        monkeypatch.setenv("KVBRIDGE_FAULT_FLIP_READ_BIT", "1")
+    prefill_dev, decode_dev = devices()
+    with LLM(device=decode_dev, dtype="bfloat16", num_blocks=256) as ref:
+        want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    decode = engine_kwargs(f"gpu-sync-decode-{flip}", "kv_consumer", device=decode_dev, dtype="bfloat16", num_blocks=256,
+                           kv={"extra": {"sync_ipc_reads": True, "ipc_min_runs": 1}})
+    with prefill_node(**engine_kwargs(f"gpu-sync-prefill-{flip}", "kv_producer", device=prefill_dev, dtype="bfloat16",
+                                      num_blocks=256)) as node:  # fmt: skip
+        with LLM(**decode) as dec:
+            first = [{"prompt_token_ids": [5] * 48}]
+            dec.generate(first, GREEDY, kv_transfer_params=node.prefill(first))  # the handshake, asynchronously
+            before = dec.get_stats()["connector"]["worker"]
+            outs = dec.generate(PROMPTS, GREEDY, kv_transfer_params=node.prefill(PROMPTS))
+            assert [o.outputs[0].token_ids for o in outs] == want
+            worker = dec.get_stats()["connector"]["worker"]
+            print(f"sync_ipc_reads flip={flip}: {worker}")
+            num_sync = worker["num_sync_reads"] - before["num_sync_reads"]
+            mismatches = worker["num_digest_mismatches"] - before["num_digest_mismatches"]
+            if flip:
+                assert num_sync == 0 and mismatches == len(PROMPTS), worker
+            else:
+                assert num_sync == len(PROMPTS) and mismatches == 0 and worker["num_failures"] == before["num_failures"], worker
+        node.wait_until(lambda s: s["num_used_blocks"] == 0, timeout_s=30)
