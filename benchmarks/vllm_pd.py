@@ -605,6 +605,18 @@ def run(args: argparse.Namespace) -> dict:
 
     gpus = {"src_gpu": args.prefill_gpu or 0, "dst_gpu": args.decode_gpu or 0}
     copy = {n: raw_copy_gbps(kv_bytes[n], **gpus) for n in lens} if args.device == "cuda" else None
+    return build_report(colocated, arms, copy) | {
+        "kv_bytes_per_prompt": kv_bytes,
+        "raw_device_copy_gbps": copy,
+        "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": None if args.model else spec},
+        "machine": {**machine_info(args.device), "loadavg_start": load_at_start, "loadavg_end": os.getloadavg()},
+        "versions": package_versions(),
+    }
+
+
+def build_report(colocated: dict, arms: dict, copy: dict | None) -> dict:
+    """The report of a run from its colocated measurements and its arms (a failed arm: {"failed": ...});
+    `copy`: the raw device copy's GB/s per prompt length, when measured."""
     ran = {name: arm for name, arm in arms.items() if "failed" not in arm}
     for arm in ran.values():
         for n, row in arm["by_prompt_len"].items():
@@ -637,15 +649,18 @@ def run(args: argparse.Namespace) -> dict:
         report["kvbridge_ttft_vs_best_vllm"] = {
             n: ran["kvbridge"]["by_prompt_len"][n]["ttft_s"]["p50"]
             / min(p["by_prompt_len"][n]["ttft_s"]["p50"] for p in peers.values())
-            for n in lens
+            for n in colocated["ttft_s"]
         }
-    return report | {
-        "kv_bytes_per_prompt": kv_bytes,
-        "raw_device_copy_gbps": copy,
-        "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": None if args.model else spec},
-        "machine": {**machine_info(args.device), "loadavg_start": load_at_start, "loadavg_end": os.getloadavg()},
-        "versions": package_versions(),
-    }
+    return report
+
+
+def report_from_partial(path: str, note: str) -> dict:
+    """The report of a run that stopped before its end, from the file `--partial` wrote after its last
+    finished arm: arms not in it are recorded as not run, with `note` (why), and what only the run's
+    end measures (the raw copy, the machine, versions) is absent."""
+    with open(path) as f:
+        partial = json.load(f)
+    return build_report(partial["colocated"], partial["arms"], None) | {"rebuilt_from_partial": note}
 
 
 def tokens_between_arms(ran: dict) -> dict:
@@ -684,6 +699,9 @@ def targets(ran: dict, step_overhead: dict, colocated_ttft: dict) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--from-partial":  # vllm_pd.py --from-partial FILE "why it stopped"
+        print(json.dumps(report_from_partial(sys.argv[2], sys.argv[3])))
+        return 0
     args = parse_args()
     report = run(args)
     if args.json:
