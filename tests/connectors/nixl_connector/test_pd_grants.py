@@ -127,3 +127,28 @@ def test_a_prefill_that_does_not_sign_is_confirmed_as_before(reference):
             assert worker["num_granted_reads"] == worker["num_unusable_grants"] == 0
             assert worker["num_digested_bytes"] == worker["bytes_transferred"] > 0
         wait_released(n)
+
+
+def test_a_synchronous_load_that_cannot_be_made_is_recomputed_in_its_step(node: PrefillNode, reference, monkeypatch):
+    """sync_ipc_reads attacked at its one race: the worker named the prefill as readable on its device,
+    the scheduler matched granted requests as loads in their step, and then the read cannot go that way
+    (here every known peer is named, and on a CPU no read can). Each such load is a load error in the
+    step that scheduled it: the engine drops the token that step computed on the unread blocks and
+    computes the prompt, so the tokens stay right, and the prefill's blocks are released at once."""
+    from kvbridge.transfer.endpoint import KVEndpoint
+
+    monkeypatch.setattr(KVEndpoint, "in_step_peers", lambda self: [(a, self.peers.get(a)) for a in self.peers.addresses()])
+    prompts = prompts_of(seed=37)
+    want = colocated(reference, prompts)
+    with decode_engine("decode-sync-refused", extra={"sync_ipc_reads": True}) as dec:
+        first = prompts_of(seed=38, count=1)
+        dec.generate(first, GREEDY, kv_transfer_params=node.prefill(first))  # the handshake, asynchronously
+        before = worker_stats(dec)
+        assert before["num_refused_sync_reads"] == 0 and before["num_granted_reads"] == 1, before
+        outs = dec.generate(prompts, GREEDY, kv_transfer_params=node.prefill(prompts))
+        assert [o.outputs[0].token_ids for o in outs] == want
+        worker = worker_stats(dec)
+        assert worker["num_refused_sync_reads"] == len(prompts) and worker["num_sync_reads"] == 0, worker
+        assert worker["num_transfers"] == before["num_transfers"]  # nothing was read
+        assert worker["num_load_errors"] - before["num_load_errors"] == 3 * len(prompts), worker
+    wait_released(node)
