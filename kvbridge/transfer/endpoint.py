@@ -318,14 +318,7 @@ class KVEndpoint:
 
         `expect` is the (engine_id, incarnation) the peer must be. Returns the live record.
         """
-        try:
-            local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-            remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-        except OverflowError:
-            raise ValueError("a block id does not fit in 64 bits") from None
-        if local.shape != remote.shape and not self._translates(address):
-            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
-        self.layout.block_offsets(local)  # IndexError now rather than a failed transfer later
+        local, remote = self._read_ids(address, local_block_ids, remote_block_ids)
         timeout_s = self.transfer_timeout_s if timeout_s is None else timeout_s
         rec = self.tracker.start(req_id, address, timeout_s, payload=_Read(local, remote, expect))
         if address in self.peers and self.peers.get(address).is_instance(expect):
@@ -333,6 +326,19 @@ class KVEndpoint:
         else:  # unknown, or another instance than expected: (re)handshake, then decide
             self.peers.start_handshake(address, refresh=address in self.peers)
         return rec
+
+    def _read_ids(self, address: str, local_block_ids, remote_block_ids) -> tuple[np.ndarray, np.ndarray]:
+        """A read's block ids as arrays; ValueError or IndexError now for ids no read can use, rather than a
+        failed transfer later."""
+        try:
+            local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+            remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
+        except OverflowError:
+            raise ValueError("a block id does not fit in 64 bits") from None
+        if local.shape != remote.shape and not self._translates(address):
+            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+        self.layout.block_offsets(local)
+        return local, remote
 
     def can_read_in_step(self, address: str, expect: tuple[str, str] | None = None) -> bool:
         """Whether a read from `address` (the instance `expect`) can go as device copies queued before
@@ -360,12 +366,8 @@ class KVEndpoint:
         """
         if not self.can_read_in_step(address, expect):
             return None
-        local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-        remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-        if local.shape != remote.shape:
-            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+        local, remote = self._read_ids(address, local_block_ids, remote_block_ids)  # its pages are ours: one to one
         peer = self.peers.get(address)
-        self.layout.block_offsets(local)
         peer.layout.block_offsets(remote)  # IndexError for ids the peer does not have
         copy = self._ipc.start(TransferOp.READ, self.peers.mapping(address), peer.layout, local, remote)
         if copy is None:

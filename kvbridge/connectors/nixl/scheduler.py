@@ -96,11 +96,10 @@ class NixlScheduler:
         self._refused: set[str] = set()
         self._refusals: dict[str, str] = {}  # decode: why a request's params were refused, until taken
         self._new_recvs: dict[str, RecvJob] = {}
-        # decode, with sync_ipc_reads: the prefill engines the worker reads from on its device in a step, and
-        # the requests last matched to load that way (decided again each time the engine asks)
+        # decode, with sync_ipc_reads: the prefill engines the worker reads from on its device in a step (its
+        # last DEVICE_READ_PEERS_STAT; it changes only between steps, so matching and allocation agree)
         self._sync_ipc_reads = sync_ipc_reads
         self._device_peers: frozenset[str] = frozenset()
-        self._sync_matched: set[str] = set()
         self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
@@ -183,9 +182,7 @@ class NixlScheduler:
         if num_external and self._loads_in_step(params):
             # loaded before this step's forward pass, which must compute at least the prompt's last token:
             # its slot is rewritten after the digest of what landed was taken
-            self._sync_matched.add(request.request_id)
             return MatchResult(min(num_external, request.num_prompt_tokens - 1 - num_computed_tokens), False)
-        self._sync_matched.discard(request.request_id)
         return MatchResult(num_external, True)
 
     def _loads_in_step(self, params: RemotePrefillParams) -> bool:
@@ -239,8 +236,7 @@ class NixlScheduler:
             return
         self._handled.add(request.request_id)
         num_hits = self._local_hits.pop(request.request_id, request.num_computed_tokens)
-        sync = request.request_id in self._sync_matched
-        self._sync_matched.discard(request.request_id)
+        sync = bool(num_external_tokens) and self._loads_in_step(params)  # as get_num_new_matched_tokens answered
         # a synchronous load leaves the prompt's last token to compute, in the last block it reads
         first, count = num_hits // self.block_size, -(-num_external_tokens // self.block_size)
         remote_block_size = self._remote_block_size(params)
@@ -304,7 +300,6 @@ class NixlScheduler:
         self._refused.discard(request.request_id)
         self._refusals.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
-        self._sync_matched.discard(request.request_id)
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return KVHandoff(False, None)
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):

@@ -203,13 +203,21 @@ class NixlWorker:
             logger.error("request %s: cannot digest its leased blocks: %s", lease.req_id, e)
             return None
 
-    def _start_recv(self, job: RecvJob, now: float) -> None:
+    def _track(self, job: RecvJob, now: float) -> bool:
+        """Record a read starting now. False when its prefill host is not allowed: refused, a load error
+        (the scheduler half refuses such params first)."""
         self._recvs[job.request_id] = job
         self._deadlines[job.request_id] = now + self.options.transfer_timeout_s
         self._admitted[job.request_id] = now
+        if not self._policy.allows(job.remote.host):
+            self._refuse(job, f"prefill host {job.remote.host!r} is not in the NixlConnector option allowed_peers")
+            return False
+        return True
+
+    def _start_recv(self, job: RecvJob, now: float) -> None:
+        if not self._track(job, now):
+            return
         remote = job.remote
-        if not self._policy.allows(remote.host):  # the scheduler half refuses these first
-            return self._refuse(job, f"prefill host {remote.host!r} is not in the NixlConnector option allowed_peers")
         if not self._peers.admits(remote, busy={j.remote for j in self._recvs.values() if j is not job}):
             return self._refuse(
                 job, f"this node is reading from {self.options.max_peers} prefill addresses already (NixlConnector option max_peers)"
@@ -233,12 +241,9 @@ class NixlWorker:
         error, and vLLM drops the token computed on those blocks and recomputes them. A read that cannot
         go that way any more (the peer forgotten or restarted, the grant expired) is a load error too,
         reported in this step: nothing is left in flight, so no byte lands after the step began."""
-        self._recvs[job.request_id] = job
-        self._deadlines[job.request_id] = now + self.options.transfer_timeout_s
-        self._admitted[job.request_id] = now
+        if not self._track(job, now):
+            return
         remote = job.remote
-        if not self._policy.allows(remote.host):
-            return self._refuse(job, f"prefill host {remote.host!r} is not in the NixlConnector option allowed_peers")
         if self._usable_grant(job) is None:
             return self._refuse_in_step(job, "its prefill's signed grant cannot be relied on, and a synchronous load is "
                                         "verified by its grant in its own step")  # fmt: skip
@@ -330,14 +335,14 @@ class NixlWorker:
                     self._endpoint.flip_bit(job.local_block_ids[0])
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
                 if self._verify_by_grant(job):
-                    pass
-                elif job.sync:  # its grant's term ended within the step: no verdict now means none in time
+                    continue
+                if job.sync:  # its grant's term ended within the step: no verdict now means none in time
                     self._fail(job, "synchronous load: its prefill's signed grant could not be relied on when it landed")
                     self._peers.abandon(job.remote, job.lease)
                     self._finish_recv(rec.req_id)
-                else:
-                    self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
-                    landed.append(job)
+                    continue
+                self._peers.confirm(job.remote, rec.req_id, job.lease, self._deadlines[rec.req_id])
+                landed.append(job)
             else:
                 self._fail(job, f"read from engine {job.remote.engine_id} at {job.remote.address}: {rec.error}")
                 if job.remote.address in self._endpoint.peers:  # it answered: let it free the blocks now

@@ -11,6 +11,7 @@ tails of the logs of every server its module started are added to the report.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,17 @@ class ServerGroup:
         server = start_vllm_server(name, model, self.log_dir, **kwargs)
         self.servers.append(server)
         return server
+
+    def start_pd(
+        self, model: str, transfer_config: Callable[[str], dict], prefix: str = "", **kwargs
+    ) -> tuple[VLLMServer, VLLMServer, VLLMServer]:
+        """A colocated server and a prefill/decode pair whose kv_transfer_config is `transfer_config(role)`,
+        booted together; returns (colocated, prefill, decode) once all three are healthy."""
+        colocated = self.start(f"{prefix}colocated", model, **kwargs)
+        prefill = self.start(f"{prefix}prefill", model, kv_transfer_config=transfer_config("kv_producer"), **kwargs)
+        decode = self.start(f"{prefix}decode", model, kv_transfer_config=transfer_config("kv_consumer"), **kwargs)
+        self.wait()
+        return colocated, prefill, decode
 
     def wait(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Until every server started so far is healthy (VLLMStartError with the failing log's tail)."""

@@ -28,12 +28,7 @@ BYTES = "vllm:nixl_bytes_transferred_sum"
 @pytest.fixture(scope="module")
 def servers(vllm_servers, tiny_checkpoint):
     """(colocated, prefill, decode), booted together. Not pinned to cores: correctness only, on a shared machine."""
-    colocated = vllm_servers.start("colocated", tiny_checkpoint, max_model_len=MAX_MODEL_LEN)
-    prefill = vllm_servers.start("prefill", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
-                                 kv_transfer_config=nixl_transfer_config("kv_producer"))  # fmt: skip
-    decode = vllm_servers.start("decode", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
-                                kv_transfer_config=nixl_transfer_config("kv_consumer"))  # fmt: skip
-    vllm_servers.wait()
+    colocated, prefill, decode = vllm_servers.start_pd(tiny_checkpoint, nixl_transfer_config, max_model_len=MAX_MODEL_LEN)
     warm_up_pd(prefill.url, decode.url, _greedy([0, *range(3, 203)]))  # the NIXL handshake, retried if slow
     return colocated, prefill, decode
 

@@ -45,12 +45,8 @@ def servers(vllm_servers, tiny_checkpoint):
     """(colocated, prefill, decode, the prefill's coordinates), booted together, after one P/D request
     in turn (the NIXL handshake) whose answer gives the coordinates; the TimeoutError instead when
     vLLM left that request unanswered."""
-    colocated = vllm_servers.start("colocated", tiny_checkpoint, max_model_len=MAX_MODEL_LEN)
-    prefill = vllm_servers.start("push-prefill", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
-                                 kv_transfer_config=_push_config("kv_producer"))  # fmt: skip
-    decode = vllm_servers.start("push-decode", tiny_checkpoint, max_model_len=MAX_MODEL_LEN,
-                                kv_transfer_config=_push_config("kv_consumer"))  # fmt: skip
-    vllm_servers.wait()
+    colocated, prefill, decode = vllm_servers.start_pd(tiny_checkpoint, _push_config, prefix="push-",
+                                                       max_model_len=MAX_MODEL_LEN)  # fmt: skip
     try:
         warm = warm_up_pd(prefill.url, decode.url, _greedy([0, *range(3, 3 + 2 * CPU_BLOCK_SIZE - 1)]),
                           attempts=1, timeout_s=LEG_TIMEOUT_S)  # fmt: skip
