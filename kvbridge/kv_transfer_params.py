@@ -8,6 +8,13 @@ another way. Flow (docs/pd-disaggregation.md):
     prefill -> client/proxy: RemotePrefillParams as a dict (returned by `request_finished`)
     client/proxy -> decode:  that dict, with "do_remote_prefill": true
 
+At once (transfer/offers.py), a client sends both legs together under a hand-off key it draws, and
+the prefill offers its params straight to the decode's inbox, which every decode answer names:
+
+    client/proxy -> prefill: {"do_remote_decode": true, "handoff": {"key": K, "inbox": InboxAddress}}
+    client/proxy -> decode:  {"do_remote_prefill": true, "handoff_key": K}
+    decode -> client/proxy:  {"handoff_inbox": InboxAddress}   (with any answer to a remote-prefill request)
+
 The params arrive from HTTP clients, so they are validated with msgspec and a malformed dict
 raises `InvalidRequestError` naming the bad field instead of surfacing as a KeyError mid-step.
 """
@@ -62,6 +69,74 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, kw_only=True):
         return tcp_address(self.remote_host, self.remote_port)
 
 
+HANDOFF_KEY_HEX_CHARS = 64  # 256 random bits: only the client that drew a key can name its offer
+
+
+class InboxAddress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decode engine instance takes hand-off offers (transfer/offers.py), vouched for with the
+    side-channel secret until `expires_at` (wall clock; "" and 0 without a secret)."""
+
+    engine_id: str
+    incarnation: str
+    host: str
+    port: int
+    mac: str = ""
+    expires_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @property
+    def address(self) -> str:
+        return tcp_address(self.host, self.port)
+
+
+class HandoffRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill leg sent at once: offer the finished request's params to `inbox` under `key`."""
+
+    key: str
+    inbox: InboxAddress
+
+
+def parse_handoff(params: dict[str, Any] | None) -> HandoffRequest | None:
+    """The hand-off a prefill request asks for (its params' "handoff"), None when it asks for none.
+    Raises InvalidRequestError naming the field when it is malformed."""
+    if not params or params.get("handoff") is None:
+        return None
+    try:
+        handoff = msgspec.convert(params["handoff"], HandoffRequest, strict=False)
+    except msgspec.ValidationError as e:
+        raise InvalidRequestError(
+            f"kv_transfer_params.handoff is malformed: {e}; pass {{'key': 64 hex digits, 'inbox': the decode's "
+            "handoff_inbox, unchanged}}"
+        ) from None
+    _check_key(handoff.key, "handoff.key")
+    inbox = handoff.inbox
+    if not 0 < inbox.port < 65536 or len(inbox.mac) > MAX_MAC_CHARS or not 0 <= inbox.expires_at < 1e12:
+        raise InvalidRequestError("kv_transfer_params.handoff.inbox is malformed (port, mac or expires_at)")
+    return handoff
+
+
+def parse_handoff_key(params: dict[str, Any] | None) -> str | None:
+    """The hand-off key of a decode request sent at once (remote prefill, no blocks named yet: they come
+    in the prefill's offer), None for any other request. Raises InvalidRequestError for a malformed key."""
+    if not params or not params.get("do_remote_prefill") or "remote_block_ids" in params:
+        return None
+    key = params.get("handoff_key")
+    if key is None:
+        return None
+    _check_key(key, "handoff_key")
+    return key
+
+
+def _check_key(key: object, name: str) -> None:
+    if not (isinstance(key, str) and len(key) == HANDOFF_KEY_HEX_CHARS and all(c in "0123456789abcdef" for c in key)):
+        raise InvalidRequestError(
+            f"kv_transfer_params.{name} must be {HANDOFF_KEY_HEX_CHARS} lowercase hex digits (256 random bits, "
+            "e.g. secrets.token_hex(32)), drawn afresh for each request"
+        )
+
+
 def tcp_address(host: str, port: int) -> str:
     """A ZMQ TCP address; an IPv6 host goes in brackets."""
     host = f"[{host}]" if ":" in host else host
@@ -74,13 +149,14 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 
 
 def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefillParams | None:
-    """The remote-prefill params of a request for a decode node, None when it has none.
+    """The remote-prefill params of a request for a decode node, None when it has none or when they are
+    still to come in the prefill's hand-off offer (`parse_handoff_key` names it).
 
     Raises InvalidRequestError naming the field when `do_remote_prefill` is set but the rest is
     malformed, incomplete or out of range.
     """
-    if not params or not params.get("do_remote_prefill"):
-        return None
+    if not params or not params.get("do_remote_prefill") or parse_handoff_key(params) is not None:
+        return None  # none, or the prefill's params are still to come, in its offer
     try:
         parsed = msgspec.convert(params, RemotePrefillParams, strict=False)
     except msgspec.ValidationError as e:

@@ -173,6 +173,8 @@ class SplitConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self._worker_half is not None:
             self._worker_half.shutdown()
+        elif (close := getattr(self._scheduler_half, "shutdown", None)) is not None:  # optional: a half with sockets
+            close()
 
     # ------------------------------------------------------------------ either side
 

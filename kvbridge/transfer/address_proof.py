@@ -31,6 +31,9 @@ from typing import NamedTuple
 from kvbridge.errors import AuthenticationError
 
 _DOMAIN = b"kvbridge-side-channel-v3/address\0"
+# A decode's offer inbox (transfer/offers.py) is proven in a domain of its own: its proof never vouches
+# for a side channel, nor a side channel's for an inbox.
+INBOX_DOMAIN = b"kvbridge-side-channel-v3/inbox\0"
 CLOCK_SKEW_S = 30.0  # as the side channel's replay window (transfer/auth.py)
 MAC_HEX_CHARS = 64  # HMAC-SHA256, as hex
 
@@ -44,12 +47,12 @@ class SideChannelAddress(NamedTuple):
     port: int
 
 
-def prove_address(secret: bytes, address: SideChannelAddress, expires_at: float) -> str:
+def prove_address(secret: bytes, address: SideChannelAddress, expires_at: float, domain: bytes = _DOMAIN) -> str:
     """The hex MAC that vouches for `address` until `expires_at` (wall-clock seconds)."""
     fields = [address.engine_id.encode(), address.incarnation.encode(), address.host.encode()]
     body = b"".join(struct.pack(">I", len(f)) + f for f in fields)  # lengths keep the boundaries unambiguous
     body += struct.pack(">Hd", address.port, expires_at)
-    return hmac.new(secret, _DOMAIN + body, hashlib.sha256).hexdigest()
+    return hmac.new(secret, domain + body, hashlib.sha256).hexdigest()
 
 
 def check_address(

@@ -48,6 +48,7 @@ class FrameKind(enum.Enum):
 
     REQUEST = b"kvbridge-side-channel-v3/request"
     REPLY = b"kvbridge-side-channel-v3/reply"
+    OFFER = b"kvbridge-side-channel-v3/offer"  # a prefill's hand-off offer to a decode's inbox (transfer/offers.py)
 
 
 def check_secret(secret: bytes | None, source: str = "the side-channel secret") -> None:

@@ -23,7 +23,7 @@ Schema evolution (checked by tests/transfer/test_messages.py):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
 
@@ -322,7 +322,17 @@ class ErrorReply(_Message, tag="error"):
     message: str
 
 
+class HandoffOffer(_Message, tag="handoff_offer"):
+    """Prefill -> decode, on a hand-off at once (transfer/offers.py): the kv_transfer_params the prefill made
+    when the request finished (what it returns to its client too), offered under the client's hand-off key.
+    Proves nothing by arriving: the decode checks `params` as it checks a client's."""
+
+    key: str
+    params: dict[str, Any]
+
+
 Message = Union[
+    HandoffOffer,
     HandshakeRequest,
     HandshakeResponse,
     LeaseRenew,

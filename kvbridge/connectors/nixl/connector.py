@@ -16,7 +16,9 @@ from kvbridge.connectors.nixl.options import NixlOptions
 from kvbridge.connectors.nixl.scheduler import NixlScheduler
 from kvbridge.connectors.nixl.worker import NixlWorker
 from kvbridge.connectors.split import SplitConnector
+from kvbridge.transfer.auth import check_exposure
 from kvbridge.transfer.host_secret import side_channel_secret
+from kvbridge.transfer.offers import OfferInbox, OfferOutbox
 
 if TYPE_CHECKING:
     from kvbridge.config import KVTransferConfig
@@ -46,11 +48,21 @@ class NixlConnector(SplitConnector):
         return metadata is not None and bool(metadata.leases)
 
     def make_scheduler_half(self) -> NixlScheduler:
-        opts = self.options
+        opts, config = self.options, self.config
         secret = side_channel_secret(opts.insecure_side_channel)  # the worker's endpoint resolves the same one
+        inbox = outbox = None
+        if config.is_consumer and opts.handoff_inbox:
+            check_exposure(config.side_channel_host, secret, opts.insecure_side_channel)
+            inbox = OfferInbox(
+                config.side_channel_host, opts.handoff_inbox_port, config.engine_id, self.context.incarnation, secret,
+                keep_s=opts.handoff_wait_s,
+            )
+        if config.is_producer:
+            outbox = OfferOutbox(secret)
         return NixlScheduler(
-            self.config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret,
+            config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret,
             unreachable_cooldown_s=opts.unreachable_peer_cooldown_s, sync_ipc_reads=opts.sync_ipc_reads,
+            inbox=inbox, outbox=outbox, handoff_wait_s=opts.handoff_wait_s,
         )
 
     def make_worker_half(self) -> NixlWorker:

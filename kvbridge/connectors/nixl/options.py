@@ -44,6 +44,13 @@ class NixlOptions(TransferOptions):
     # recomputes. Reads that cannot go that way (a first read from a peer, NIXL, tensor parallelism) load
     # asynchronously as before.
     sync_ipc_reads: bool = False
+    # Decode: bind an inbox (on side_channel_host; handoff_inbox_port, 0 picks a free one) where prefill
+    # nodes offer a request's kv_transfer_params as it finishes, for clients that send both legs at once
+    # (transfer/offers.py). A request sent with a handoff_key waits for its offer at most handoff_wait_s,
+    # then is computed here.
+    handoff_inbox: bool = False
+    handoff_inbox_port: int = 0
+    handoff_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,7 +63,9 @@ class NixlOptions(TransferOptions):
             raise ConfigError(
                 f"NixlConnector option unreachable_peer_cooldown_s must be in [0, 1e6), got {self.unreachable_peer_cooldown_s}"
             )
-        for name in ("lease_s", "peer_idle_s"):
+        if not 0 <= self.handoff_inbox_port < 65536:
+            raise ConfigError(f"NixlConnector option handoff_inbox_port must be a port or 0, got {self.handoff_inbox_port}")
+        for name in ("lease_s", "peer_idle_s", "handoff_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"NixlConnector option {name} must be positive, got {getattr(self, name)}")
 

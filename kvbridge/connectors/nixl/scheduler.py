@@ -9,6 +9,11 @@ grant; otherwise it grants in its next step.
 Decode (consumer): a request with `do_remote_prefill` asks for the remote blocks that its own
 prefix cache lacks, loaded asynchronously (the request parks in WAITING_FOR_REMOTE_KVS); the
 worker reads them and tells the prefill engine to release them.
+
+At once (transfer/offers.py): a decode request that names a hand-off key instead of the params waits
+(matched as "ask again") until the prefill's offer of them is in this node's inbox; the prefill sends
+that offer in the `request_finished` that makes them. The inbox and outbox are the only sockets here,
+both drained or written without blocking, on the engine thread.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from kvbridge.connectors.base import (
 from kvbridge.connectors.nixl import local_grants
 from kvbridge.connectors.nixl.metadata import NixlConnectorMetadata, RecvJob, RemoteEngine
 from kvbridge.errors import AuthenticationError, InvalidRequestError
-from kvbridge.kv_transfer_params import RemotePrefillParams, parse_remote_prefill, wants_remote_decode
+from kvbridge.kv_transfer_params import (
+    HandoffRequest,
+    RemotePrefillParams,
+    parse_handoff,
+    parse_handoff_key,
+    parse_remote_prefill,
+    wants_remote_decode,
+)
 from kvbridge.transfer.address_proof import SideChannelAddress, check_address, prove_address
 from kvbridge.transfer.messages import LeaseRef
 
@@ -41,6 +53,7 @@ if TYPE_CHECKING:
     from kvbridge.block_hash import BlockHash
     from kvbridge.config import KVTransferConfig
     from kvbridge.connectors.nixl.peer_policy import PeerPolicy
+    from kvbridge.transfer.offers import OfferInbox, OfferOutbox
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +86,9 @@ class NixlScheduler:
         unreachable_cooldown_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sync_ipc_reads: bool = False,
+        inbox: OfferInbox | None = None,
+        outbox: OfferOutbox | None = None,
+        handoff_wait_s: float = 30.0,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -100,6 +116,11 @@ class NixlScheduler:
         # last DEVICE_READ_PEERS_STAT; it changes only between steps, so matching and allocation agree)
         self._sync_ipc_reads = sync_ipc_reads
         self._device_peers: frozenset[str] = frozenset()
+        # at once: the decode's inbox, the requests' offered params until they finish, and until when a
+        # request waits for its offer; the prefill's outbox
+        self._inbox, self._outbox, self._handoff_wait_s = inbox, outbox, handoff_wait_s
+        self._offered: dict[str, dict[str, Any]] = {}
+        self._offer_deadlines: dict[str, float] = {}
         self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
@@ -107,6 +128,9 @@ class NixlScheduler:
         self.num_unproven_addresses = 0  # decode: params naming an address the prefill did not vouch for
         self.num_refused_unreachable = 0  # decode: params naming a side channel that did not answer lately
         self.num_granted_at_finish = 0  # prefill: leases granted and signed as their request finished
+        self.num_offers_taken = 0  # decode: requests sent at once whose prefill's offer came
+        self.num_offers_missed = 0  # decode: ... whose offer did not come within handoff_wait_s
+        self.num_offers_refused = 0  # prefill: hand-offs to an inbox not vouched for or not allowed
 
     # ------------------------------------------------------------------ decode
 
@@ -114,7 +138,7 @@ class NixlScheduler:
         if not self.config.is_consumer or request.request_id in self._handled:
             return None
         try:
-            params = parse_remote_prefill(request.kv_transfer_params)
+            params = parse_remote_prefill(self._offered.get(request.request_id, request.kv_transfer_params))
         except InvalidRequestError as e:
             self._refuse(request.request_id, str(e))
             return None
@@ -169,6 +193,8 @@ class NixlScheduler:
         return "peer"  # a prefill engine's KV, pulled
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> MatchResult:
+        if not self._has_offer_or_gave_up(request):
+            return MatchResult(None, False)  # its prefill has not offered the params yet: ask again next step
         params = self._remote_params(request)
         if params is None or not params.remote_block_ids:
             return MatchResult(0, False)
@@ -184,6 +210,39 @@ class NixlScheduler:
             # its slot is rewritten after the digest of what landed was taken
             return MatchResult(min(num_external, request.num_prompt_tokens - 1 - num_computed_tokens), False)
         return MatchResult(num_external, True)
+
+    def _has_offer_or_gave_up(self, request: ConnectorRequest) -> bool:
+        """False while a request sent at once waits for its prefill's offer; True once the offered params
+        replace the request's, when it waited handoff_wait_s in vain, or when it names no hand-off key."""
+        request_id = request.request_id
+        if not self.config.is_consumer or request_id in self._offered or request_id in self._handled:
+            return True
+        try:
+            key = parse_handoff_key(request.kv_transfer_params)
+        except InvalidRequestError as e:
+            self._refuse(request_id, str(e))
+            return True
+        if key is None:
+            return True
+        if self._inbox is None:
+            self._refuse(request_id, "it names a handoff_key, and this node takes no hand-off offers (NixlConnector "
+                         "option handoff_inbox is off): send the prefill's kv_transfer_params instead")  # fmt: skip
+            return True
+        offered = self._inbox.take(key)
+        if offered is not None:
+            self._offer_deadlines.pop(request_id, None)
+            self._offered[request_id] = offered
+            self.num_offers_taken += 1
+            return True
+        deadline = self._offer_deadlines.setdefault(request_id, self._clock() + self._handoff_wait_s)
+        if self._clock() < deadline:
+            return False
+        del self._offer_deadlines[request_id]
+        self._refuse(request_id, f"no prefill offered its KV under its handoff_key within {self._handoff_wait_s:g} s "
+                     "(NixlConnector option handoff_wait_s): the prefill leg failed, was sent elsewhere, or "
+                     "named another inbox")  # fmt: skip
+        self.num_offers_missed += 1
+        return True
 
     def _loads_in_step(self, params: RemotePrefillParams) -> bool:
         """Whether the worker will read these blocks synchronously: sync_ipc_reads is on, the params carry
@@ -300,10 +359,21 @@ class NixlScheduler:
         self._refused.discard(request.request_id)
         self._refusals.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
+        self._offer_deadlines.pop(request.request_id, None)
+        was_offered = self._offered.pop(request.request_id, None) is not None
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
-            return KVHandoff(False, None)
+            return KVHandoff(False, self._inbox_answer(request, was_offered))
+        handoff = self._handoff(request)
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return KVHandoff(False, None)  # aborted or failed: there is nothing worth reading
+            # aborted or failed: there is nothing worth reading; a decode waiting at once computes it now
+            self._offer(handoff, self._params(request, []).to_dict())
+            return KVHandoff(False, None)
+        handoff_answer = self._finish_remote_decode(request, block_ids)
+        self._offer(handoff, handoff_answer.kv_transfer_params)
+        return handoff_answer
+
+    def _finish_remote_decode(self, request: ConnectorRequest, block_ids: list[int]) -> KVHandoff:
+        """A prefill request's blocks held under a lease (granted now where the worker half shares this process)."""
         num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
         if not num_full:  # not one full block: nothing is held, the decode side computes the prompt
             return KVHandoff(False, self._params(request, []).to_dict())
@@ -318,6 +388,45 @@ class NixlScheduler:
             self._new_leases[request.request_id] = lease
         self._leased.add(request.request_id)
         return KVHandoff(True, params.to_dict())
+
+    def _inbox_answer(self, request: ConnectorRequest, was_offered: bool) -> dict[str, Any] | None:
+        """A decode answer to a remote-prefill request names this node's inbox, so that its client can
+        send the next requests at once."""
+        if self._inbox is None or not (was_offered or (request.kv_transfer_params or {}).get("do_remote_prefill")):
+            return None
+        return {"handoff_inbox": self._inbox.address().to_dict()}
+
+    def _handoff(self, request: ConnectorRequest) -> HandoffRequest | None:
+        """The hand-off a prefill request asks for, if its inbox may be sent to (else None, said once)."""
+        try:
+            handoff = parse_handoff(request.kv_transfer_params)
+        except InvalidRequestError as e:
+            logger.error("request %s: %s; its params are returned to its client only", request.request_id, e)
+            self.num_offers_refused += 1
+            return None
+        if handoff is not None and not self.peer_policy.allows(handoff.inbox.host):
+            logger.error("request %s: its hand-off names decode host %r, which the NixlConnector option allowed_peers "
+                         "does not allow; its params are returned to its client only", request.request_id,
+                         handoff.inbox.host)  # fmt: skip
+            self.num_offers_refused += 1
+            return None
+        return handoff
+
+    def _offer(self, handoff: HandoffRequest | None, params: dict[str, Any] | None) -> None:
+        if handoff is None or params is None or self._outbox is None:
+            return
+        try:
+            self._outbox.offer(handoff, params)
+        except AuthenticationError as e:
+            logger.error("hand-off refused: %s; the params are returned to the client only", e)
+            self.num_offers_refused += 1
+
+    def shutdown(self) -> None:
+        """Close the inbox and outbox sockets. Idempotent."""
+        if self._inbox is not None:
+            self._inbox.close()
+        if self._outbox is not None:
+            self._outbox.close()
 
     def _params(self, request: ConnectorRequest, held: list[int]) -> RemotePrefillParams:
         """What the decode side needs to read `held` and to prove it read this request's blocks."""
@@ -354,4 +463,7 @@ class NixlScheduler:
             "num_unproven_addresses": self.num_unproven_addresses,
             "num_refused_unreachable": self.num_refused_unreachable,
             "num_granted_at_finish": self.num_granted_at_finish,
+            "num_offers_taken": self.num_offers_taken,
+            "num_offers_missed": self.num_offers_missed,
+            "num_offers_refused": self.num_offers_refused,
         }
