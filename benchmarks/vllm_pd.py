@@ -20,7 +20,10 @@ makes it wait for the prefill's answer like the other arms. `kvbridge@confirm` r
 kvbridge with the prefill's signed grants off (NixlConnector option `sign_grants: false`): every
 read is confirmed with the prefill on the side channel, the hand-off before them; `kvbridge@sync` turns on
 the NixlConnector option `sync_ipc_reads`: a granted read from a same-host GPU peer loads in the step that
-schedules the request (a CUDA IPC copy and its digest before that step's forward pass), not in a later one.
+schedules the request (a CUDA IPC copy and its digest before that step's forward pass), not in a later one;
+`kvbridge@once` sends both legs at once through kvbridge's hand-off (option `handoff_inbox` on the decode:
+the prefill offers its kv_transfer_params to the decode's inbox as the request finishes; the inbox is learnt
+from a decode answer in turn after the warm-up). Modifiers combine: `kvbridge@sync+once`.
 An arm that fails or hangs
 (a leg past `--request-timeout`) is a result: its error is recorded and the other arms still run.
 
@@ -107,7 +110,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
 from common import machine_info, versions  # noqa: E402
 from vllm_checkpoint import kv_bytes_per_token, make_random_llama_checkpoint  # noqa: E402
-from vllm_client import VLLMRequestError, complete, pd_complete, pd_complete_at_once, push_coordinates  # noqa: E402
+from vllm_client import (  # noqa: E402
+    VLLMRequestError,
+    complete,
+    handoff_inbox,
+    pd_complete,
+    pd_complete_at_once,
+    pd_complete_handoff,
+    push_coordinates,
+)
 from vllm_client import scrape_metrics, warm_up_pd  # noqa: E402
 from vllm_server import (  # noqa: E402
     VLLMServer,
@@ -129,7 +140,7 @@ ARMS = ("vllm-nixl", "vllm-nixl-push", "kvbridge")
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
 MODIFIERS = ("ipc", "xl", "seq")  # of the vLLM arms, see the module docstring
 # kvbridge@confirm: the prefill signs no grant, every read is confirmed; kvbridge@sync: sync_ipc_reads on
-KVBRIDGE_MODIFIERS = ("confirm", "sync")
+KVBRIDGE_MODIFIERS = ("confirm", "sync", "once")
 # cuda_ipc for same-host GPU memory, and its GET: UCX disables cuda_ipc's get_zcopy on a GPU without
 # NVLink peers (one GPU alone included) and then serves a pull (NIXL READ) over TCP at < 1 GB/s, while
 # a push (WRITE) takes cuda_ipc; ENABLE_GET_ZCOPY=on lets the pull take it too. PROTO_INFO=y logs the
@@ -208,6 +219,8 @@ def transfer_config(arm: str, role: str, device: str = "cpu") -> dict:
     extra = {"connector": "NixlConnector"} | ({"sign_grants": False} if "confirm" in mods else {})
     if "sync" in mods:
         extra["sync_ipc_reads"] = True
+    if "once" in mods and role == "kv_consumer":
+        extra["handoff_inbox"] = True
     return {
         "kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
         "kv_role": role, "kv_connector_extra_config": extra,
@@ -373,6 +386,8 @@ class TransferMetrics:
         self.url, self.is_vllm = url, base in VLLM_CONNECTORS
         self.at_once = base == "vllm-nixl-push" and "seq" not in mods  # both legs together, as vLLM's push proxy
         self.coordinates: dict | None = None  # the prefill engine's, from the warm-up's answer (push at once)
+        self.handoff = base == "kvbridge" and "once" in mods  # both legs together through kvbridge's hand-off
+        self.inbox: dict | None = None  # the decode's hand-off inbox, from an answer in turn
         self.metrics_url = metrics_url or url  # vLLM's push mode counts its writes on the prefill (the writer)
         self.count_name, self.bytes_name = (VLLM_XFER_COUNT, VLLM_XFER_BYTES) if self.is_vllm else (KVB_COUNT, KVB_BYTES)
         self.num_requests = 0  # P/D requests sent so far: each one's KV crosses the connector once
@@ -400,6 +415,8 @@ class TransferMetrics:
         before = self.last if self.last is not None else self.totals()
         if self.at_once:
             result = pd_complete_at_once(prefill_url, self.url, body, self.coordinates, timeout_s=timeout_s)
+        elif self.handoff:
+            result = pd_complete_handoff(prefill_url, self.url, body, self.inbox, timeout_s=timeout_s)
         else:
             result = pd_complete(prefill_url, self.url, body, timeout_s=timeout_s)
         self.num_requests += 1
@@ -422,6 +439,9 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
     first = warm_up_pd(prefill.url, metrics.url, body(args, warm[0]), timeout_s=args.request_timeout)
     metrics.coordinates = push_coordinates(first.kv_transfer_params)  # what a push proxy is configured with
     metrics.num_requests += 1
+    if metrics.handoff:  # what a kvbridge proxy learns from a decode answer before it sends legs at once
+        metrics.inbox = handoff_inbox(prefill.url, metrics.url, body(args, warm[0]), timeout_s=args.request_timeout)
+        metrics.num_requests += 1
     metrics.last = None  # a retried handshake may have counted a failed transfer
     for prompt in warm[1:]:
         metrics.pd_request(prefill.url, body(args, prompt), args.request_timeout)
@@ -461,7 +481,7 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         grant = prefill_gauges(prefill.url)
         transfer["prefill_grant_ms"] = {p: grant.get(f"kvbridge_worker_grant_ms_{p}") for p in ("p50", "p99")}
     return {
-        "legs": "at_once" if metrics.at_once else "prefill_then_decode",
+        "legs": "at_once" if metrics.at_once or metrics.handoff else "prefill_then_decode",
         "ttft_s": percentiles([r.ttft_s for r in results]),
         "decode_ttft_s": percentiles([r.decode.ttft_s for r in results]),
         "cached_hit_ttft_s": percentiles(floors),

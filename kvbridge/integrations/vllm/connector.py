@@ -129,6 +129,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -71,6 +71,11 @@ class SchedulerSide:
         if step_stats:
             self._inner.update_connector_output(KVConnectorOutput(stats=dict(step_stats)))
 
+    def shutdown(self) -> None:
+        """Close what the kvbridge half holds (its sockets: a decode's hand-off inbox). Idempotent."""
+        if self._inner is not None:
+            self._inner.shutdown()
+
     @property
     def inner(self) -> KVConnectorBase:
         if self._inner is None:

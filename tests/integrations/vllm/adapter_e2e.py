@@ -29,6 +29,7 @@ LEASES = "kvbridge_worker_num_leases"
 EXPIRED_LEASES = "kvbridge_worker_num_expired_leases"
 MISMATCHED = "kvbridge_scheduler_num_mismatched_params"
 UNPROVEN = "kvbridge_scheduler_num_unproven_addresses"  # params naming an address the prefill did not vouch for
+OFFERS_TAKEN = "kvbridge_scheduler_num_offers_taken"  # decode requests sent at once whose prefill offered the params
 HELD = "kvbridge_scheduler_adapter_held_requests"
 TRACKED = "kvbridge_scheduler_adapter_tracked_requests"
 

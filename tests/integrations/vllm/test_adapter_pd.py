@@ -46,6 +46,7 @@ from adapter_e2e import (
     LEASES,
     LOAD_ERRORS,
     MISMATCHED,
+    OFFERS_TAKEN,
     UNPROVEN,
     TRANSFERS,
     delta,
@@ -56,7 +57,14 @@ from adapter_e2e import (
     wait_for_metrics,
 )
 from vllm_checkpoint import kv_bytes_per_token
-from vllm_client import PREFILL_LEG_PARAMS, VLLMRequestError, complete, pd_complete
+from vllm_client import (
+    PREFILL_LEG_PARAMS,
+    VLLMRequestError,
+    complete,
+    handoff_inbox,
+    pd_complete,
+    pd_complete_handoff,
+)
 from vllm_server import CPU_BLOCK_SIZE
 
 from kvbridge.serve.launcher import free_ports, http_json, start_proxy, wait_healthy
@@ -114,13 +122,13 @@ def _warm_up(prefill_url: str, decode_url: str, seed: int, attempts: int = 3) ->
 
 @pytest.fixture(scope="module")
 def pd(vllm_servers, tiny_checkpoint, tmp_path_factory):
-    def start(name: str, role: str, policy: str = "recompute"):
-        config = kvbridge_transfer_config(role, "NixlConnector", policy=policy, **NIXL_OPTIONS)
+    def start(name: str, role: str, policy: str = "recompute", **options):
+        config = kvbridge_transfer_config(role, "NixlConnector", policy=policy, **NIXL_OPTIONS, **options)
         return vllm_servers.start(name, tiny_checkpoint, max_model_len=MAX_MODEL_LEN, kv_transfer_config=config)
 
     start_s = time.monotonic()
     prefill = start("prefill", "kv_producer")
-    decode = start("decode", "kv_consumer")
+    decode = start("decode", "kv_consumer", handoff_inbox=True)  # takes hand-offs at once; decode_fail does not
     decode_fail = start("decode_fail", "kv_consumer", policy="fail")
     vllm_servers.wait()
     ready_s = time.monotonic() - start_s
@@ -154,6 +162,39 @@ def _wait_leases_ended(pd: PD) -> dict[str, float]:
     assert metrics.get(LEASES) == 0, f"the prefill still holds leases: {metrics}"
     assert metrics.get(HELD) == 0, f"vLLM's prefill still holds blocks for a send: {metrics}"
     return metrics
+
+
+# ---------------------------------------------------------------------- both legs at once
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_both_legs_at_once_through_the_hand_off(pd, stream):
+    """The decode leg leaves with the prefill leg, naming a hand-off key only: vLLM's scheduler keeps it
+    waiting (the connector answers "ask again") until the prefill's offer reaches the inbox, then it
+    reads the prompt's blocks once, and answers colocated tokens; the prefill's lease ends."""
+    inbox = handoff_inbox(pd.prefill.url, pd.decode.url, greedy(random_prompt(seed=30, num_tokens=PROMPT_LEN), 1))
+    prompt = random_prompt(seed=31 + stream, num_tokens=PROMPT_LEN)
+    before = kvbridge_metrics(pd.decode.url)
+    out = pd_complete_handoff(pd.prefill.url, pd.decode.url, greedy(prompt, MAX_TOKENS, stream=stream), inbox)
+    after = wait_for_metrics(pd.decode.url, lambda m: delta(m, before, TRANSFERS) >= 1)
+
+    assert out.token_ids == pd.colocated(greedy(prompt, MAX_TOKENS))
+    _assert_read(pd, before, after, PROMPT_LEN // CPU_BLOCK_SIZE)
+    assert delta(after, before, OFFERS_TAKEN) == 1, after
+    _wait_leases_ended(pd)
+    print(f"at once ({'streamed' if stream else 'whole'}): TTFT {out.ttft_s * 1e3:.0f} ms, "
+          f"prefill leg {out.prefill.total_s * 1e3:.0f} ms")  # fmt: skip
+
+
+def test_a_hand_off_key_sent_to_a_decode_without_an_inbox_is_computed_at_once(pd):
+    """decode_fail takes no offers: the request is refused before admission (no load error for vLLM's
+    policy "fail" to fail it) and computed there at once, not after a wait."""
+    prompt = random_prompt(seed=33, num_tokens=PROMPT_LEN)
+    params = {"do_remote_prefill": True, "handoff_key": "ab" * 32}
+    start = time.monotonic()
+    out = complete(pd.decode_fail.url, {**greedy(prompt, MAX_TOKENS), "kv_transfer_params": params})
+    assert out.token_ids == pd.colocated(greedy(prompt, MAX_TOKENS))
+    assert time.monotonic() - start < 10.0
 
 
 # ---------------------------------------------------------------------- kvbridge's proxy

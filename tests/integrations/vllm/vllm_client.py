@@ -15,6 +15,7 @@ import contextlib
 import http.client
 import json
 import time
+import secrets
 import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -192,6 +193,32 @@ def pd_complete_at_once(
         prefill = pool.submit(complete, prefill_url, prefill_body, timeout_s=timeout_s, request_id=request_id)
         decode = complete(decode_url, {**body, "kv_transfer_params": decode_params}, timeout_s=timeout_s,
                           request_id=request_id)  # fmt: skip
+        return PDCompletion(decode, prefill.result(), decode_params, at_once=True)
+
+
+def handoff_inbox(prefill_url: str, decode_url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+    """The decode's hand-off inbox (kvbridge's NixlConnector option handoff_inbox), as its answer to a P/D
+    request in turn names it: a kvbridge proxy learns it so, before it sends both legs at once."""
+    answer = pd_complete(prefill_url, decode_url, {**body, "stream": False}, timeout_s=timeout_s).decode
+    inbox = (answer.kv_transfer_params or {}).get("handoff_inbox")
+    if not inbox:
+        raise VLLMRequestError(f"the decode server {decode_url} named no handoff_inbox; start it with handoff_inbox on")
+    return inbox
+
+
+def pd_complete_handoff(
+    prefill_url: str, decode_url: str, body: dict[str, Any], inbox: dict[str, Any], *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> PDCompletion:  # fmt: skip
+    """Both legs at once through kvbridge's hand-off: under a fresh key, the prefill leg names the decode's
+    `inbox` (see `handoff_inbox`), to which the prefill offers its kv_transfer_params as it finishes; the
+    decode leg names the key alone and waits for that offer. The user's TTFT is the decode leg's own."""
+    key = secrets.token_hex(32)
+    prefill_body = _prefill_leg_body(body, handoff={"key": key, "inbox": inbox})
+    decode_params = {"do_remote_prefill": True, "handoff_key": key}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        prefill = pool.submit(complete, prefill_url, prefill_body, timeout_s=timeout_s)
+        decode = complete(decode_url, {**body, "kv_transfer_params": decode_params}, timeout_s=timeout_s)
         return PDCompletion(decode, prefill.result(), decode_params, at_once=True)
 
 
