@@ -477,6 +477,10 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         # far: the copy's own speed, apart from what posting and noticing the landing add to `ms`
         transfer["device_read_ms_p50"] = end.get("kvbridge_worker_device_read_ms_p50")
         transfer["device_read_gbps"] = end.get("kvbridge_worker_device_read_gbps")
+        # at once: from the prefill's send of its offer to the decode scheduler's taking it, over the last 256
+        if metrics.handoff:
+            transfer["offer_latency_ms"] = {p: end.get(f"kvbridge_scheduler_offer_latency_ms_{p}") for p in ("p50", "max")}
+            transfer["num_offers_taken"] = end.get("kvbridge_scheduler_num_offers_taken", 0) - start.get("kvbridge_scheduler_num_offers_taken", 0)
         # the prefill's cost of granting as the request finishes (digest of the leased blocks, then sign)
         grant = prefill_gauges(prefill.url)
         transfer["prefill_grant_ms"] = {p: grant.get(f"kvbridge_worker_grant_ms_{p}") for p in ("p50", "p99")}

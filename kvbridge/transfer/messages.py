@@ -329,6 +329,7 @@ class HandoffOffer(_Message, tag="handoff_offer"):
 
     key: str
     params: dict[str, Any]
+    sent_ns: int = 0  # the prefill's wall clock as it sent the offer (time.time_ns): the decode times the hand-off
 
 
 Message = Union[

@@ -98,7 +98,7 @@ class OfferInbox:
         self._audience = audience_of(engine_id, incarnation)
         self._keep_s, self._max_offers = keep_s, max_offers
         self._clock, self._wall_clock = clock, wall_clock
-        self._offers: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()  # key -> (arrived, params)
+        self._offers: OrderedDict[str, tuple[float, m.HandoffOffer]] = OrderedDict()  # key -> (arrived, offer)
         self.num_offers = 0  # accepted
         self.num_rejected = 0  # unsigned, badly signed, replayed, for another instance, malformed
         self.num_expired = 0  # kept past keep_s or evicted unclaimed
@@ -128,8 +128,8 @@ class OfferInbox:
             expires_at=expires_at,
         )  # fmt: skip
 
-    def take(self, key: str) -> dict[str, Any] | None:
-        """The params offered under `key` (once), after draining what arrived; None when none came yet."""
+    def take(self, key: str) -> m.HandoffOffer | None:
+        """The offer under `key` (once), after draining what arrived; None when none came yet."""
         self._drain()
         entry = self._offers.pop(key, None)
         return None if entry is None else entry[1]
@@ -159,7 +159,7 @@ class OfferInbox:
                 logger.warning("hand-off inbox: frame refused (%d so far): %s", self.num_rejected, e)
             return
         if offer.key not in self._offers:  # the first offer under a key stands
-            self._offers[offer.key] = (self._clock(), offer.params)
+            self._offers[offer.key] = (self._clock(), offer)
             self.num_offers += 1
 
     def close(self) -> None:
@@ -183,7 +183,7 @@ class OfferOutbox:
         inbox is not vouched for (nothing is sent)."""
         check_inbox(self._secret, handoff.inbox, self._wall_clock())
         inbox = handoff.inbox
-        payload = m.encode(m.HandoffOffer(key=handoff.key, params=params))
+        payload = m.encode(m.HandoffOffer(key=handoff.key, params=params, sent_ns=time.time_ns()))
         frame = self._signer.seal(FrameKind.OFFER, 0, payload, audience=audience_of(inbox.engine_id, inbox.incarnation))
         try:
             self._socket_for(inbox.address).send(m.encode_frame(frame), zmq.NOBLOCK)

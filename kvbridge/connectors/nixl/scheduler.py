@@ -18,11 +18,12 @@ both drained or written without blocking, on the engine thread.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -66,6 +67,14 @@ UNREACHABLE_PEERS_STAT = "nixl_unreachable_peers"
 # a step (a CUDA IPC mapping, the same pages, one rank, a grant key): requests whose params name one and carry
 # a grant load synchronously there (NixlConnector option sync_ipc_reads).
 DEVICE_READ_PEERS_STAT = "nixl_device_read_peers"
+
+
+def offer_latency_stats(latencies_ms: Sequence[float]) -> dict[str, float]:
+    """p50 and max of the hand-offs' latencies from the prefill's send to the decode's take ({} before any)."""
+    if not latencies_ms:
+        return {}
+    ordered = sorted(latencies_ms)
+    return {"offer_latency_ms_p50": ordered[len(ordered) // 2], "offer_latency_ms_max": ordered[-1]}
 
 
 def unreachable_peer_key(address: str, incarnation: str) -> str:
@@ -121,6 +130,9 @@ class NixlScheduler:
         self._inbox, self._outbox, self._handoff_wait_s = inbox, outbox, handoff_wait_s
         self._offered: dict[str, dict[str, Any]] = {}
         self._offer_deadlines: dict[str, float] = {}
+        # decode: from the prefill's send of an offer to this scheduler's taking it, the last 256 (ms)
+        self._offer_latencies_ms: collections.deque[float] = collections.deque(maxlen=256)
+        self._wall_clock_ns = lambda: int(wall_clock() * 1e9)
         self._new_leases: dict[str, LeaseRef] = {}
         self._leased: set[str] = set()  # prefill: blocks held until finished_sending
         self.num_mismatched_params = 0  # decode: remote blocks that belonged to another prompt
@@ -228,11 +240,13 @@ class NixlScheduler:
             self._refuse(request_id, "it names a handoff_key, and this node takes no hand-off offers (NixlConnector "
                          "option handoff_inbox is off): send the prefill's kv_transfer_params instead")  # fmt: skip
             return True
-        offered = self._inbox.take(key)
-        if offered is not None:
+        offer = self._inbox.take(key)
+        if offer is not None:
             self._offer_deadlines.pop(request_id, None)
-            self._offered[request_id] = offered
+            self._offered[request_id] = offer.params
             self.num_offers_taken += 1
+            if offer.sent_ns:  # the prefill's clock: meaningful on one host, or with synchronized clocks
+                self._offer_latencies_ms.append((self._wall_clock_ns() - offer.sent_ns) / 1e6)
             return True
         deadline = self._offer_deadlines.setdefault(request_id, self._clock() + self._handoff_wait_s)
         if self._clock() < deadline:
@@ -466,4 +480,5 @@ class NixlScheduler:
             "num_offers_taken": self.num_offers_taken,
             "num_offers_missed": self.num_offers_missed,
             "num_offers_refused": self.num_offers_refused,
+            **offer_latency_stats(self._offer_latencies_ms),
         }
