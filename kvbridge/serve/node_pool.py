@@ -154,6 +154,10 @@ class NodePool:
         answering = [n for n in healthy if not n.num_silent_checks]
         return [NodeLoad(n.url, n.num_in_flight) for n in answering or healthy]
 
+    def num_ejections(self, url: str) -> int:
+        """Times `url` left the rotation: what the proxy learned from it before may be another process's."""
+        return self._nodes[url].num_ejections
+
     def has_healthy(self) -> bool:
         return any(n.state is NodeState.HEALTHY for n in self._nodes.values())
 

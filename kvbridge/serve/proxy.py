@@ -1,5 +1,5 @@
-"""`kvbridge proxy`: the P/D router. Each completion or chat completion goes to a prefill node, then
-to a decode node.
+"""`kvbridge proxy`: the P/D router. Each completion or chat completion goes to a prefill node and
+to a decode node: in turn, or both at once once the decode node's hand-off inbox is known.
 
     kvbridge proxy --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 http://10.0.0.3:8200
 
@@ -19,6 +19,10 @@ model of the proxy"); each leg posts to the same route of its node:
    `do_remote_prefill: true`, and return its answer (a stream is copied through as it arrives).
    A decode node that fails before the client was sent a byte is ejected and the next one gets the
    same params (a lease is not bound to its reader: see the docs).
+At once (serve/proxy_dispatch.py; `--dispatch auto`, the default, when the decode node the routing
+picks has named a fresh hand-off inbox in an earlier answer): steps 1 and 2 start together under a
+hand-off key, the prefill offers its params straight to the decode's inbox, and the prefill's
+answer no longer gates the decode leg.
 A node's 4xx (the client's mistake) is passed through unchanged and never retried. No attempt starts
 after the request's `--deadline`. When the decode leg ends without a whole answer, the prefill node
 is told to free the blocks it holds for the request (proxy_release.py). A client that hangs up
@@ -46,6 +50,7 @@ from kvbridge.serve.node_pool import (
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.http_errors import error_response, openai_errors
 from kvbridge.serve.protocol import parse_completion_request
+from kvbridge.serve.proxy_dispatch import DISPATCHES, Handoff, InboxBook, NoOffers, PrefillLeg
 from kvbridge.serve.proxy_legs import Deadline, Leg, LegFailed, Reply, Upstream, decode_body
 from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
@@ -93,7 +98,7 @@ class PDProxy:
         self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, *,
         routing: str = "load-prefix", max_retries: int = MAX_RETRIES, deadline_s: float | None = None,
         check_interval_s: float = CHECK_INTERVAL_S, max_backoff_s: float = MAX_BACKOFF_S, silent_checks: int = SILENT_CHECKS,
-        insecure_side_channel: bool = False,
+        insecure_side_channel: bool = False, dispatch: str = "auto",
     ) -> None:  # fmt: skip
         if max_retries < 0 or timeout_s <= 0 or check_interval_s <= 0 or (deadline_s is not None and deadline_s <= 0):
             raise ConfigError("--timeout, --deadline and --health-interval must be positive, --max-retries at least 0")
@@ -101,6 +106,8 @@ class PDProxy:
             raise ConfigError(f"--max-probe-backoff must be at least {MIN_BACKOFF_S:g} s, the first wait of an ejected node")
         if silent_checks < 1:
             raise ConfigError(f"--silent-checks must be at least 1, got {silent_checks}")
+        if dispatch not in DISPATCHES:
+            raise ConfigError(f"--dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         checks = {"check_interval_s": check_interval_s, "max_backoff_s": max_backoff_s, "silent_checks": silent_checks}
         prefill_pool, decode_pool = NodePool("prefill", prefill_urls, **checks), NodePool("decode", decode_urls, **checks)
         prefill_policy, decode_policy = make_policies(routing, prefill_pool.urls, decode_pool.urls)
@@ -108,7 +115,10 @@ class PDProxy:
         self.routing, self.deadline_s = routing, deadline_s
         self.num_requests = 0
         # releases are signed like the nodes' own requests: the configured secret, else this user's host secret
-        self.releaser = LeaseReleaser(side_channel_secret(insecure_side_channel))
+        secret = side_channel_secret(insecure_side_channel)
+        self.releaser = LeaseReleaser(secret)
+        self.dispatch, self.inboxes, self.no_offers = dispatch, InboxBook(), NoOffers(secret)
+        self._running_prefills: set[asyncio.Task] = set()  # prefill legs sent at once that outlived their request
         self.metrics = ProxyMetrics(self._node_stats, lambda: (self.releaser.num_released, self.releaser.num_failed))
         self.upstream = Upstream(
             Leg("prefill", prefill_pool, prefill_policy), Leg("decode", decode_pool, decode_policy), timeout_s, max_retries,
@@ -131,8 +141,11 @@ class PDProxy:
         await self.upstream.start()
 
     async def on_cleanup(self, app: web.Application) -> None:
+        for task in list(self._running_prefills):
+            task.cancel()  # their leases expire on the prefill nodes
         await self.upstream.close()
         await self.releaser.drain()
+        self.no_offers.close()
 
     # ------------------------------------------------------------------ completions
 
@@ -168,47 +181,94 @@ class PDProxy:
         if not self.decode_pool.has_healthy():
             return self._leg_failed(LegFailed("decode", None, 0))
         deadline = Deadline(self.deadline_s)
-        t0 = time.monotonic()
-        prefill = await self.upstream.prefill(path, body, routed.prompt, deadline) if routed.disaggregated else None
-        kv_params = prefill.value.get("kv_transfer_params") if prefill else None
+        first, handoff = self._plan(routed)
+        prefill = None
+        if routed.disaggregated:
+            self.metrics.dispatches.labels(mode="in_turn" if handoff is None else "at_once").inc()
+            handoff_params = handoff.prefill_params() if handoff else None
+            task = asyncio.create_task(self.upstream.prefill(path, body, routed.prompt, deadline, handoff_params))
+            prefill = PrefillLeg(task, handoff)
+            if handoff is None:
+                await task  # in turn: the decode leg starts from its answer
+            else:
+                task.add_done_callback(lambda _: self._offer_nothing_without_params(prefill))
         t1, complete = time.monotonic(), False
+        reasons: dict[str, str | None] = {}  # decode URL -> why its answer computed the prompt (None: it read it)
 
-        def annotate(kvbridge: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
+        async def body_for(url: str) -> dict[str, Any]:
+            if handoff is not None and url == handoff.decode_url:  # tried once: each node at most once a leg
+                return {**body, "kv_transfer_params": handoff.decode_params()}
+            return decode_body(body, await prefill.wait_params() if prefill else None)
+
+        def annotate(answer: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
             # What the decode node did, from its own report: never inferred from what the proxy sent.
-            reason = recompute_reason(routed.disaggregated, prefill is not None, kv_params, kvbridge)
+            kvbridge = answer["kvbridge"]
+            self.inboxes.learn(decode_url, answer.get("kv_transfer_params"), self.decode_pool.num_ejections(decode_url))
+            reason = _recompute_reason(routed, prefill, kvbridge)
             source = kv_source(reason, kvbridge)
             if reason is not None:
                 self.metrics.recomputes.labels(reason=reason).inc()
+            reasons[decode_url] = reason
+            answered = prefill.answer() if prefill else None
             kvbridge["proxy"] = {
-                "prefill_url": prefill.url if prefill else None,
+                "dispatch": None if prefill is None else "in_turn" if handoff is None else "at_once",
+                "prefill_url": answered.url if answered else None,
                 "decode_url": decode_url,
-                "prefill_attempts": prefill.num_attempts if prefill else None,
+                "prefill_attempts": answered.num_attempts if answered else None,
                 "decode_attempts": decode_attempts,
                 "disaggregated": reason is None and source == "prefill_node",
                 "recomputed": reason is not None,
                 "recompute_reason": reason,
                 "kv_source": source,
                 "kv_load_error": kvbridge.get("kv_load_error"),  # the decode node's own words, when a load failed
-                "prefill_s": round(t1 - t0, 6),
+                "prefill_s": None if prefill is None or prefill.seconds is None else round(prefill.seconds, 6),
                 "decode_s": round(time.monotonic() - t1, 6),
-                "prefill_kvbridge": prefill.value.get("kvbridge") if prefill else None,
+                "prefill_kvbridge": answered.value.get("kvbridge") if answered else None,
             }
 
+        decode = None
         try:
-            decode = await self.upstream.decode(
-                request, path, decode_body(body, kv_params), routed.prompt, deadline, annotate
-            )
+            decode = await self.upstream.decode(request, path, body_for, routed.prompt, deadline, annotate, first)
             response, complete = decode.value
+            if not isinstance(response, web.StreamResponse) and isinstance(response.get("kvbridge"), dict):
+                annotate(response, decode.url, decode.num_attempts)
         except LegFailed as exc:
             return self._leg_failed(exc)
         finally:
-            if not complete:  # nobody will read what the prefill node holds for this request
-                self.releaser.release_soon(kv_params)
+            if prefill is not None:
+                self._settle(prefill, decode.url if complete else None, reasons.get(decode.url) if complete else None)
         if isinstance(response, web.StreamResponse):
             return response
-        if isinstance(response.get("kvbridge"), dict):
-            annotate(response["kvbridge"], decode.url, decode.num_attempts)
         return web.json_response(response)
+
+    def _plan(self, routed: Routed) -> tuple[str | None, Handoff | None]:
+        """(the decode node chosen ahead, the hand-off when the request goes at once). Until some decode
+        node named an inbox, nothing is chosen ahead: the decode leg picks its node as it starts."""
+        if not routed.disaggregated or self.dispatch == "in-turn" or not self.inboxes.has_any():
+            return None, None
+        url = self.upstream.choose_decode(routed.prompt)
+        inbox = self.inboxes.fresh(url, self.decode_pool.num_ejections(url)) if url else None
+        return url, Handoff.draw(inbox, url) if inbox else None
+
+    def _offer_nothing_without_params(self, prefill: PrefillLeg) -> None:
+        """A prefill leg sent at once ended without params while its decode leg waits: it need not wait."""
+        if prefill.kv_params() is None and not prefill.is_settled:
+            self.no_offers.send(prefill.handoff)
+
+    def _settle(self, prefill: PrefillLeg, decode_url: str | None, recompute_reason: str | None) -> None:
+        """The decode leg ended, with the whole answer of `decode_url` (None: without one): release the
+        prefill's params unless that decode node took them. Sent at once, the prefill leg may still
+        run: its params are then released, if they must be, when it answers."""
+        prefill.is_settled = True
+
+        def release_unless_taken(_: asyncio.Task) -> None:
+            self._running_prefills.discard(prefill.task)
+            if decode_url is None or not prefill.was_taken(decode_url, recompute_reason):
+                self.releaser.release_soon(prefill.kv_params())  # nobody will read what the prefill node holds
+
+        if not prefill.is_done:
+            self._running_prefills.add(prefill.task)
+        prefill.task.add_done_callback(release_unless_taken)
 
     def _leg_failed(self, exc: LegFailed) -> web.Response:
         if exc.failure is None:
@@ -256,6 +316,18 @@ def _node_status(node: NodeStats) -> str:
     return "ok"
 
 
+def _recompute_reason(routed: Routed, prefill: PrefillLeg | None, kvbridge: dict[str, Any]) -> str | None:
+    """Why the decode node computed the prompt (proxy_report.RECOMPUTE_REASONS), None when it read it."""
+    if prefill is None or prefill.handoff is None:
+        answered = prefill is not None and prefill.answer() is not None
+        return recompute_reason(routed.disaggregated, answered, prefill.kv_params() if prefill else None, kvbridge)
+    # At once, the params came in the prefill's offer, whether or not its answer has come yet.
+    reason = recompute_reason(True, True, prefill.handoff.decode_params(), kvbridge)
+    if reason is not None and prefill.is_done and prefill.kv_params() is None:
+        return "no_prefill_node" if prefill.answer() is None else "no_kv_params"
+    return reason
+
+
 def _outcome(status: int) -> str:
     if status < 400:
         return "ok"
@@ -294,6 +366,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "round-robin: in turn",
     )  # fmt: skip
     parser.add_argument("--max-retries", type=int, default=MAX_RETRIES, help="other nodes tried per leg after a failure")
+    parser.add_argument(
+        "--dispatch", choices=DISPATCHES, default="auto",
+        help="auto: send the prefill and decode legs at once when the chosen decode node named its hand-off inbox "
+        "in an answer (NixlConnector option handoff_inbox) and its proof has over 30 s left, else in turn, which "
+        "teaches the proxy the inbox; in-turn: always the prefill leg first, the decode leg with its answer's params",
+    )  # fmt: skip
     parser.add_argument(
         "--deadline", type=float, default=None, metavar="SECONDS",
         help="per request: no attempt starts after it, and a request without an answer by then gets a 504 (default: none)",
@@ -334,14 +412,14 @@ def run(args: argparse.Namespace) -> int:
         app = create_proxy_app(
             args.prefill, args.decode, args.timeout, routing=args.routing, max_retries=args.max_retries,
             deadline_s=args.deadline, check_interval_s=args.health_interval, max_backoff_s=args.max_probe_backoff,
-            silent_checks=args.silent_checks, insecure_side_channel=args.insecure_side_channel,
+            silent_checks=args.silent_checks, insecure_side_channel=args.insecure_side_channel, dispatch=args.dispatch,
         )  # fmt: skip
         sock = bind(args.host, args.port)
     except ConfigError as exc:
         print(error_line("proxy", exc), file=sys.stderr)
         return 2
-    logger.info("starting: %d prefill and %d decode node(s), routing %s; checking each node once",
-                len(args.prefill), len(args.decode), args.routing)  # fmt: skip
+    logger.info("starting: %d prefill and %d decode node(s), routing %s, dispatch %s; checking each node once",
+                len(args.prefill), len(args.decode), args.routing, args.dispatch)  # fmt: skip
     asyncio.run(serve(app, sock, f"http://{args.host}:{args.port}"))
     logger.info("stopped")
     return 0

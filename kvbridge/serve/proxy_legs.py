@@ -9,7 +9,9 @@ one answers: at most 1 + `max_retries` attempts. An attempt ends in one of three
 
 A decode attempt may fail only until the client has been sent a byte: from then on a failure ends
 the stream with an error event. A request's Deadline bounds every attempt until its answer starts.
-Event loop thread only.
+Each decode attempt asks for its body (`DecodeBody`) when its node is known: a request sent at once
+(serve/proxy_dispatch.py) names its hand-off key to the node whose inbox the prefill offers to, and
+the prefill's params to any other. Event loop thread only.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 NOT_FOR_PREFILL = ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs")
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request a prefill node gets: compute the prompt, keep its KV for a decode node. One token,
-    so no min_tokens beyond it (a client's min_tokens is the decode leg's to honour)."""
+def prefill_body(body: dict[str, Any], handoff: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request a prefill node gets: compute the prompt, keep its KV for a decode node, and with a
+    `handoff` ({"key", "inbox"}) offer it to that decode's inbox. One token, so no min_tokens beyond
+    it (a client's min_tokens is the decode leg's to honour)."""
     leg = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
-    return {**leg, "max_tokens": 1, "min_tokens": 0, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
+    params = {**PREFILL_PARAMS, **({"handoff": handoff} if handoff else {})}
+    return {**leg, "max_tokens": 1, "min_tokens": 0, "stream": False, "kv_transfer_params": params}
 
 
 def decode_body(body: dict[str, Any], prefill_kv_params: dict[str, Any] | None) -> dict[str, Any]:
@@ -87,9 +91,13 @@ class Leg(NamedTuple):
     policy: RoutingPolicy
 
 
-# Called with a decode answer's `kvbridge` object, the decode node's URL and the attempt number: adds
-# the proxy's own entry. Applied to the JSON answer by the caller, to a stream's events as they pass.
+# Called with a decode answer (the JSON answer, or a stream's chunk) that carries a `kvbridge` object,
+# the decode node's URL and the attempt number: adds the proxy's own entry to that object. Applied to
+# the JSON answer by the caller, to a stream's events as they pass.
 Annotate = Callable[[dict[str, Any], str, int], None]
+# The decode node's request, asked for once its node is chosen (the node's URL); it may wait for the
+# prefill leg, before the attempt's deadline starts to count.
+DecodeBody = Callable[[str], Awaitable[dict[str, Any]]]
 
 
 class Answer(NamedTuple):
@@ -165,13 +173,23 @@ class Upstream:
             raise self._node_failed(leg, url, 502, f"{leg.role} node {url} sent a malformed response: {exc}") from None
         return result
 
-    async def _on_some_node(self, leg: Leg, prompt: PromptKey, attempt: Callable[[str], Awaitable[Any]]) -> Answer:
-        """`attempt(url)` on the leg's healthy nodes in routing order, each at most once, until one
-        does not raise NodeFailed: at most 1 + max_retries attempts. Raises LegFailed."""
+    def choose_decode(self, prompt: PromptKey) -> str | None:
+        """The decode node the routing policy picks now (None: no healthy one); pass it to `decode`
+        as `first`, so that the policy chooses once."""
+        candidates = self.decode_leg.pool.candidates()
+        return self.decode_leg.policy.choose(candidates, prompt) if candidates else None
+
+    async def _on_some_node(
+        self, leg: Leg, prompt: PromptKey, attempt: Callable[[str], Awaitable[Any]], first: str | None = None
+    ) -> Answer:
+        """`attempt(url)` on the leg's healthy nodes in routing order (`first` first, while it is a
+        candidate), each at most once, until one does not raise NodeFailed: at most 1 + max_retries
+        attempts. Raises LegFailed."""
         tried: list[str] = []
         failure = None
         while len(tried) <= self.max_retries and (candidates := leg.pool.candidates(exclude=tried)):
-            url = leg.policy.choose(candidates, prompt)
+            chosen = not tried and any(c.url == first for c in candidates)
+            url = first if chosen else leg.policy.choose(candidates, prompt)
             if tried:
                 self.metrics.retries.labels(leg=leg.role).inc()
             tried.append(url)
@@ -187,19 +205,24 @@ class Upstream:
 
     # ------------------------------------------------------------------ the two legs
 
-    async def _prefill_on(self, url: str, path: str, body: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+    async def _prefill_on(
+        self, url: str, path: str, body: dict[str, Any], deadline: Deadline, handoff: dict[str, Any] | None
+    ) -> dict[str, Any]:
         async with deadline.timeout():
-            resp = await self._open(self.prefill_leg, url, path, prefill_body(body))
+            resp = await self._open(self.prefill_leg, url, path, prefill_body(body, handoff))
             try:
                 return await self._read_json(self.prefill_leg, url, resp)
             finally:
                 resp.release()
 
-    async def prefill(self, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline) -> Answer | None:
+    async def prefill(
+        self, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline, handoff: dict[str, Any] | None = None
+    ) -> Answer | None:
         """The prefill node's answer to `body` at `path` (a completions route), or None when no prefill
-        node gave one: the decode node then computes the prompt."""
+        node gave one: the decode node then computes the prompt. Every attempt asks for the same
+        `handoff`, if any (one key: the decode's inbox takes the first offer under it)."""
         try:
-            attempt = functools.partial(self._prefill_on, path=path, body=body, deadline=deadline)
+            attempt = functools.partial(self._prefill_on, path=path, body=body, deadline=deadline, handoff=handoff)
             return await self._on_some_node(self.prefill_leg, prompt, attempt)
         except LegFailed as exc:
             self.metrics.recompute_fallbacks.inc()
@@ -207,16 +230,16 @@ class Upstream:
             return None
 
     async def decode(
-        self, request: web.Request, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline,
-        annotate: Annotate,
+        self, request: web.Request, path: str, body: DecodeBody, prompt: PromptKey, deadline: Deadline,
+        annotate: Annotate, first: str | None = None,
     ) -> Answer:  # fmt: skip
-        """The decode leg for `body` (the decode node's request, KV params included) at `path`. The
-        answer's value: (the JSON answer, or the stream already relayed to the client, its events'
-        `kvbridge` objects passed through `annotate`; whether it arrived whole). Raises LegFailed,
-        Reply, or TimeoutError at the deadline."""
-        attempt = functools.partial(self._decode_on, request=request, path=path, body=body, deadline=deadline,
+        """The decode leg at `path`, `body(url)` the request of each attempt (KV params included), on
+        `first` first when it is given and healthy. The answer's value: (the JSON answer, or the stream
+        already relayed to the client, its events passed through `annotate`; whether it arrived whole).
+        Raises LegFailed, Reply, or TimeoutError at the deadline."""
+        attempt = functools.partial(self._decode_on, request=request, path=path, body_for=body, deadline=deadline,
                                     annotate=annotate, attempts=itertools.count(1))  # fmt: skip
-        return await self._on_some_node(self.decode_leg, prompt, attempt)
+        return await self._on_some_node(self.decode_leg, prompt, attempt, first)
 
     async def models(self) -> web.Response:
         """A healthy decode node's /v1/models. Raises LegFailed."""
@@ -234,12 +257,13 @@ class Upstream:
         return (await self._on_some_node(self.decode_leg, (), fetch)).value
 
     async def _decode_on(
-        self, url: str, request: web.Request, path: str, body: dict[str, Any], deadline: Deadline,
+        self, url: str, request: web.Request, path: str, body_for: DecodeBody, deadline: Deadline,
         annotate: Annotate, attempts: itertools.count,
     ) -> tuple[dict[str, Any] | web.StreamResponse, bool]:  # fmt: skip
         """The decode node's answer (a JSON object, or the stream relayed to the client) and whether
         it arrived whole. NodeFailed only until the client has been sent a byte."""
         attempt_no = next(attempts)
+        body = await body_for(url)
         resp = None
         try:
             async with deadline.timeout():
@@ -252,7 +276,7 @@ class Upstream:
                     raise self._node_failed(self.decode_leg, url, 502, f"decode node {url} failed before it answered: {exc}") from None
                 if not first:
                     raise self._node_failed(self.decode_leg, url, 502, f"decode node {url} ended its stream before it answered")
-            events = _AnnotatedEvents(lambda kvbridge: annotate(kvbridge, url, attempt_no))
+            events = _AnnotatedEvents(lambda chunk: annotate(chunk, url, attempt_no))
             return await self._relay(request, resp, first, url, events)
         except BaseException:
             if resp is not None:
@@ -323,7 +347,7 @@ class _AnnotatedEvents:
             return event
         if not isinstance(chunk, dict) or not isinstance(chunk.get("kvbridge"), dict):
             return event
-        self._annotate(chunk["kvbridge"])
+        self._annotate(chunk)
         return b"data: " + json.dumps(chunk).encode()
 
 

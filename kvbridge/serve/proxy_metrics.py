@@ -70,6 +70,13 @@ class ProxyMetrics:
             "Requests sent to a decode node without KV params because no prefill node could answer",
             registry=r,
         )
+        self.dispatches = Counter(
+            "kvbridge_proxy_dispatches",
+            "Disaggregated requests by how their two legs were sent: in_turn (the prefill's answer first) or "
+            "at_once (together, the prefill offering its KV to the decode node's inbox)",
+            ["mode"],
+            registry=r,
+        )
         self.recomputes = Counter(
             "kvbridge_proxy_recomputes",
             "Answers whose prompt the decode node computed itself instead of pulling its KV, by reason "
@@ -91,7 +98,9 @@ class _ReleaseCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         released, failed = self._kv_releases()
         family = CounterMetricFamily(
-            "kvbridge_proxy_kv_releases", "Prefill leases the proxy released after a failed decode leg", labels=["outcome"]
+            "kvbridge_proxy_kv_releases",
+            "Prefill leases the proxy released after a failed decode leg, or whose offer the decode could not take",
+            labels=["outcome"],
         )
         family.add_metric(["released"], released)
         family.add_metric(["failed"], failed)

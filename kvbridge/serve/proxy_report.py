@@ -21,6 +21,7 @@ RECOMPUTE_REASONS = {
     "proof_failed": "the prefill node did not vouch for the read (no lease matched: expired, released, restarted), "
     "or the params name blocks that are not this prompt's (block hash mismatch)",
     "digest_mismatch": "the bytes the decode node read are not the ones the prefill node leased (or it sent no digest)",
+    "handoff_missed": "sent at once: no prefill offered its KV to the decode node's inbox within its handoff_wait_s",
     "kv_load_failed": "the decode node tried to pull the KV and failed for another reason (kv_load_error says which)",
     "kv_not_pulled": "the decode node pulled nothing and gave no reason (e.g. it runs no P/D connector)",
 }
@@ -53,6 +54,7 @@ _CAUSES = (
     ("timeout", ("TransferTimeoutError", "within its deadline", "timed out")),
     ("proof_failed", ("did not confirm the read", "are not this prompt's")),
     ("digest_mismatch", ("KV DIGEST MISMATCH", "sent no digest")),
+    ("handoff_missed", ("under its handoff_key within",)),
 )
 
 

@@ -300,7 +300,7 @@ def test_models_metrics_and_the_proxys_own_errors_are_openai_shaped():
 def test_stream_events_are_passed_whole_and_only_kvbridge_objects_change():
     from kvbridge.serve.proxy_legs import _AnnotatedEvents
 
-    events = _AnnotatedEvents(lambda kvbridge: kvbridge.update(proxy={"decode_url": "u"}))
+    events = _AnnotatedEvents(lambda chunk: chunk["kvbridge"].update(proxy={"decode_url": "u"}))
     stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
               b'data: {"choices": [], "kvbridge": {"ttft_s": 0.1}}\n\n'
               b"data: [DONE]\n\n")  # fmt: skip
