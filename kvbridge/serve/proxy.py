@@ -50,7 +50,7 @@ from kvbridge.serve.node_pool import (
 from kvbridge.serve.protocol import decode_body as protocol_decode_body
 from kvbridge.serve.http_errors import error_response, openai_errors
 from kvbridge.serve.protocol import parse_completion_request
-from kvbridge.serve.proxy_dispatch import DISPATCHES, Handoff, InboxBook, NoOffers, PrefillLeg
+from kvbridge.serve.proxy_dispatch import DISPATCHES, Dispatcher
 from kvbridge.serve.proxy_legs import Deadline, Leg, LegFailed, Reply, Upstream, decode_body
 from kvbridge.serve.proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from kvbridge.serve.proxy_release import LeaseReleaser
@@ -106,8 +106,6 @@ class PDProxy:
             raise ConfigError(f"--max-probe-backoff must be at least {MIN_BACKOFF_S:g} s, the first wait of an ejected node")
         if silent_checks < 1:
             raise ConfigError(f"--silent-checks must be at least 1, got {silent_checks}")
-        if dispatch not in DISPATCHES:
-            raise ConfigError(f"--dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         checks = {"check_interval_s": check_interval_s, "max_backoff_s": max_backoff_s, "silent_checks": silent_checks}
         prefill_pool, decode_pool = NodePool("prefill", prefill_urls, **checks), NodePool("decode", decode_urls, **checks)
         prefill_policy, decode_policy = make_policies(routing, prefill_pool.urls, decode_pool.urls)
@@ -117,13 +115,12 @@ class PDProxy:
         # releases are signed like the nodes' own requests: the configured secret, else this user's host secret
         secret = side_channel_secret(insecure_side_channel)
         self.releaser = LeaseReleaser(secret)
-        self.dispatch, self.inboxes, self.no_offers = dispatch, InboxBook(), NoOffers(secret)
-        self._running_prefills: set[asyncio.Task] = set()  # prefill legs sent at once that outlived their request
         self.metrics = ProxyMetrics(self._node_stats, lambda: (self.releaser.num_released, self.releaser.num_failed))
         self.upstream = Upstream(
             Leg("prefill", prefill_pool, prefill_policy), Leg("decode", decode_pool, decode_policy), timeout_s, max_retries,
             self.metrics,
         )  # fmt: skip
+        self.dispatcher = Dispatcher(dispatch, self.upstream, decode_pool, self.releaser, secret)
 
     def _node_stats(self) -> list[NodeStats]:
         return self.prefill_pool.snapshot() + self.decode_pool.snapshot()
@@ -141,11 +138,9 @@ class PDProxy:
         await self.upstream.start()
 
     async def on_cleanup(self, app: web.Application) -> None:
-        for task in list(self._running_prefills):
-            task.cancel()  # their leases expire on the prefill nodes
+        self.dispatcher.close()
         await self.upstream.close()
         await self.releaser.drain()
-        self.no_offers.close()
 
     # ------------------------------------------------------------------ completions
 
@@ -181,17 +176,15 @@ class PDProxy:
         if not self.decode_pool.has_healthy():
             return self._leg_failed(LegFailed("decode", None, 0))
         deadline = Deadline(self.deadline_s)
-        first, handoff = self._plan(routed)
+        first, handoff = self.dispatcher.plan(routed.prompt) if routed.disaggregated else (None, None)
         prefill = None
         if routed.disaggregated:
             self.metrics.dispatches.labels(mode="in_turn" if handoff is None else "at_once").inc()
             handoff_params = handoff.prefill_params() if handoff else None
             task = asyncio.create_task(self.upstream.prefill(path, body, routed.prompt, deadline, handoff_params))
-            prefill = PrefillLeg(task, handoff)
+            prefill = self.dispatcher.prefill_leg(task, handoff)
             if handoff is None:
                 await task  # in turn: the decode leg starts from its answer
-            else:
-                task.add_done_callback(lambda _: self._offer_nothing_without_params(prefill))
         t1, complete = time.monotonic(), False
         reasons: dict[str, str | None] = {}  # decode URL -> why its answer computed the prompt (None: it read it)
 
@@ -203,8 +196,8 @@ class PDProxy:
         def annotate(answer: dict[str, Any], decode_url: str, decode_attempts: int) -> None:
             # What the decode node did, from its own report: never inferred from what the proxy sent.
             kvbridge = answer["kvbridge"]
-            self.inboxes.learn(decode_url, answer.get("kv_transfer_params"), self.decode_pool.num_ejections(decode_url))
-            reason = _recompute_reason(routed, prefill, kvbridge)
+            self.dispatcher.learn(decode_url, answer.get("kv_transfer_params"))
+            reason = prefill.recompute_reason(kvbridge) if prefill else recompute_reason(False, False, None, kvbridge)
             source = kv_source(reason, kvbridge)
             if reason is not None:
                 self.metrics.recomputes.labels(reason=reason).inc()
@@ -236,39 +229,11 @@ class PDProxy:
             return self._leg_failed(exc)
         finally:
             if prefill is not None:
-                self._settle(prefill, decode.url if complete else None, reasons.get(decode.url) if complete else None)
+                decode_url = decode.url if complete else None
+                self.dispatcher.settle(prefill, decode_url, reasons.get(decode_url))
         if isinstance(response, web.StreamResponse):
             return response
         return web.json_response(response)
-
-    def _plan(self, routed: Routed) -> tuple[str | None, Handoff | None]:
-        """(the decode node chosen ahead, the hand-off when the request goes at once). Until some decode
-        node named an inbox, nothing is chosen ahead: the decode leg picks its node as it starts."""
-        if not routed.disaggregated or self.dispatch == "in-turn" or not self.inboxes.has_any():
-            return None, None
-        url = self.upstream.choose_decode(routed.prompt)
-        inbox = self.inboxes.fresh(url, self.decode_pool.num_ejections(url)) if url else None
-        return url, Handoff.draw(inbox, url) if inbox else None
-
-    def _offer_nothing_without_params(self, prefill: PrefillLeg) -> None:
-        """A prefill leg sent at once ended without params while its decode leg waits: it need not wait."""
-        if prefill.kv_params() is None and not prefill.is_settled:
-            self.no_offers.send(prefill.handoff)
-
-    def _settle(self, prefill: PrefillLeg, decode_url: str | None, recompute_reason: str | None) -> None:
-        """The decode leg ended, with the whole answer of `decode_url` (None: without one): release the
-        prefill's params unless that decode node took them. Sent at once, the prefill leg may still
-        run: its params are then released, if they must be, when it answers."""
-        prefill.is_settled = True
-
-        def release_unless_taken(_: asyncio.Task) -> None:
-            self._running_prefills.discard(prefill.task)
-            if decode_url is None or not prefill.was_taken(decode_url, recompute_reason):
-                self.releaser.release_soon(prefill.kv_params())  # nobody will read what the prefill node holds
-
-        if not prefill.is_done:
-            self._running_prefills.add(prefill.task)
-        prefill.task.add_done_callback(release_unless_taken)
 
     def _leg_failed(self, exc: LegFailed) -> web.Response:
         if exc.failure is None:
@@ -314,18 +279,6 @@ def _node_status(node: NodeStats) -> str:
     if node.num_silent_checks:
         return f"suspect: {node.num_silent_checks} health check(s) in a row unanswered; used only when no other node answers"
     return "ok"
-
-
-def _recompute_reason(routed: Routed, prefill: PrefillLeg | None, kvbridge: dict[str, Any]) -> str | None:
-    """Why the decode node computed the prompt (proxy_report.RECOMPUTE_REASONS), None when it read it."""
-    if prefill is None or prefill.handoff is None:
-        answered = prefill is not None and prefill.answer() is not None
-        return recompute_reason(routed.disaggregated, answered, prefill.kv_params() if prefill else None, kvbridge)
-    # At once, the params came in the prefill's offer, whether or not its answer has come yet.
-    reason = recompute_reason(True, True, prefill.handoff.decode_params(), kvbridge)
-    if reason is not None and prefill.is_done and prefill.kv_params() is None:
-        return "no_prefill_node" if prefill.answer() is None else "no_kv_params"
-    return reason
 
 
 def _outcome(status: int) -> str:

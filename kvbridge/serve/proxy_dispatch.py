@@ -40,9 +40,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from kvbridge.errors import AuthenticationError
+from kvbridge.errors import AuthenticationError, ConfigError
 from kvbridge.kv_transfer_params import HandoffRequest, InboxAddress
-from kvbridge.serve.proxy_legs import Answer
+from kvbridge.serve.node_pool import NodePool
+from kvbridge.serve.proxy_legs import Answer, Upstream
+from kvbridge.serve.proxy_release import LeaseReleaser
+from kvbridge.serve.proxy_report import recompute_reason
+from kvbridge.serve.routing import PromptKey
 from kvbridge.transfer.offers import OfferOutbox
 
 logger = logging.getLogger(__name__)
@@ -134,6 +138,16 @@ class PrefillLeg:
             await asyncio.shield(self.task)
         return self.kv_params()
 
+    def recompute_reason(self, decode_kvbridge: dict[str, Any]) -> str | None:
+        """Why the decode node computed the prompt (proxy_report.RECOMPUTE_REASONS), None when it read it."""
+        if self.handoff is None:
+            return recompute_reason(True, self.answer() is not None, self.kv_params(), decode_kvbridge)
+        # At once, the params came in the prefill's offer, whether or not its answer has come yet.
+        reason = recompute_reason(True, True, self.handoff.decode_params(), decode_kvbridge)
+        if reason is not None and self.is_done and self.kv_params() is None:
+            return "no_prefill_node" if self.answer() is None else "no_kv_params"
+        return reason
+
     def was_taken(self, decode_url: str, recompute_reason: str | None) -> bool:
         """Whether the whole answer of `decode_url` (with its proxy_report recompute reason) came from a
         request that held this leg's params; the decode node then read or released them. In turn, they
@@ -166,3 +180,65 @@ class NoOffers:
 
     def close(self) -> None:
         self._outbox.close()
+
+
+class Dispatcher:
+    """Whether a request's legs go at once (`plan`), and what follows one that did: the decode nodes'
+    inboxes, the offers of nothing, the prefill legs that outlive their request, and the releases of
+    the params no decode node took."""
+
+    def __init__(self, mode: str, upstream: Upstream, decode_pool: NodePool, releaser: LeaseReleaser,
+                 secret: bytes | None) -> None:  # fmt: skip
+        if mode not in DISPATCHES:
+            raise ConfigError(f"--dispatch must be one of {', '.join(DISPATCHES)}, got {mode!r}")
+        self.mode, self._upstream, self._decode_pool, self._releaser = mode, upstream, decode_pool, releaser
+        self.inboxes = InboxBook()
+        self._no_offers = NoOffers(secret)
+        self._running: set[asyncio.Task] = set()  # prefill legs sent at once that outlived their request
+
+    def plan(self, prompt: PromptKey) -> tuple[str | None, Handoff | None]:
+        """For a disaggregated request: (the decode node chosen ahead, the hand-off when its legs go at
+        once). Until some decode node named an inbox, nothing is chosen ahead: the decode leg picks
+        its node as it starts, as in turn it always did."""
+        if self.mode == "in-turn" or not self.inboxes.has_any():
+            return None, None
+        url = self._upstream.choose_decode(prompt)
+        inbox = self.inboxes.fresh(url, self._decode_pool.num_ejections(url)) if url else None
+        return url, Handoff.draw(inbox, url) if inbox else None
+
+    def learn(self, decode_url: str, kv_transfer_params: Any) -> None:
+        """A decode answer's params: the inbox they name, if any, is the node's latest."""
+        self.inboxes.learn(decode_url, kv_transfer_params, self._decode_pool.num_ejections(decode_url))
+
+    def prefill_leg(self, task: asyncio.Task[Answer | None], handoff: Handoff | None) -> PrefillLeg:
+        prefill = PrefillLeg(task, handoff)
+        if handoff is not None:
+            task.add_done_callback(lambda _: self._offer_nothing_without_params(prefill))
+        return prefill
+
+    def _offer_nothing_without_params(self, prefill: PrefillLeg) -> None:
+        """A prefill leg sent at once ended without params while its decode leg waits: it need not wait."""
+        if prefill.kv_params() is None and not prefill.is_settled:
+            self._no_offers.send(prefill.handoff)
+
+    def settle(self, prefill: PrefillLeg, decode_url: str | None, reason: str | None) -> None:
+        """The decode leg ended, with the whole answer of `decode_url` (None: without one) and its
+        recompute `reason`: release the prefill's params unless that decode node took them. Sent at
+        once, the prefill leg may still run: its params are then released, if they must be, when it
+        answers."""
+        prefill.is_settled = True
+
+        def release_unless_taken(_: asyncio.Task) -> None:
+            self._running.discard(prefill.task)
+            if decode_url is None or not prefill.was_taken(decode_url, reason):
+                self._releaser.release_soon(prefill.kv_params())  # nobody will read what the prefill node holds
+
+        if not prefill.is_done:
+            self._running.add(prefill.task)
+        prefill.task.add_done_callback(release_unless_taken)
+
+    def close(self) -> None:
+        """At the proxy's cleanup: prefill legs still running are dropped (their leases expire)."""
+        for task in list(self._running):
+            task.cancel()
+        self._no_offers.close()

@@ -4,7 +4,9 @@ A prefill node holds a prompt's blocks for the decode node until that node reads
 expires (`lease_s`, 30 s by default). When the decode leg fails for any reason (a 4xx or 5xx, an
 unreachable or silent node, a client that hung up), nobody will read them, so the proxy tells the
 prefill node over its side channel to free them at once (`release_remote_kv`). Otherwise a burst of
-such failures fills the prefill node's cache for a whole lease.
+such failures fills the prefill node's cache for a whole lease. A request sent at once
+(serve/proxy_dispatch.py) also releases the params of a prefill whose offer the decode node could
+not take.
 
 A release is best-effort and off the request's path: the client gets its answer at once; the
 release (a blocking ZMQ round trip) runs on a small thread pool, and a failure is only logged, as
