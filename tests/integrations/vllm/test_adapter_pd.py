@@ -172,7 +172,7 @@ def test_both_legs_at_once_through_the_hand_off(pd, stream):
     """The decode leg leaves with the prefill leg, naming a hand-off key only: vLLM's scheduler keeps it
     waiting (the connector answers "ask again") until the prefill's offer reaches the inbox, then it
     reads the prompt's blocks once, and answers colocated tokens; the prefill's lease ends."""
-    inbox = handoff_inbox(pd.prefill.url, pd.decode.url, greedy(random_prompt(seed=30, num_tokens=PROMPT_LEN), 1))
+    inbox = handoff_inbox(pd.prefill.url, pd.decode.url, greedy(random_prompt(seed=40 + stream, num_tokens=PROMPT_LEN), 1))
     prompt = random_prompt(seed=31 + stream, num_tokens=PROMPT_LEN)
     before = kvbridge_metrics(pd.decode.url)
     out = pd_complete_handoff(pd.prefill.url, pd.decode.url, greedy(prompt, MAX_TOKENS, stream=stream), inbox)
