@@ -12,8 +12,12 @@ At once (transfer/offers.py), a client sends both legs together under a hand-off
 the prefill offers its params straight to the decode's inbox, which every decode answer names:
 
     client/proxy -> prefill: {"do_remote_decode": true, "handoff": {"key": K, "inbox": InboxAddress}}
-    client/proxy -> decode:  {"do_remote_prefill": true, "handoff_key": K}
+    client/proxy -> decode:  {"do_remote_prefill": true, "handoff_key": K, "handoff_inbox": InboxAddress}
     decode -> client/proxy:  {"handoff_inbox": InboxAddress}   (with any answer to a remote-prefill request)
+
+The decode leg's "handoff_inbox" (optional) is the inbox the prefill leg was given: a decode engine
+that is not that inbox's (it restarted since the client learnt the inbox, or the leg reached another
+node) computes the prompt at once instead of waiting for an offer that goes elsewhere.
 
 The params arrive from HTTP clients, so they are validated with msgspec and a malformed dict
 raises `InvalidRequestError` naming the bad field instead of surfacing as a KeyError mid-step.
@@ -127,6 +131,19 @@ def parse_handoff_key(params: dict[str, Any] | None) -> str | None:
         return None
     _check_key(key, "handoff_key")
     return key
+
+
+def parse_handoff_inbox(params: dict[str, Any] | None) -> InboxAddress | None:
+    """The inbox a decode request sent at once says its prefill leg was given (its params' "handoff_inbox"
+    beside a hand-off key), None when it names none. Raises InvalidRequestError when it is malformed."""
+    if parse_handoff_key(params) is None or params.get("handoff_inbox") is None:
+        return None
+    try:
+        return msgspec.convert(params["handoff_inbox"], InboxAddress, strict=False)
+    except msgspec.ValidationError as e:
+        raise InvalidRequestError(
+            f"kv_transfer_params.handoff_inbox is malformed: {e}; pass the inbox the prefill leg was given, unchanged"
+        ) from None
 
 
 def _check_key(key: object, name: str) -> None:

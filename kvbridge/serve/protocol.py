@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams
 from kvbridge.errors import InvalidRequestError, SamplingParamsError
-from kvbridge.kv_transfer_params import parse_handoff, parse_handoff_key, parse_remote_prefill
+from kvbridge.kv_transfer_params import parse_handoff, parse_handoff_inbox, parse_handoff_key, parse_remote_prefill
 from kvbridge.serve.logprobs import MAX_COMPLETION_LOGPROBS
 from kvbridge.serve.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
@@ -233,7 +233,7 @@ def parse_common_fields(
         raise _fail("'n' must be 1 with kv_transfer_params: a P/D hand-off moves one request's KV", "n")
     try:
         parse_remote_prefill(kv_transfer_params)  # a bad P/D hand-off is the client's error, not a mid-step one
-        parse_handoff_key(kv_transfer_params)
+        parse_handoff_inbox(kv_transfer_params)  # checks the key too
         parse_handoff(kv_transfer_params)
     except InvalidRequestError as exc:
         raise InvalidRequestError(str(exc), param="kv_transfer_params") from None

@@ -97,7 +97,7 @@ class Handoff(NamedTuple):
         return {"key": self.key, "inbox": self.inbox}
 
     def decode_params(self) -> dict[str, Any]:
-        return {"do_remote_prefill": True, "handoff_key": self.key}
+        return {"do_remote_prefill": True, "handoff_key": self.key, "handoff_inbox": self.inbox}
 
 
 class PrefillLeg:
@@ -152,13 +152,14 @@ class PrefillLeg:
         """Whether the whole answer of `decode_url` (with its proxy_report recompute reason) came from a
         request that held this leg's params; the decode node then read or released them. In turn, they
         were in its body. At once, its inbox took the first offer under the key in time (its reason is
-        not "handoff_missed"), and that offer is this answer's for sure only when the leg made one attempt."""
+        not "handoff_missed", nor "handoff_misdirected"), and that offer is this answer's for sure only when
+        the leg made one attempt."""
         answer = self.answer()
         if answer is None:
             return False
         if self.handoff is None or self.handoff.decode_url != decode_url:
             return True
-        return answer.num_attempts == 1 and recompute_reason != "handoff_missed"
+        return answer.num_attempts == 1 and recompute_reason not in ("handoff_missed", "handoff_misdirected")
 
 
 class NoOffers:

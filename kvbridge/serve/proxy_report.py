@@ -22,6 +22,8 @@ RECOMPUTE_REASONS = {
     "or the params name blocks that are not this prompt's (block hash mismatch)",
     "digest_mismatch": "the bytes the decode node read are not the ones the prefill node leased (or it sent no digest)",
     "handoff_missed": "sent at once: no prefill offered its KV to the decode node's inbox within its handoff_wait_s",
+    "handoff_misdirected": "sent at once: the prefill leg was given another decode instance's inbox (the decode node "
+    "restarted since the proxy learnt it)",
     "kv_load_failed": "the decode node tried to pull the KV and failed for another reason (kv_load_error says which)",
     "kv_not_pulled": "the decode node pulled nothing and gave no reason (e.g. it runs no P/D connector)",
 }
@@ -55,6 +57,7 @@ _CAUSES = (
     ("proof_failed", ("did not confirm the read", "are not this prompt's")),
     ("digest_mismatch", ("KV DIGEST MISMATCH", "sent no digest")),
     ("handoff_missed", ("under its handoff_key within",)),
+    ("handoff_misdirected", ("which is not this engine instance's",)),
 )
 
 

@@ -128,6 +128,10 @@ class OfferInbox:
             expires_at=expires_at,
         )  # fmt: skip
 
+    def is_mine(self, inbox: InboxAddress) -> bool:
+        """Whether `inbox` names this engine instance's inbox (a restarted engine has another incarnation)."""
+        return inbox.engine_id == self._engine_id and inbox.incarnation == self._incarnation
+
     def take(self, key: str) -> m.HandoffOffer | None:
         """The offer under `key` (once), after draining what arrived; None when none came yet."""
         self._drain()

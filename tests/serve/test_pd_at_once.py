@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from kvbridge import LLM, SamplingParams
-from kvbridge.serve.launcher import http_json, start_node, wait_healthy
+from kvbridge.serve.launcher import free_ports, http_json, start_node, wait_healthy
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.lease_release import release_remote_kv
@@ -94,7 +94,8 @@ def at_once(prefill, decode, prompt: str, key: str, inbox: dict, *, decode_promp
 
     def run_decode():
         t0 = time.monotonic()
-        result = http_json(f"{decode.url}/v1/completions", decode_body(decode_prompt or prompt, {"do_remote_prefill": True, "handoff_key": key}))
+        params = {"do_remote_prefill": True, "handoff_key": key, "handoff_inbox": inbox}
+        result = http_json(f"{decode.url}/v1/completions", decode_body(decode_prompt or prompt, params))
         return result, time.monotonic() - t0
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -179,6 +180,50 @@ def test_an_altered_inbox_is_sent_nothing(nodes, field, value):
     # the client holds the params the prefill answered, as after any decode leg that failed: it releases them
     assert release_remote_kv(pre["kv_transfer_params"], secret=side_channel_secret(False))
     assert_nothing_held(prefill)
+
+
+def test_a_decode_restarted_since_its_inbox_was_learnt_computes_at_once(nodes):
+    """kill -9 a decode node and start it again on the same ports, inbox port included: the inbox a client
+    learnt is the dead instance's, so the prefill offers to it and the new instance drops the frame (its
+    audience is the old incarnation). The decode leg names the inbox it sent the prefill, and the new
+    instance computes the prompt at once instead of waiting handoff_wait_s for an offer that never
+    comes; its answer names its own inbox, which then works at once."""
+    prefill, _, expected = nodes
+    long_wait_s = 60.0
+    extra = f'{{"handoff_inbox": true, "handoff_wait_s": {long_wait_s}, "handoff_inbox_port": {free_ports(1)[0]}}}'
+    with tempfile.TemporaryDirectory() as log_dir:
+        decode = start_node("decode-restarted", "decode", log_dir, extra_args=[*NODE_ARGS, "--kv-connector-extra", extra])
+        try:
+            wait_healthy([decode], timeout_s=120)
+            old_inbox = inbox_of(prefill, decode, expected)
+            decode.kill()
+            decode.restart()
+            wait_healthy([decode], timeout_s=120)
+
+            key = secrets.token_hex(32)
+            pre, answer, seconds = at_once(prefill, decode, PROMPTS[1], key, old_inbox)
+            assert answer["choices"][0]["token_ids"] == expected[PROMPTS[1]], answer
+            assert answer["kvbridge"]["num_external_tokens"] == 0
+            assert seconds < long_wait_s / 3, f"waited {seconds:.1f} s for an offer sent to the dead instance"
+            assert "not this engine instance's" in answer["kvbridge"]["kv_load_error"], answer["kvbridge"]
+            assert scheduler_stats(decode)["num_offers_misdirected"] == 1
+            new_inbox = answer["kv_transfer_params"]["handoff_inbox"]
+            assert new_inbox["port"] == old_inbox["port"] and new_inbox["incarnation"] != old_inbox["incarnation"]
+            # the client holds the prefill's params, as after any decode leg that did not read them
+            assert release_remote_kv(pre["kv_transfer_params"], secret=side_channel_secret(False))
+
+            _, answer, _ = at_once(prefill, decode, PROMPTS[2], secrets.token_hex(32), new_inbox)
+            assert answer["choices"][0]["token_ids"] == expected[PROMPTS[2]] and answer["kvbridge"]["num_external_tokens"] > 0
+            assert_nothing_held(prefill, decode)
+        finally:
+            decode.stop()
+
+
+def test_a_decode_leg_naming_a_malformed_inbox_is_a_400(nodes):
+    _, decode, _ = nodes
+    params = {"do_remote_prefill": True, "handoff_key": secrets.token_hex(32), "handoff_inbox": {"host": "127.0.0.1"}}
+    status, answer = http_json(f"{decode.url}/v1/completions", decode_body(PROMPTS[0], params))
+    assert status == 400 and "handoff_inbox" in answer["error"]["message"], answer
 
 
 @pytest.mark.parametrize("params", [

@@ -152,6 +152,32 @@ def test_a_decode_node_without_an_inbox_is_served_in_turn(cluster):
     assert_nothing_held(cluster["prefill"], cluster["plain"])
 
 
+def test_a_decode_node_restarted_before_the_proxy_noticed_costs_one_recompute_not_a_wait(cluster):
+    """kill -9 the decode node and start it again on its port between two health checks: the proxy still
+    holds the dead instance's inbox and sends the next request at once to it. The new instance is not the
+    one the decode leg names, so it computes the prompt at once (not after handoff_wait_s), the proxy
+    releases the prefill's lease and learns the new inbox from that answer, and the next request reads."""
+    proxy, prefill, decode, expected = cluster["proxy"], cluster["prefill"], cluster["decode"], cluster["expected"]
+    complete(proxy, PROMPTS[0])  # the inbox is known
+    decode.kill()
+    decode.restart()
+    wait_healthy([decode], timeout_s=120)
+
+    t0 = time.monotonic()
+    answer = complete(proxy, PROMPTS[5])
+    assert time.monotonic() - t0 < WAIT_S, "the decode waited for an offer sent to its dead instance"
+    assert answer["choices"][0]["token_ids"] == expected[PROMPTS[5]], answer
+    report = answer["kvbridge"]["proxy"]
+    assert report["dispatch"] == "at_once" and report["recompute_reason"] == "handoff_misdirected", report
+    assert_nothing_held(prefill)  # released by the proxy, not held until its lease ends
+
+    answer = complete(proxy, PROMPTS[6])
+    report = answer["kvbridge"]["proxy"]
+    assert answer["choices"][0]["token_ids"] == expected[PROMPTS[6]], answer
+    assert report["dispatch"] == "at_once" and answer["kvbridge"]["num_external_tokens"] > 0, report
+    assert_nothing_held(prefill, decode)
+
+
 def test_a_prefill_node_killed_under_requests_sent_at_once_costs_no_hang(cluster):
     """Last: the prefill node is killed. Requests in flight, and those after it (the proxy still holds the
     node healthy), complete with the colocated tokens; a prefill leg that found no node offers nothing, so

@@ -43,6 +43,7 @@ from kvbridge.kv_transfer_params import (
     HandoffRequest,
     RemotePrefillParams,
     parse_handoff,
+    parse_handoff_inbox,
     parse_handoff_key,
     parse_remote_prefill,
     wants_remote_decode,
@@ -142,6 +143,7 @@ class NixlScheduler:
         self.num_granted_at_finish = 0  # prefill: leases granted and signed as their request finished
         self.num_offers_taken = 0  # decode: requests sent at once whose prefill's offer came
         self.num_offers_missed = 0  # decode: ... whose offer did not come within handoff_wait_s
+        self.num_offers_misdirected = 0  # decode: ... whose prefill leg was given another instance's inbox
         self.num_offers_refused = 0  # prefill: hand-offs to an inbox not vouched for or not allowed
 
     # ------------------------------------------------------------------ decode
@@ -231,6 +233,7 @@ class NixlScheduler:
             return True
         try:
             key = parse_handoff_key(request.kv_transfer_params)
+            named_inbox = parse_handoff_inbox(request.kv_transfer_params)
         except InvalidRequestError as e:
             self._refuse(request_id, str(e))
             return True
@@ -239,6 +242,13 @@ class NixlScheduler:
         if self._inbox is None:
             self._refuse(request_id, "it names a handoff_key, and this node takes no hand-off offers (NixlConnector "
                          "option handoff_inbox is off): send the prefill's kv_transfer_params instead")  # fmt: skip
+            return True
+        if named_inbox is not None and not self._inbox.is_mine(named_inbox):
+            self.num_offers_misdirected += 1
+            self._refuse(request_id, f"its prefill leg was told to offer to the inbox of engine {named_inbox.engine_id!r} "
+                         f"instance {named_inbox.incarnation[:8]}, which is not this engine instance's: this node "
+                         "restarted since that inbox was learnt, or the leg reached another node; this answer's "
+                         "handoff_inbox names this node's inbox")  # fmt: skip
             return True
         offer = self._inbox.take(key)
         if offer is not None:
@@ -479,6 +489,7 @@ class NixlScheduler:
             "num_granted_at_finish": self.num_granted_at_finish,
             "num_offers_taken": self.num_offers_taken,
             "num_offers_missed": self.num_offers_missed,
+            "num_offers_misdirected": self.num_offers_misdirected,
             "num_offers_refused": self.num_offers_refused,
             **offer_latency_stats(self._offer_latencies_ms),
         }

@@ -212,10 +212,10 @@ def pd_complete_handoff(
 ) -> PDCompletion:  # fmt: skip
     """Both legs at once through kvbridge's hand-off: under a fresh key, the prefill leg names the decode's
     `inbox` (see `handoff_inbox`), to which the prefill offers its kv_transfer_params as it finishes; the
-    decode leg names the key alone and waits for that offer. The user's TTFT is the decode leg's own."""
+    decode leg names the key and the same inbox, and waits for that offer. The user's TTFT is the decode leg's own."""
     key = secrets.token_hex(32)
     prefill_body = _prefill_leg_body(body, handoff={"key": key, "inbox": inbox})
-    decode_params = {"do_remote_prefill": True, "handoff_key": key}
+    decode_params = {"do_remote_prefill": True, "handoff_key": key, "handoff_inbox": inbox}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         prefill = pool.submit(complete, prefill_url, prefill_body, timeout_s=timeout_s)
         decode = complete(decode_url, {**body, "kv_transfer_params": decode_params}, timeout_s=timeout_s)
