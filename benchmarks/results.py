@@ -34,7 +34,8 @@ NESTED_HEADLINES = {
     "vllm_pd": [
         "arms.*.failed", "arms.*.by_prompt_len.*.ttft_s.p50", "arms.*.by_prompt_len.*.ttft_s.p99",
         "arms.*.by_prompt_len.*.decode_ttft_s.p50", "arms.*.by_prompt_len.*.cached_hit_ttft_s.p50",
-        "arms.*.by_prompt_len.*.handoff_s.p50",
+        "arms.*.by_prompt_len.*.handoff_s.p50", "arms.*.by_prompt_len.*.after_prefill_s.p50",
+        "arms.*.by_prompt_len.*.transfer.offer_latency_ms.p50",
         "arms.*.by_prompt_len.*.prefill_leg_s.p50", "arms.*.by_prompt_len.*.transfer.ms.p50",
         "arms.*.by_prompt_len.*.transfer.gb_per_s", "arms.*.by_prompt_len.*.transfer.vs_raw_copy",
         "arms.*.by_prompt_len.*.transfer.device_read_vs_raw_copy", "arms.*.by_prompt_len.*.transfer.prefill_grant_ms.p50",

@@ -61,6 +61,12 @@ decode leg's TTFT minus that floor: what the hand-off costs besides nothing. `ta
 arm with the figures it must reach (decode leg <= floor + read + 1 ms, TTFT <= 1.1x colocated,
 inter-token latency <= colocated + 0.3 ms).
 
+`after_prefill_s` is, per request, the TTFT minus that request's own prefill leg: what the client
+waits beyond the prefill's compute (in turn, the decode leg and the client's turn-around; at once,
+what the offer, the read and the decode's first step add after the prefill's answer). Paired per
+request, it does not carry the spread of the prefill's compute between servers and runs, which on a
+CPU is larger than the hand-off, so arms that send the legs differently compare by it.
+
 Per arm and length: `ttft_s` = prefill leg (whole response) + decode leg's time to its first streamed
 token, what a user behind the proxy waits (legs sent at once: the decode leg's first token, which then
 spans the prefill too, as does `handoff_s`); `decode_ttft_s`, the decode leg alone; `prefill_leg_s`;
@@ -491,6 +497,7 @@ def measure_pd(args, prefill: VLLMServer, metrics: TransferMetrics, batch: list[
         "cached_hit_ttft_s": percentiles(floors),
         "handoff_s": percentiles([r.decode.ttft_s - floor for r, floor in zip(results, floors)]),
         "prefill_leg_s": percentiles([r.prefill.total_s for r in results]),
+        "after_prefill_s": percentiles([r.ttft_s - r.prefill.total_s for r in results]),
         "transfer": transfer,
         "token_ids": [r.token_ids for r in results],
         "tokens_equal_colocated": [r.token_ids for r in results] == expected[args.warmup :],
