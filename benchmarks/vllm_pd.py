@@ -591,6 +591,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: a temporary directory)")
     parser.add_argument("--partial", default=None, help="after each arm, write the colocated run and the arms so far here")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --partial: take the colocated run and the arms already in that file (same prompts: "
+                             "same --seed, --prompt-lens, --warmup and --reps) and run only the others, so that a run "
+                             "split over several machine calls measures colocated once")
     args = parser.parse_args()
     args.arms = args.arms.split(",")
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
@@ -600,6 +604,8 @@ def parse_args() -> argparse.Namespace:
         if base not in ARMS or not mods <= allowed:
             parser.error(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, the vLLM ones with @{'+'.join(MODIFIERS)}, "
                          f"kvbridge with @{'+'.join(KVBRIDGE_MODIFIERS)}")
+    if args.resume and not args.partial:
+        parser.error("--resume needs --partial, the file a previous run wrote")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     if args.warmup < 1:
@@ -626,13 +632,14 @@ def run(args: argparse.Namespace) -> dict:
         dtype_nbytes = 2 if args.device == "cuda" else 4  # served in bf16 on CUDA, float32 on CPU
         kv_bytes = {n: n * kv_bytes_per_token(model, dtype_nbytes) for n in lens}  # K and V of a whole prompt
         prompts = make_prompts(lens, args.warmup + args.reps, vocab_size, args.seed)
-        colocated = run_colocated(args, model, prompts, log_dir)
-        arms: dict = {}
-        for arm in args.arms:
+        colocated, arms = resumed(args) if args.resume and os.path.exists(args.partial) else (None, {})
+        colocated = colocated or run_colocated(args, model, prompts, log_dir)
+        for arm in (a for a in args.arms if a not in arms):
             arms[arm] = run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir)
             if args.partial:  # what ran so far, should a later arm outlast the machine
                 with open(args.partial, "w") as f:
-                    json.dump({"colocated": colocated, "arms": arms}, f, default=str)
+                    params = {k: getattr(args, k) for k in ("seed", "prompt_lens", "warmup", "reps", "max_tokens", "device")}
+                    json.dump({"colocated": colocated, "arms": arms, "params": params}, f, default=str)
 
     gpus = {"src_gpu": args.prefill_gpu or 0, "dst_gpu": args.decode_gpu or 0}
     copy = {n: raw_copy_gbps(kv_bytes[n], **gpus) for n in lens} if args.device == "cuda" else None
@@ -676,13 +683,38 @@ def build_report(colocated: dict, arms: dict, copy: dict | None) -> dict:
         "targets": targets(ran, step_overhead, colocated["ttft_s"]),
     }
     peers = {name: arm for name, arm in ran.items() if parse_arm(name)[0] in VLLM_CONNECTORS}
-    if "kvbridge" in ran and peers:  # against the best vLLM configuration that ran, per length
-        report["kvbridge_ttft_vs_best_vllm"] = {
-            n: ran["kvbridge"]["by_prompt_len"][n]["ttft_s"]["p50"]
-            / min(p["by_prompt_len"][n]["ttft_s"]["p50"] for p in peers.values())
-            for n in colocated["ttft_s"]
-        }
+    ours = {name: arm for name, arm in ran.items() if parse_arm(name)[0] == "kvbridge"}
+    if ours and peers:  # kvbridge's best configuration against vLLM's best, per length
+
+        def best(group: dict, n) -> tuple[str, float]:
+            return min(((name, a["by_prompt_len"][n]["ttft_s"]["p50"]) for name, a in group.items()), key=lambda x: x[1])
+
+        report["kvbridge_ttft_vs_best_vllm"] = {n: best(ours, n)[1] / best(peers, n)[1] for n in colocated["ttft_s"]}
+        report["best_arms"] = {n: {"kvbridge": best(ours, n)[0], "vllm": best(peers, n)[0]} for n in colocated["ttft_s"]}
     return report
+
+
+def resumed(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The colocated run and the arms that `--partial` holds from an earlier run of the same prompts,
+    with its prompt lengths (JSON object keys are strings) back to ints."""
+    with open(args.partial) as f:
+        partial = json.load(f)
+    ran = partial["params"] if "params" in partial else None
+    mine = {k: getattr(args, k) for k in ("seed", "prompt_lens", "warmup", "reps", "max_tokens", "device")}
+    if ran is not None and {k: ran.get(k) for k in mine} != mine:
+        sys.exit(f"--resume: {args.partial} was written for other prompts ({ {k: ran.get(k) for k in mine} } != {mine})")
+
+    def by_len(d: dict) -> dict:
+        return {int(n): v for n, v in d.items()}
+
+    colocated = partial["colocated"]
+    colocated["token_ids"], colocated["ttft_s"] = by_len(colocated["token_ids"]), by_len(colocated["ttft_s"])
+    arms = {}
+    for name, arm in partial["arms"].items():
+        if "failed" not in arm:  # a failed arm runs again
+            arm["by_prompt_len"] = by_len(arm["by_prompt_len"])
+            arms[name] = arm
+    return colocated, arms
 
 
 def report_from_partial(path: str, note: str) -> dict:
