@@ -42,7 +42,10 @@ NESTED_HEADLINES = {
         "arms.*.by_prompt_len.*.ttft_vs_colocated", "arms.*.by_prompt_len.*.tokens_equal_colocated",
         "colocated.by_prompt_len.*.ttft_s.p50", "raw_device_copy_gbps.*", "step_overhead.*.mean_itl_ms",
         "step_overhead.colocated_itl.mean_itl_ms.p50", "tokens_equal_between_arms.*", "targets.*.by_prompt_len.*.*.met",
-        "targets.*.itl_overhead_ms.met", "kvbridge_ttft_vs_best_vllm.*",
+        "targets.*.itl_overhead_ms.met", "kvbridge_ttft_vs_best_vllm.*", "best_arms.*.*",
+    ],
+    "vllm_handoff_pair": [
+        "modes.*.prefill_leg_s.p50", "modes.*.ttft_s.p50", "modes.*.after_prefill_s.p50", "paired.*",
     ],
     "serve_load": [
         "ok", "runs.*.prefill_prefix_hit_rate.overall", "runs.*.ttft_ms.p50", "runs.*.achieved_rate", "runs.*.num_errors",

@@ -646,7 +646,8 @@ def run(args: argparse.Namespace) -> dict:
     return build_report(colocated, arms, copy) | {
         "kv_bytes_per_prompt": kv_bytes,
         "raw_device_copy_gbps": copy,
-        "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": None if args.model else spec},
+        # a resumed run reports every arm it holds, those of earlier calls too
+        "params": {k: v for k, v in vars(args).items() if k != "json"} | {"arms": list(arms), "model_spec": None if args.model else spec},
         "machine": {**machine_info(args.device), "loadavg_start": load_at_start, "loadavg_end": os.getloadavg()},
         "versions": package_versions(),
     }
