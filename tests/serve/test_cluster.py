@@ -159,6 +159,8 @@ def test_pd_200_concurrent_requests_leak_no_blocks(pd_cluster):
     # Prompts of 16+ tokens have a full block: each was pulled from the prefill node or cached.
     for prompt, (_, body) in zip(prompts, results):
         stats = body["kvbridge"]
-        assert stats["num_external_tokens"] + stats["num_cached_tokens"] >= 16 * (len(prompt) // 16), stats.get("proxy")
+        proxy = stats.get("proxy") or {}
+        why = {k: proxy.get(k) for k in ("dispatch", "recompute_reason", "kv_load_error", "prefill_attempts", "prefill_s")}
+        assert stats["num_external_tokens"] + stats["num_cached_tokens"] >= 16 * (len(prompt) // 16), f"{prompt!r}: {why}"
     assert sum(body["kvbridge"]["num_external_tokens"] for _, body in results) > 0
     _assert_clean(_wait_all_blocks_released([p.url for p in pd_cluster.prefill + pd_cluster.decode]))
