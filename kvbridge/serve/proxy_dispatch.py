@@ -43,7 +43,7 @@ import msgspec
 from kvbridge.errors import AuthenticationError, ConfigError
 from kvbridge.kv_transfer_params import HandoffRequest, InboxAddress
 from kvbridge.serve.node_pool import NodePool
-from kvbridge.serve.proxy_legs import Answer, Upstream
+from kvbridge.serve.proxy_legs import Answer, LegFailed, Upstream
 from kvbridge.serve.proxy_release import LeaseReleaser
 from kvbridge.serve.proxy_report import recompute_reason
 from kvbridge.serve.routing import PromptKey
@@ -104,7 +104,7 @@ class PrefillLeg:
     """One request's prefill leg, as the decode leg and the answer see it: awaited before the decode
     leg (in turn), or running beside it (at once: `handoff` set)."""
 
-    def __init__(self, task: asyncio.Task[Answer | None], handoff: Handoff | None) -> None:
+    def __init__(self, task: asyncio.Task[Answer | LegFailed], handoff: Handoff | None) -> None:
         self.task, self.handoff = task, handoff
         self.t0 = time.monotonic()
         self.seconds: float | None = None  # until it ended
@@ -121,6 +121,10 @@ class PrefillLeg:
     def answer(self) -> Answer | None:
         """The prefill node's answer; None while the leg runs, or when it ended without one (no node
         answered, a 4xx, the deadline)."""
+        outcome = self._outcome()
+        return outcome if isinstance(outcome, Answer) else None
+
+    def _outcome(self) -> Answer | LegFailed | None:
         task = self.task
         if not task.done() or task.cancelled() or task.exception() is not None:
             return None
@@ -141,11 +145,13 @@ class PrefillLeg:
     def recompute_reason(self, decode_kvbridge: dict[str, Any]) -> str | None:
         """Why the decode node computed the prompt (proxy_report.RECOMPUTE_REASONS), None when it read it."""
         if self.handoff is None:
-            return recompute_reason(True, self.answer() is not None, self.kv_params(), decode_kvbridge)
-        # At once, the params came in the prefill's offer, whether or not its answer has come yet.
-        reason = recompute_reason(True, True, self.handoff.decode_params(), decode_kvbridge)
-        if reason is not None and self.is_done and self.kv_params() is None:
-            return "no_prefill_node" if self.answer() is None else "no_kv_params"
+            reason = recompute_reason(True, self.answer() is not None, self.kv_params(), decode_kvbridge)
+        else:  # at once, the params came in the prefill's offer, whether or not its answer has come yet
+            reason = recompute_reason(True, True, self.handoff.decode_params(), decode_kvbridge)
+            if reason is not None and self.is_done and self.kv_params() is None:
+                reason = "no_prefill_node" if self.answer() is None else "no_kv_params"
+        if reason == "no_prefill_node" and isinstance(failed := self._outcome(), LegFailed) and failed.is_busy:
+            return "prefill_busy"
         return reason
 
     def was_taken(self, decode_url: str, recompute_reason: str | None) -> bool:
@@ -211,7 +217,7 @@ class Dispatcher:
         """A decode answer's params: the inbox they name, if any, is the node's latest."""
         self.inboxes.learn(decode_url, kv_transfer_params, self._decode_pool.num_ejections(decode_url))
 
-    def prefill_leg(self, task: asyncio.Task[Answer | None], handoff: Handoff | None) -> PrefillLeg:
+    def prefill_leg(self, task: asyncio.Task[Answer | LegFailed], handoff: Handoff | None) -> PrefillLeg:
         prefill = PrefillLeg(task, handoff)
         if handoff is not None:
             task.add_done_callback(lambda _: self._offer_nothing_without_params(prefill))

@@ -84,6 +84,12 @@ class LegFailed(Exception):
         super().__init__(f"{role}: {failure or 'no healthy node'} ({num_attempts} attempt(s))")
         self.role, self.failure, self.num_attempts = role, failure, num_attempts
 
+    @property
+    def is_busy(self) -> bool:
+        """Whether the last node tried refused the request for now (HTTP 429: a prefill node whose
+        leases are at their quota), rather than failing."""
+        return self.failure is not None and self.failure.status == 429
+
 
 class Leg(NamedTuple):
     role: str  # "prefill" | "decode"
@@ -217,17 +223,17 @@ class Upstream:
 
     async def prefill(
         self, path: str, body: dict[str, Any], prompt: PromptKey, deadline: Deadline, handoff: dict[str, Any] | None = None
-    ) -> Answer | None:
-        """The prefill node's answer to `body` at `path` (a completions route), or None when no prefill
-        node gave one: the decode node then computes the prompt. Every attempt asks for the same
-        `handoff`, if any (one key: the decode's inbox takes the first offer under it)."""
+    ) -> Answer | LegFailed:
+        """The prefill node's answer to `body` at `path` (a completions route), or the LegFailed that
+        says why no prefill node gave one (the decode node then computes the prompt). Every attempt asks
+        for the same `handoff`, if any (one key: the decode's inbox takes the first offer under it)."""
         try:
             attempt = functools.partial(self._prefill_on, path=path, body=body, deadline=deadline, handoff=handoff)
             return await self._on_some_node(self.prefill_leg, prompt, attempt)
         except LegFailed as exc:
             self.metrics.recompute_fallbacks.inc()
             self._warnings.warning("no_prefill_node", "no prefill node answered (%s): the decode node computes the prompt", exc)
-            return None
+            return exc
 
     async def decode(
         self, request: web.Request, path: str, body: DecodeBody, prompt: PromptKey, deadline: Deadline,

@@ -13,6 +13,8 @@ from typing import Any
 RECOMPUTE_REASONS = {
     "not_disaggregated": "the request has several prompts or choices (n > 1): the proxy sent it to the decode node only",
     "no_prefill_node": "no prefill node answered (none healthy, or every one tried failed)",
+    "prefill_busy": "the prefill node refused the request for now (HTTP 429: its leases are at their quota), "
+    "and no other prefill node answered",
     "no_kv_params": "the prefill node answered without kv_transfer_params (it runs no P/D connector)",
     "authentication_failed": "the decode node's pull was refused: the two nodes' KVBRIDGE_SIDE_CHANNEL_SECRET differ",
     "peer_not_allowed": "the decode node's allowed_peers does not allow the prefill node's host",

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.serve.launcher import http_json, start_node, wait_healthy
+from kvbridge.serve.launcher import PDCluster, http_json, start_node, wait_healthy
 from kvbridge.serve.lease_quota import LeaseQuota, Occupancy
 from kvbridge.transfer.host_secret import side_channel_secret
 from kvbridge.transfer.lease_release import release_remote_kv
@@ -81,6 +81,36 @@ def test_leases_are_bounded_per_client_and_in_total_and_plain_requests_still_run
             assert again[0] == 200, again
         finally:
             node.stop()
+
+
+@pytest.mark.nixl
+def test_a_prefill_node_at_its_quota_is_reported_busy_by_the_proxy_and_the_decode_node_computes():
+    """Through the proxy: once its client (the proxy's loopback address) holds its quota of unread leases
+    on the prefill node, a request is answered by the decode node alone, and the proxy says why:
+    `prefill_busy`, not that no prefill node answered (the node is alive and stays in the pool)."""
+    cluster = PDCluster(node_args=NODE_ARGS)
+    with cluster:
+        prefill_url = cluster.prefill[0].url
+        port = int(prefill_url.rsplit(":", 1)[1])
+        held = [_prefill(port, f"held{i}", "127.0.0.1") for i in range(3)]  # the proxy's address: its quota is full
+        assert all(status == 200 for status, _ in held), held
+        body = {"prompt": "[through the proxy] " * 4, "max_tokens": 3, "temperature": 0}
+        status, answer = http_json(f"{cluster.proxy_url}/v1/completions", body, timeout_s=60)
+        assert status == 200 and answer["choices"][0]["token_ids"], answer
+        report = answer["kvbridge"]["proxy"]
+        assert report["recompute_reason"] == "prefill_busy" and not report["disaggregated"], report
+        assert _refused(prefill_url, "client") >= 1.0
+        _, text = http_json(f"{cluster.proxy_url}/metrics")
+        assert 'kvbridge_proxy_recomputes_total{reason="prefill_busy"}' in text, text[-3000:]
+        # released, the quota admits again: the next request is disaggregated
+        for _, answered in held:
+            assert release_remote_kv(answered["kv_transfer_params"], secret=side_channel_secret(), timeout_s=10)
+        deadline = time.monotonic() + 30
+        while (again := http_json(f"{cluster.proxy_url}/v1/completions", {**body, "prompt": "[again] " * 6}, timeout_s=60))[1][
+            "kvbridge"]["proxy"]["recompute_reason"] == "prefill_busy":  # fmt: skip
+            assert time.monotonic() < deadline, again
+            time.sleep(0.2)
+        assert again[1]["kvbridge"]["proxy"]["recompute_reason"] is None, again[1]["kvbridge"]["proxy"]
 
 
 def _occupancy(live=(), free=64, held=0, taken_at=None):
