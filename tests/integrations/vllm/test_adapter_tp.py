@@ -131,7 +131,7 @@ def _print_step_cost(server) -> None:
 def _assert_nothing_stranded(prefill, decode) -> None:
     """The prefill's lease ended (rank 0 holds the node's) and vLLM holds no block for the send; the
     decode's scheduler half tracks no request."""
-    metrics = wait_for_metrics(prefill.url, lambda m: m.get(LEASES) == 0 and m.get(HELD) == 0)
+    metrics = wait_for_metrics(prefill.url, lambda m: m.get(LEASES) == 0 and m.get(HELD) == 0, timeout_s=30)  # lease_s is 90
     assert metrics.get(LEASES) == 0 and metrics.get(HELD) == 0, f"the prefill still holds a lease or blocks: {metrics}"
     assert metrics.get("kvbridge_worker_num_expired_leases", 0) == 0, metrics
     metrics = wait_for_metrics(decode.url, lambda m: m.get(TRACKED) == 0 and m.get(HELD) == 0)
@@ -171,7 +171,10 @@ def test_tp1_prefill_feeds_a_tp2_decode(servers):
     assert prefill_colocated == decode_colocated, "TP 1 and TP 2 colocated tokens differ (their numerics)"
     assert external == NUM_BLOCKS * CPU_BLOCK_SIZE > 0
     # each decode rank read its own head: one read each, half of the blocks' bytes each
-    after = wait_for_metrics(servers.tp2.url, lambda m: delta(m, before, RANK1 + "num_transfers") >= 1)
+    # each rank's read and its digest reach /metrics in that rank's own snapshot: wait for both ranks' both
+    after = wait_for_metrics(servers.tp2.url, lambda m: all(
+        delta(m, before, prefix + name) > 0 for prefix in ("kvbridge_worker_", RANK1) for name in ("num_transfers", "num_digested_bytes")
+    ), timeout_s=30)  # fmt: skip
     for prefix in ("kvbridge_worker_", RANK1):
         assert delta(after, before, prefix + "num_transfers") == 1, (prefix, after)
         assert delta(after, before, prefix + "bytes_transferred") == NUM_BLOCKS * servers.block_nbytes // 2, (prefix, after)
@@ -193,7 +196,8 @@ def test_a_load_error_on_one_decode_rank_fails_the_whole_read_and_vllm_recompute
     assert delta(after, before, RANK1 + "num_load_errors") == NUM_BLOCKS, after
     assert delta(after, before, "kvbridge_worker_num_digest_mismatches") == 0, after
     assert delta(after, before, FAILURES) == 0, after
-    prefill = wait_for_metrics(servers.tp1.url, lambda m: m.get(LEASES) == 0 and m.get(HELD) == 0)
+    # well inside the 90 s lease: a release, not an expiry (asserted below), even after a stalled host
+    prefill = wait_for_metrics(servers.tp1.url, lambda m: m.get(LEASES) == 0 and m.get(HELD) == 0, timeout_s=30)
     assert prefill.get(LEASES) == 0 and prefill.get(HELD) == 0, prefill
     assert prefill.get("kvbridge_worker_num_expired_leases", 0) == 0, prefill
     decode = wait_for_metrics(servers.tp2_flips.url, lambda m: m.get(TRACKED) == 0 and m.get(HELD) == 0)
