@@ -22,6 +22,7 @@ from typing import Any
 from chaos_sockets import side_channel_address, side_channel_message
 
 from kvbridge import LLM, SamplingParams
+from kvbridge.errors import NodeStartError
 from kvbridge.serve.launcher import ManagedProcess, free_ports, http_json, start_node, wait_healthy
 
 NUM_BLOCKS = 64
@@ -84,9 +85,11 @@ class NodeSet:
         self.refs: dict[str, list[int]] = {}  # the module's reference completions, by prompt
         self._ports: dict[str, tuple[int, int]] = {}
         self._all: list[ManagedProcess] = []
+        self._redraw: dict[str, tuple[str, list[str], dict[str, str] | None] | None] = {}
 
     def start(self, name: str, role: str, extra: list[str] = (), env: dict[str, str] | None = None,
               ports: tuple[int, int] | None = None) -> ManagedProcess:  # fmt: skip
+        self._redraw[name] = (role, list(extra), env) if ports is None else None  # its own ports: redrawn if taken
         ports = ports or tuple(free_ports(2))
         env = {**NODE_ENV, **(env or {})}
         # Without a configured secret the suite's nodes run unauthenticated, as its attackers speak unsigned
@@ -113,7 +116,19 @@ class NodeSet:
         return self.procs[name].popen.pid
 
     def wait(self, *names: str) -> None:
-        wait_healthy([self.procs[n] for n in names or self.procs], STARTUP_TIMEOUT_S)
+        """Until every node (or those named) is healthy. A node whose ports the harness drew and that
+        exited because another process took one of them in the meantime (tests run side by side) is
+        started again on fresh ports, at most twice; a node restarted on given ports never is."""
+        for attempt in range(3):
+            try:
+                return wait_healthy([self.procs[n] for n in names or self.procs], STARTUP_TIMEOUT_S)
+            except NodeStartError:
+                taken = [n for n in names or list(self.procs) if self._redraw.get(n) and not self.procs[n].is_running()
+                         and "PortInUseError" in self.procs[n].log_tail()]  # fmt: skip
+                if attempt == 2 or not taken:
+                    raise
+                for name in taken:
+                    self.start(name, *self._redraw[name])
 
     def kill(self, name: str) -> None:
         """SIGKILL: the process dies holding whatever it held, as in a crash."""
