@@ -35,6 +35,12 @@ def test_kit_passes_the_example_plugin(tmp_path, monkeypatch):
     assert run.exit_code == 0, run.messages
     # It stores as requests finish: no store is in flight when a request is preempted.
     assert run.outcomes.pop("test_preempted_request_releases_blocks_after_its_stores_end") == "skipped"
+    # Its loads are file reads: one may end within the step that starts it (seen once in a clean CI run), and
+    # the kit then has no load in flight to abort. That skip, and only that one, is not the plugin's fault.
+    aborted = "test_aborted_load_releases_blocks_after_it_ends"
+    if run.outcomes.get(aborted) == "skipped":
+        assert "ended within its first step" in run.messages[aborted], run.messages[aborted]
+        run.outcomes[aborted] = "passed"
     assert set(run.outcomes.values()) == {"passed"} and len(run.outcomes) == 10, run.outcomes
 
 
