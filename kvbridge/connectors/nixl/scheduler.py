@@ -126,11 +126,11 @@ class NixlScheduler:
         # last DEVICE_READ_PEERS_STAT; it changes only between steps, so matching and allocation agree)
         self._sync_ipc_reads = sync_ipc_reads
         self._device_peers: frozenset[str] = frozenset()
-        # at once: the decode's inbox, the requests' offered params until they finish, and until when a
-        # request waits for its offer; the prefill's outbox
+        # at once: the decode's inbox, the requests' offered params until they finish, and the key and
+        # deadline of each request waiting for its offer; the prefill's outbox
         self._inbox, self._outbox, self._handoff_wait_s = inbox, outbox, handoff_wait_s
         self._offered: dict[str, dict[str, Any]] = {}
-        self._offer_deadlines: dict[str, float] = {}
+        self._waiting_for_offer: dict[str, tuple[str, float]] = {}  # request id -> (its handoff key, until when)
         # decode: from the prefill's send of an offer to this scheduler's taking it, the last 256 (ms)
         self._offer_latencies_ms: collections.deque[float] = collections.deque(maxlen=256)
         self._wall_clock_ns = lambda: int(wall_clock() * 1e9)
@@ -231,42 +231,54 @@ class NixlScheduler:
         request_id = request.request_id
         if not self.config.is_consumer or request_id in self._offered or request_id in self._handled:
             return True
+        waiting = self._waiting_for_offer.get(request_id)
+        if waiting is None:  # first look: its key and inbox are checked once, not at every step it waits
+            key = self._handoff_key_to_wait_for(request)
+            if key is None:
+                return True
+            waiting = self._waiting_for_offer[request_id] = (key, self._clock() + self._handoff_wait_s)
+        key, deadline = waiting
+        offer = self._inbox.take(key)
+        if offer is not None:
+            del self._waiting_for_offer[request_id]
+            self._offered[request_id] = offer.params
+            self.num_offers_taken += 1
+            if offer.sent_ns:  # the prefill's clock: meaningful on one host, or with synchronized clocks
+                self._offer_latencies_ms.append((self._wall_clock_ns() - offer.sent_ns) / 1e6)
+            return True
+        if self._clock() < deadline:
+            return False
+        del self._waiting_for_offer[request_id]
+        self._refuse(request_id, f"no prefill offered its KV under its handoff_key within {self._handoff_wait_s:g} s "
+                     "(NixlConnector option handoff_wait_s): the prefill leg failed, was sent elsewhere, or "
+                     "named another inbox")  # fmt: skip
+        self.num_offers_missed += 1
+        return True
+
+    def _handoff_key_to_wait_for(self, request: ConnectorRequest) -> str | None:
+        """The hand-off key whose offer this request waits for in this node's inbox; None when it names
+        none, or when it names one this node cannot take (refused, with the reason)."""
+        request_id = request.request_id
         try:
             key = parse_handoff_key(request.kv_transfer_params)
             named_inbox = parse_handoff_inbox(request.kv_transfer_params)
         except InvalidRequestError as e:
             self._refuse(request_id, str(e))
-            return True
+            return None
         if key is None:
-            return True
+            return None
         if self._inbox is None:
             self._refuse(request_id, "it names a handoff_key, and this node takes no hand-off offers (NixlConnector "
                          "option handoff_inbox is off): send the prefill's kv_transfer_params instead")  # fmt: skip
-            return True
+            return None
         if named_inbox is not None and not self._inbox.is_mine(named_inbox):
             self.num_offers_misdirected += 1
             self._refuse(request_id, f"its prefill leg was told to offer to the inbox of engine {named_inbox.engine_id!r} "
                          f"instance {named_inbox.incarnation[:8]}, which is not this engine instance's: this node "
                          "restarted since that inbox was learnt, or the leg reached another node; this answer's "
                          "handoff_inbox names this node's inbox")  # fmt: skip
-            return True
-        offer = self._inbox.take(key)
-        if offer is not None:
-            self._offer_deadlines.pop(request_id, None)
-            self._offered[request_id] = offer.params
-            self.num_offers_taken += 1
-            if offer.sent_ns:  # the prefill's clock: meaningful on one host, or with synchronized clocks
-                self._offer_latencies_ms.append((self._wall_clock_ns() - offer.sent_ns) / 1e6)
-            return True
-        deadline = self._offer_deadlines.setdefault(request_id, self._clock() + self._handoff_wait_s)
-        if self._clock() < deadline:
-            return False
-        del self._offer_deadlines[request_id]
-        self._refuse(request_id, f"no prefill offered its KV under its handoff_key within {self._handoff_wait_s:g} s "
-                     "(NixlConnector option handoff_wait_s): the prefill leg failed, was sent elsewhere, or "
-                     "named another inbox")  # fmt: skip
-        self.num_offers_missed += 1
-        return True
+            return None
+        return key
 
     def _loads_in_step(self, params: RemotePrefillParams) -> bool:
         """Whether the worker will read these blocks synchronously: sync_ipc_reads is on, the params carry
@@ -383,7 +395,7 @@ class NixlScheduler:
         self._refused.discard(request.request_id)
         self._refusals.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
-        self._offer_deadlines.pop(request.request_id, None)
+        self._waiting_for_offer.pop(request.request_id, None)
         was_offered = self._offered.pop(request.request_id, None) is not None
         if not (self.config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return KVHandoff(False, self._inbox_answer(request, was_offered))
