@@ -33,7 +33,6 @@ import json
 import os
 import random
 import secrets
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import time
 import vllm_pd as pd  # sys.path: this directory and the vLLM test harness (vllm_pd puts the harness there)
 from common import machine_info
 from vllm_client import _prefill_leg_body, complete, handoff_inbox, pd_complete, pd_complete_handoff, warm_up_pd
-from vllm_server import start_vllm_server, stop_all, wait_ready
+from vllm_server import stop_all
 
 MODES = ("in_turn", "at_once", "beside_waiting_decode")
 WAITING_DECODE_S = 1.0  # the decode's handoff_wait_s: how long a decode leg offered nothing waits
@@ -65,32 +64,19 @@ def parse_args() -> argparse.Namespace:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     args.max_model_len = args.prompt_len + args.max_tokens + 64
+    # vllm_pd.start_pd_servers' placement: on CPU the prefill on core 0 and the decode on core 1; on CUDA one GPU
+    args.prefill_cpus, args.decode_cpus = (None, None) if args.device == "cuda" else ([0], [1])
+    args.prefill_gpu = args.decode_gpu = None
     return args
 
 
 def start_pair(args, model: str, log_dir: str):
     """One kvbridge prefill server and one decode server with its hand-off inbox, ready."""
-    arm = "kvbridge@once"
-    options = pd.server_options(args, arm)
-    cpus = (None, None) if args.device == "cuda" else ([0], [1])
-    decode_config = pd.transfer_config(arm, "kv_consumer", args.device)
-    decode_config["kv_connector_extra_config"]["handoff_wait_s"] = WAITING_DECODE_S
-    prefill = start_vllm_server("pair-prefill", model, log_dir, max_model_len=args.max_model_len, cpus=cpus[0],
-                                kv_transfer_config=pd.transfer_config(arm, "kv_producer", args.device), **options)  # fmt: skip
-    decode = None
-    try:
-        if args.device == "cuda":
-            wait_ready([prefill])  # one at a time on one GPU (vLLM's memory profiling)
-        decode = start_vllm_server("pair-decode", model, log_dir, max_model_len=args.max_model_len, cpus=cpus[1],
-                                   kv_transfer_config=decode_config, **options)  # fmt: skip
-        wait_ready([prefill, decode])
-    except BaseException:
-        stop_all([s for s in (prefill, decode) if s is not None])
-        raise
-    return prefill, decode
+    return pd.start_pd_servers(args, "kvbridge@once", model, log_dir, name="pair",
+                               decode_extra_config={"handoff_wait_s": WAITING_DECODE_S})  # fmt: skip
 
 
-def one_round(args, prefill_url: str, decode_url: str, inbox: dict, prompts) -> dict[str, tuple[float, float]]:
+def one_round(args, prefill_url: str, decode_url: str, inbox: dict, prompts) -> dict[str, tuple[float, float | None]]:
     """(prefill leg, TTFT) per mode for one fresh prompt each."""
     timeout = args.request_timeout
     out = {}
@@ -107,13 +93,13 @@ def one_round(args, prefill_url: str, decode_url: str, inbox: dict, prompts) -> 
         time.sleep(0.05)  # the decode leg is in its engine, waiting
         alone = complete(prefill_url, _prefill_leg_body(pd.body(args, next(prompts))), timeout_s=timeout)
         decode.result()
-    out["beside_waiting_decode"] = (alone.ttft_s, float("nan"))
+    out["beside_waiting_decode"] = (alone.ttft_s, None)  # no TTFT: that decode computes its prompt itself
     return out
 
 
-def stats(samples: list[float]) -> dict:
-    kept = [s for s in samples if s == s]  # NaN: not measured in that mode
-    return pd.percentiles(kept) | {"median_ms": round(statistics.median(kept) * 1e3, 3)} if kept else {}
+def stats(samples: list[float | None]) -> dict:
+    kept = [s for s in samples if s is not None]  # None: not measured in that mode
+    return pd.percentiles(kept) if kept else {}
 
 
 def run(args) -> dict:
@@ -140,7 +126,7 @@ def run(args) -> dict:
         legs = [r[mode][0] for r in rounds]
         ttfts = [r[mode][1] for r in rounds]
         modes[mode] = {"prefill_leg_s": stats(legs), "ttft_s": stats(ttfts),
-                       "after_prefill_s": stats([t - p for p, t in zip(legs, ttfts)])}  # fmt: skip
+                       "after_prefill_s": stats([t - p if t is not None else None for p, t in zip(legs, ttfts)])}  # fmt: skip
     paired = {
         f"{what}_at_once_minus_in_turn_ms": [round((r["at_once"][i] - r["in_turn"][i]) * 1e3, 2) for r in rounds]
         for i, what in enumerate(("prefill_leg", "ttft"))
@@ -163,8 +149,8 @@ def main() -> int:
         print(json.dumps(report))
     else:
         for mode, row in report["modes"].items():
-            print(f"{mode:>22}: prefill leg {row['prefill_leg_s']['median_ms']:.1f} ms"
-                  + (f", TTFT {row['ttft_s']['median_ms']:.1f} ms" if row["ttft_s"] else ""))  # fmt: skip
+            print(f"{mode:>22}: prefill leg {row['prefill_leg_s']['p50'] * 1e3:.1f} ms"
+                  + (f", TTFT {row['ttft_s']['p50'] * 1e3:.1f} ms" if row["ttft_s"] else ""))  # fmt: skip
         print("at once minus in turn, per round (ms):", report["paired"])
     return 0
 

@@ -514,6 +514,38 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def start_pd_servers(args, arm: str, model: str, log_dir: str, name: str | None = None,
+                     decode_extra_config: dict | None = None) -> tuple[VLLMServer, VLLMServer]:  # fmt: skip
+    """A prefill and a decode server of `arm`, both ready (booted one at a time when they share a GPU:
+    vLLM's memory profiling counts a neighbour's boot as its own use). `decode_extra_config` is added to
+    the decode's connector options. On failure both are stopped, their logs' tails printed to stderr."""
+    name = name or arm.replace("@", "-").replace("+", "-")  # server and log file names: letters, digits, '-'
+    decode_config = transfer_config(arm, "kv_consumer", args.device)
+    decode_config.setdefault("kv_connector_extra_config", {}).update(decode_extra_config or {})
+    prefill = start_vllm_server(f"{name}-prefill", model, log_dir, max_model_len=args.max_model_len,
+                                cpus=args.prefill_cpus, kv_transfer_config=transfer_config(arm, "kv_producer", args.device),
+                                **server_options(args, arm, gpu=args.prefill_gpu))  # fmt: skip
+    decode = None
+    try:
+        if args.device == "cuda" and args.prefill_gpu == args.decode_gpu:
+            wait_ready([prefill])
+        decode = start_vllm_server(f"{name}-decode", model, log_dir, max_model_len=args.max_model_len,
+                                   cpus=args.decode_cpus, kv_transfer_config=decode_config,
+                                   **server_options(args, arm, gpu=args.decode_gpu))  # fmt: skip
+        wait_ready([prefill, decode])
+    except BaseException:
+        servers = [s for s in (prefill, decode) if s is not None]
+        print_log_tails(servers)
+        stop_all(servers)
+        raise
+    return prefill, decode
+
+
+def print_log_tails(servers: Sequence[VLLMServer]) -> None:
+    for server in servers:
+        print(f"--- {server.name} log ({server.log_path}) ends with:\n{server.log_tail()}", file=sys.stderr)
+
+
 def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], expected: dict, log_dir: str) -> dict:
     """Every prompt through the two-leg protocol between a prefill and a decode server of `arm`.
 
@@ -521,18 +553,9 @@ def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], exp
     `--request-timeout`) returns {"failed": why}: a hang is a result, and the other arms still run.
     """
     started = time.monotonic()
-    name = arm.replace("@", "-").replace("+", "-")  # server and log file names: letters, digits, '-'
-    prefill = start_vllm_server(f"{name}-prefill", model, log_dir, max_model_len=args.max_model_len,
-                                cpus=args.prefill_cpus, kv_transfer_config=transfer_config(arm, "kv_producer", args.device),
-                                **server_options(args, arm, gpu=args.prefill_gpu))  # fmt: skip
-    decode = None
+    servers: tuple[VLLMServer, ...] = ()
     try:
-        if args.device == "cuda" and args.prefill_gpu == args.decode_gpu:
-            wait_ready([prefill])  # one at a time on one GPU: vLLM's memory profiling counts a neighbour's boot as its own use
-        decode = start_vllm_server(f"{name}-decode", model, log_dir, max_model_len=args.max_model_len,
-                                   cpus=args.decode_cpus, kv_transfer_config=transfer_config(arm, "kv_consumer", args.device),
-                                   **server_options(args, arm, gpu=args.decode_gpu))  # fmt: skip
-        wait_ready([prefill, decode])
+        servers = prefill, decode = start_pd_servers(args, arm, model, log_dir)
         metrics_url = prefill.url if parse_arm(arm)[0] == "vllm-nixl-push" else decode.url
         metrics = TransferMetrics(arm, decode.url, metrics_url)
         by_len = {n: measure_pd(args, prefill, metrics, batch, expected[n]) for n, batch in prompts.items()}
@@ -540,13 +563,11 @@ def run_arm(args, arm: str, model: str, prompts: dict[int, list[list[int]]], exp
         return {"by_prompt_len": by_len, "decode_itl": itl,
                 "prefill_server": server_report(prefill), "decode_server": server_report(decode)}  # fmt: skip
     except (VLLMRequestError, VLLMStartError, OSError, RuntimeError) as e:  # TimeoutError is an OSError
-        for server in (prefill, decode):
-            if server is not None:
-                print(f"--- {server.name} log ({server.log_path}) ends with:\n{server.log_tail()}", file=sys.stderr)
+        print_log_tails(servers)  # a boot that failed printed its own
         return {"failed": f"{type(e).__name__}: {e}"[:2000], "after_s": time.monotonic() - started,
                 "request_timeout_s": args.request_timeout}  # fmt: skip
     finally:
-        stop_all([s for s in (prefill, decode) if s is not None])
+        stop_all(list(servers))
 
 
 def package_versions() -> dict:
@@ -638,8 +659,7 @@ def run(args: argparse.Namespace) -> dict:
             arms[arm] = run_arm(args, arm, model, prompts, colocated["token_ids"], log_dir)
             if args.partial:  # what ran so far, should a later arm outlast the machine
                 with open(args.partial, "w") as f:
-                    params = {k: getattr(args, k) for k in ("seed", "prompt_lens", "warmup", "reps", "max_tokens", "device")}
-                    json.dump({"colocated": colocated, "arms": arms, "params": params}, f, default=str)
+                    json.dump({"colocated": colocated, "arms": arms, "params": prompt_params(args)}, f, default=str)
 
     gpus = {"src_gpu": args.prefill_gpu or 0, "dst_gpu": args.decode_gpu or 0}
     copy = {n: raw_copy_gbps(kv_bytes[n], **gpus) for n in lens} if args.device == "cuda" else None
@@ -695,13 +715,18 @@ def build_report(colocated: dict, arms: dict, copy: dict | None) -> dict:
     return report
 
 
+def prompt_params(args: argparse.Namespace) -> dict:
+    """What decides the prompts and the colocated run: a `--partial` file is resumed only with the same."""
+    return {k: getattr(args, k) for k in ("seed", "prompt_lens", "warmup", "reps", "max_tokens", "device")}
+
+
 def resumed(args: argparse.Namespace) -> tuple[dict, dict]:
     """The colocated run and the arms that `--partial` holds from an earlier run of the same prompts,
     with its prompt lengths (JSON object keys are strings) back to ints."""
     with open(args.partial) as f:
         partial = json.load(f)
     ran = partial["params"] if "params" in partial else None
-    mine = {k: getattr(args, k) for k in ("seed", "prompt_lens", "warmup", "reps", "max_tokens", "device")}
+    mine = prompt_params(args)
     if ran is not None and {k: ran.get(k) for k in mine} != mine:
         sys.exit(f"--resume: {args.partial} was written for other prompts ({ {k: ran.get(k) for k in mine} } != {mine})")
 
