@@ -21,6 +21,9 @@ the decode leg's first streamed token; at once, the decode leg's first token) an
 (TTFT minus that request's prefill leg). `paired` gives, per round, at once minus in turn: the same
 servers, prompts of the same length, a few hundred milliseconds apart.
 
+`--sync-ipc-reads` gives the decode the option of that name (same-GPU reads in the step that schedules
+the request, both modes; on CPU it changes nothing: no read there is by CUDA IPC).
+
 On CPU the prefill server is pinned to core 0 and the decode server to core 1 (as `vllm_pd.py`); on
 CUDA both share one GPU, with CUDA graphs unless `--enforce-eager`. The model is `vllm_pd.py`'s.
 """
@@ -55,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no torch.compile, no CUDA graphs")
+    parser.add_argument("--sync-ipc-reads", action="store_true",
+                        help="the decode reads a same-GPU prefill's KV in the step that schedules the request "
+                             "(NixlConnector option sync_ipc_reads; vllm_pd's arm modifier `sync`)")  # fmt: skip
     parser.add_argument("--vllm-cache-root", default=None, help="CUDA: vLLM's compile cache (default: a temporary one)")
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
@@ -72,7 +78,8 @@ def parse_args() -> argparse.Namespace:
 
 def start_pair(args, model: str, log_dir: str):
     """One kvbridge prefill server and one decode server with its hand-off inbox, ready."""
-    return pd.start_pd_servers(args, "kvbridge@once", model, log_dir, name="pair",
+    arm = "kvbridge@sync+once" if args.sync_ipc_reads else "kvbridge@once"
+    return pd.start_pd_servers(args, arm, model, log_dir, name="pair",
                                decode_extra_config={"handoff_wait_s": WAITING_DECODE_S})  # fmt: skip
 
 
