@@ -45,7 +45,7 @@ NESTED_HEADLINES = {
         "targets.*.itl_overhead_ms.met", "kvbridge_ttft_vs_best_vllm.*", "best_arms.*.*",
     ],
     "vllm_handoff_pair": [
-        "modes.*.prefill_leg_s.p50", "modes.*.ttft_s.p50", "modes.*.after_prefill_s.p50", "paired.*",
+        "modes.*.prefill_leg_s.p50", "modes.*.ttft_s.p50", "modes.*.after_prefill_s.p50", "ttft_vs_colocated.*", "paired.*",
     ],
     "serve_load": [
         "ok", "runs.*.prefill_prefix_hit_rate.overall", "runs.*.ttft_ms.p50", "runs.*.achieved_rate", "runs.*.num_errors",

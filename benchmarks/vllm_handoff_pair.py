@@ -15,11 +15,16 @@ and sends, per round, one fresh prompt in each mode, in this order:
   3. `beside_waiting_decode`: the prefill leg alone while a decode leg waits for an offer that no
      prefill sends (the decode computes that prompt itself after its `handoff_wait_s`): whether a
      decode engine waiting for an offer slows a prefill that shares its machine (or its GPU).
+  4. `colocated`: the whole request sent to the prefill server without kv_transfer_params, which
+     answers it itself (its connector idle for it): the TTFT without P/D, on the same server, with
+     the same kernels and graphs, measured between the P/D requests (a colocated vLLM without a
+     connector can only be faster, by the connector's scheduler hooks per step).
 
 Per mode: `prefill_leg_s` (the whole prefill response), `ttft_s` (the user's: in turn, prefill leg +
 the decode leg's first streamed token; at once, the decode leg's first token) and `after_prefill_s`
 (TTFT minus that request's prefill leg). `paired` gives, per round, at once minus in turn: the same
-servers, prompts of the same length, a few hundred milliseconds apart.
+servers, prompts of the same length, a few hundred milliseconds apart. `ttft_vs_colocated` divides
+each P/D mode's median TTFT by the colocated one.
 
 `--sync-ipc-reads` gives the decode the option of that name (same-GPU reads in the step that schedules
 the request, both modes; on CPU it changes nothing: no read there is by CUDA IPC).
@@ -45,7 +50,7 @@ from common import machine_info
 from vllm_client import _prefill_leg_body, complete, handoff_inbox, pd_complete, pd_complete_handoff, warm_up_pd
 from vllm_server import stop_all
 
-MODES = ("in_turn", "at_once", "beside_waiting_decode")
+MODES = ("in_turn", "at_once", "beside_waiting_decode", "colocated")
 WAITING_DECODE_S = 1.0  # the decode's handoff_wait_s: how long a decode leg offered nothing waits
 
 
@@ -101,6 +106,9 @@ def one_round(args, prefill_url: str, decode_url: str, inbox: dict, prompts) -> 
         alone = complete(prefill_url, _prefill_leg_body(pd.body(args, next(prompts))), timeout_s=timeout)
         decode.result()
     out["beside_waiting_decode"] = (alone.ttft_s, None)  # no TTFT: that decode computes its prompt itself
+    time.sleep(0.2)
+    whole = complete(prefill_url, pd.body(args, next(prompts)), timeout_s=timeout)
+    out["colocated"] = (None, whole.ttft_s)  # no prefill leg
     return out
 
 
@@ -118,7 +126,7 @@ def run(args) -> dict:
         model = pd.make_random_llama_checkpoint(os.path.join(tmp, "model"), **spec)
         rng = random.Random(args.seed)
         prompts = iter([[rng.randrange(3, spec["vocab_size"]) for _ in range(args.prompt_len)]
-                        for _ in range(4 * (args.rounds + 1) + 2)])  # fmt: skip
+                        for _ in range((len(MODES) + 1) * (args.rounds + 1) + 2)])  # fmt: skip
         prefill, decode = start_pair(args, model, log_dir)
         try:
             warm_up_pd(prefill.url, decode.url, pd.body(args, next(prompts)), timeout_s=args.request_timeout)
@@ -133,14 +141,16 @@ def run(args) -> dict:
         legs = [r[mode][0] for r in rounds]
         ttfts = [r[mode][1] for r in rounds]
         modes[mode] = {"prefill_leg_s": stats(legs), "ttft_s": stats(ttfts),
-                       "after_prefill_s": stats([t - p if t is not None else None for p, t in zip(legs, ttfts)])}  # fmt: skip
+                       "after_prefill_s": stats([t - p if None not in (p, t) else None for p, t in zip(legs, ttfts)])}  # fmt: skip
     paired = {
         f"{what}_at_once_minus_in_turn_ms": [round((r["at_once"][i] - r["in_turn"][i]) * 1e3, 2) for r in rounds]
         for i, what in enumerate(("prefill_leg", "ttft"))
     }
+    colocated = modes["colocated"]["ttft_s"]["p50"]
     return {
         "benchmark": "vllm_handoff_pair",
         "modes": modes,
+        "ttft_vs_colocated": {mode: round(modes[mode]["ttft_s"]["p50"] / colocated, 3) for mode in ("in_turn", "at_once")},
         "paired": paired,
         "decode_counters": {k: v for k, v in gauges.items() if "offer" in k or "granted" in k or "sync_reads" in k},
         "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": spec},
@@ -156,8 +166,10 @@ def main() -> int:
         print(json.dumps(report))
     else:
         for mode, row in report["modes"].items():
-            print(f"{mode:>22}: prefill leg {row['prefill_leg_s']['p50'] * 1e3:.1f} ms"
-                  + (f", TTFT {row['ttft_s']['p50'] * 1e3:.1f} ms" if row["ttft_s"] else ""))  # fmt: skip
+            leg = f"prefill leg {row['prefill_leg_s']['p50'] * 1e3:.1f} ms" if row["prefill_leg_s"] else ""
+            ttft = f"TTFT {row['ttft_s']['p50'] * 1e3:.1f} ms" if row["ttft_s"] else ""
+            print(f"{mode:>22}: {', '.join(x for x in (leg, ttft) if x)}")
+        print("TTFT / colocated:", report["ttft_vs_colocated"])
         print("at once minus in turn, per round (ms):", report["paired"])
     return 0
 
