@@ -66,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sync-ipc-reads", action="store_true",
                         help="the decode reads a same-GPU prefill's KV in the step that schedules the request "
                              "(NixlConnector option sync_ipc_reads; vllm_pd's arm modifier `sync`)")  # fmt: skip
+    parser.add_argument("--idle-step-wait-s", type=float, default=None,
+                        help="the decode's NixlConnector option idle_step_wait_s (default: the connector's; 0: never wait)")
     parser.add_argument("--vllm-cache-root", default=None, help="CUDA: vLLM's compile cache (default: a temporary one)")
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
@@ -84,8 +86,9 @@ def parse_args() -> argparse.Namespace:
 def start_pair(args, model: str, log_dir: str):
     """One kvbridge prefill server and one decode server with its hand-off inbox, ready."""
     arm = "kvbridge@sync+once" if args.sync_ipc_reads else "kvbridge@once"
+    idle_wait = {} if args.idle_step_wait_s is None else {"idle_step_wait_s": args.idle_step_wait_s}
     return pd.start_pd_servers(args, arm, model, log_dir, name="pair",
-                               decode_extra_config={"handoff_wait_s": WAITING_DECODE_S})  # fmt: skip
+                               decode_extra_config={"handoff_wait_s": WAITING_DECODE_S} | idle_wait)  # fmt: skip
 
 
 def one_round(args, prefill_url: str, decode_url: str, inbox: dict, prompts) -> dict[str, tuple[float, float | None]]:
@@ -152,7 +155,7 @@ def run(args) -> dict:
         "modes": modes,
         "ttft_vs_colocated": {mode: round(modes[mode]["ttft_s"]["p50"] / colocated, 3) for mode in ("in_turn", "at_once")},
         "paired": paired,
-        "decode_counters": {k: v for k, v in gauges.items() if "offer" in k or "granted" in k or "sync_reads" in k},
+        "decode_counters": {k: v for k, v in gauges.items() if any(w in k for w in ("offer", "granted", "sync_reads", "idle_step"))},
         "params": {k: v for k, v in vars(args).items() if k != "json"} | {"model_spec": spec},
         "machine": machine_info(args.device),
         "versions": pd.package_versions(),

@@ -159,6 +159,11 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # False: the engine runs no model in this step (for no request, also none left out of `scheduled`)
+    # and polls its connectors again only some time after it (vLLM: ~1 ms), so a connector may wait
+    # in it for a transfer about to end, holding up nothing. None: not said (the reference engine,
+    # whose idle waits its connectors end by ringing its Wakeup).
+    runs_model: bool | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -52,3 +52,6 @@ class RecvJob:
 class NixlConnectorMetadata(KVConnectorMetadata):
     recvs: dict[str, RecvJob] = field(default_factory=dict)  # decode: reads to start
     leases: dict[str, LeaseRef] = field(default_factory=dict)  # prefill: leases to grant on held blocks
+    # the engine runs no model in this step and polls again only after it (SchedulerOutput.runs_model):
+    # the decode may wait in it for a read in flight to end (NixlConnector option idle_step_wait_s)
+    idle_step: bool = False

@@ -44,6 +44,12 @@ class NixlOptions(TransferOptions):
     # recomputes. Reads that cannot go that way (a first read from a peer, NIXL, tensor parallelism) load
     # asynchronously as before.
     sync_ipc_reads: bool = False
+    # Decode: in a step where the engine runs no model and polls its connectors again only after it (vLLM
+    # sleeps ~1 ms after such a step, then runs another), wait up to this long for a read in flight to end,
+    # so that its request computes in the next step instead of some polls later: a same-host read and its
+    # verification take well under this. Nothing runs meanwhile; a request arriving in it waits at most this
+    # long. 0: never wait. The reference engine runs no such steps (its connectors wake it).
+    idle_step_wait_s: float = 0.003
     # Decode: bind an inbox (on side_channel_host; handoff_inbox_port, 0 picks a free one) where prefill
     # nodes offer a request's kv_transfer_params as it finishes, for clients that send both legs at once
     # (transfer/offers.py). A request sent with a handoff_key waits for its offer at most handoff_wait_s,
@@ -65,6 +71,8 @@ class NixlOptions(TransferOptions):
             )
         if not 0 <= self.handoff_inbox_port < 65536:
             raise ConfigError(f"NixlConnector option handoff_inbox_port must be a port or 0, got {self.handoff_inbox_port}")
+        if not 0 <= self.idle_step_wait_s <= 1:
+            raise ConfigError(f"NixlConnector option idle_step_wait_s must be in [0, 1] seconds, got {self.idle_step_wait_s}")
         for name in ("lease_s", "peer_idle_s", "handoff_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"NixlConnector option {name} must be positive, got {getattr(self, name)}")

@@ -366,7 +366,8 @@ class NixlScheduler:
     # ------------------------------------------------------------------ both
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
-        meta = NixlConnectorMetadata(recvs=self._new_recvs, leases=self._new_leases)
+        meta = NixlConnectorMetadata(recvs=self._new_recvs, leases=self._new_leases,
+                                     idle_step=scheduler_output.runs_model is False)  # fmt: skip
         self._new_recvs, self._new_leases = {}, {}
         return meta
 

@@ -49,6 +49,10 @@ class TransferStats:
         self.num_sync_reads = 0  # of those, loaded in the step that scheduled them (sync_ipc_reads)
         self.num_refused_sync_reads = 0  # synchronous loads that could not be made: load errors in their step
         self.num_unusable_grants = 0  # grants refused (forged, stale, another lease): confirmed instead
+        # decode, idle_step_wait_s: waits in steps that run no model, ended by a read's end or landing / by the bound
+        self.num_idle_step_waits_ended = 0
+        self.num_idle_step_waits_timed_out = 0
+        self.idle_step_wait_s = 0.0  # their total time
         self.num_digested_bytes = 0
         self._digest_s: deque[float] = deque(maxlen=_WINDOW)  # per verified read
         self.bytes_transferred = 0
@@ -121,6 +125,9 @@ class TransferStats:
             "num_sync_reads": self.num_sync_reads,
             "num_refused_sync_reads": self.num_refused_sync_reads,
             "num_unusable_grants": self.num_unusable_grants,
+            "num_idle_step_waits_ended": self.num_idle_step_waits_ended,
+            "num_idle_step_waits_timed_out": self.num_idle_step_waits_timed_out,
+            "idle_step_wait_ms_total": self.idle_step_wait_s * 1e3,
             "num_digested_bytes": self.num_digested_bytes,
             "digest_ms_p50": digest_p50,
             "digest_ms_p99": digest_p99,

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_RENEW_INTERVAL_S = 0.1  # renewals to one prefill engine are at least this far apart
+IDLE_WAIT_POLL_S = 200e-6  # idle_step_wait_s: the longest sleep between two looks at the reads in flight
 
 
 class NixlWorker:
@@ -107,6 +108,7 @@ class NixlWorker:
         self._wall_clock = time.time  # the clock of the grants' terms (the owner's, in the grant)
         self._grant_warnings = RepeatedWarnings(logger)  # forged grants must not write a line each
         self._is_shut_down = False
+        self._idle_step = False  # this step's metadata said: the engine runs no model in it (idle_step_wait_s)
 
     # ------------------------------------------------------------------ setup
 
@@ -174,6 +176,7 @@ class NixlWorker:
     # ------------------------------------------------------------------ per step
 
     def start_load_kv(self, metadata: NixlConnectorMetadata | None) -> None:
+        self._idle_step = metadata is not None and metadata.idle_step
         if metadata is None:
             return
         now = self._clock()
@@ -283,10 +286,34 @@ class NixlWorker:
         for rec in self._in_step.values():  # this step's synchronous loads: their verdicts come now
             self._endpoint.wait_in_step_read(rec)
         self._progress()
+        if self._idle_step and self._recvs and not self._has_news_for_the_scheduler():
+            self._wait_in_idle_step()
         self._in_step.clear()
         recving, self._finished_recving = self._finished_recving, set()
         sending, self._digested = self._leases.collect(self._clock()) | self._digested, set()
         return CompletedTransfers(sending, recving)
+
+    def _has_news_for_the_scheduler(self) -> bool:
+        return bool(self._finished_recving or self._newly_landed)
+
+    def _wait_in_idle_step(self) -> None:
+        """A step in which the engine runs no model and polls again only after it (vLLM sleeps ~1 ms,
+        then runs another empty step): wait up to idle_step_wait_s for a read in flight to end or land,
+        so that its request computes in the next step rather than some polls later. No model runs
+        meanwhile; only a request arriving now waits, at most that long."""
+        wait_s = self.options.idle_step_wait_s
+        if wait_s <= 0:
+            return
+        began = self._clock()
+        # a side-channel answer rings the context's Wakeup (PeerControls): the wait ends on it at once;
+        # a landing (NIXL, a CUDA event) is polled, at most IDLE_WAIT_POLL_S apart
+        if drive_until(lambda: self._has_news_for_the_scheduler() or not self._recvs, began + wait_s,
+                       progress=self._progress, first_wait_s=IDLE_WAIT_POLL_S / 8, max_wait_s=IDLE_WAIT_POLL_S,
+                       clock=self._clock, sleep=self.context.wakeup.wait):  # fmt: skip
+            self.stats.num_idle_step_waits_ended += 1
+        else:
+            self.stats.num_idle_step_waits_timed_out += 1
+        self.stats.idle_step_wait_s += self._clock() - began
 
     # ------------------------------------------------------------------ tensor parallelism (connectors/base.py)
 

@@ -196,4 +196,5 @@ def step_output(vllm_output: Any, views: RequestViews, tables: BlockTables) -> S
         scheduled=scheduled,
         finished_req_ids=set(vllm_output.finished_req_ids),
         preempted_req_ids=set(getattr(vllm_output, "preempted_req_ids", None) or ()),
+        runs_model=vllm_output.total_num_scheduled_tokens > 0,
     )
