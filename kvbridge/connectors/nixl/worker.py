@@ -286,28 +286,26 @@ class NixlWorker:
         for rec in self._in_step.values():  # this step's synchronous loads: their verdicts come now
             self._endpoint.wait_in_step_read(rec)
         self._progress()
-        if self._idle_step and self._recvs and not self._has_news_for_the_scheduler():
+        if self._idle_step and self._recvs and not self._finished_recving:
             self._wait_in_idle_step()
         self._in_step.clear()
         recving, self._finished_recving = self._finished_recving, set()
         sending, self._digested = self._leases.collect(self._clock()) | self._digested, set()
         return CompletedTransfers(sending, recving)
 
-    def _has_news_for_the_scheduler(self) -> bool:
-        return bool(self._finished_recving or self._newly_landed)
-
     def _wait_in_idle_step(self) -> None:
         """A step in which the engine runs no model and polls again only after it (vLLM sleeps ~1 ms,
-        then runs another empty step): wait up to idle_step_wait_s for a read in flight to end or land,
-        so that its request computes in the next step rather than some polls later. No model runs
-        meanwhile; only a request arriving now waits, at most that long."""
+        then runs another empty step): wait up to idle_step_wait_s for a read in flight to end, so that
+        its request computes in the next step rather than some polls later. Only its end counts (such an
+        engine, vLLM, never computes on a read that landed unconfirmed). No model runs meanwhile; only
+        a request arriving now waits, at most that long."""
         wait_s = self.options.idle_step_wait_s
         if wait_s <= 0:
             return
         began = self._clock()
         # a side-channel answer rings the context's Wakeup (PeerControls): the wait ends on it at once;
         # a landing (NIXL, a CUDA event) is polled, at most IDLE_WAIT_POLL_S apart
-        if drive_until(lambda: self._has_news_for_the_scheduler() or not self._recvs, began + wait_s,
+        if drive_until(lambda: bool(self._finished_recving) or not self._recvs, began + wait_s,
                        progress=self._progress, first_wait_s=IDLE_WAIT_POLL_S / 8, max_wait_s=IDLE_WAIT_POLL_S,
                        clock=self._clock, sleep=self.context.wakeup.wait):  # fmt: skip
             self.stats.num_idle_step_waits_ended += 1
