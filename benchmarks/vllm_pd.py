@@ -23,7 +23,9 @@ the NixlConnector option `sync_ipc_reads`: a granted read from a same-host GPU p
 schedules the request (a CUDA IPC copy and its digest before that step's forward pass), not in a later one;
 `kvbridge@once` sends both legs at once through kvbridge's hand-off (option `handoff_inbox` on the decode:
 the prefill offers its kv_transfer_params to the decode's inbox as the request finishes; the inbox is learnt
-from a decode answer in turn after the warm-up). Modifiers combine: `kvbridge@sync+once`.
+from a decode answer in turn after the warm-up); `kvbridge@poll` sets the decode's `idle_step_wait_s` to 0, so
+that it never waits in vLLM's empty steps for a read to end and its loads cost vLLM's polls, as before that
+option (the A/B of it). Modifiers combine: `kvbridge@sync+once`.
 An arm that fails or hangs
 (a leg past `--request-timeout`) is a result: its error is recorded and the other arms still run.
 
@@ -145,8 +147,9 @@ CUDA_BENCH_MODEL = dict(num_layers=32, hidden_size=1024, num_heads=8, num_kv_hea
 ARMS = ("vllm-nixl", "vllm-nixl-push", "kvbridge")
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
 MODIFIERS = ("ipc", "xl", "seq")  # of the vLLM arms, see the module docstring
-# kvbridge@confirm: the prefill signs no grant, every read is confirmed; kvbridge@sync: sync_ipc_reads on
-KVBRIDGE_MODIFIERS = ("confirm", "sync", "once")
+# kvbridge@confirm: the prefill signs no grant, every read is confirmed; kvbridge@sync: sync_ipc_reads on;
+# kvbridge@poll: the decode never waits in vLLM's empty steps (idle_step_wait_s 0: the polls it had before)
+KVBRIDGE_MODIFIERS = ("confirm", "sync", "once", "poll")
 # cuda_ipc for same-host GPU memory, and its GET: UCX disables cuda_ipc's get_zcopy on a GPU without
 # NVLink peers (one GPU alone included) and then serves a pull (NIXL READ) over TCP at < 1 GB/s, while
 # a push (WRITE) takes cuda_ipc; ENABLE_GET_ZCOPY=on lets the pull take it too. PROTO_INFO=y logs the
@@ -225,6 +228,8 @@ def transfer_config(arm: str, role: str, device: str = "cpu") -> dict:
     extra = {"connector": "NixlConnector"} | ({"sign_grants": False} if "confirm" in mods else {})
     if "sync" in mods:
         extra["sync_ipc_reads"] = True
+    if "poll" in mods and role == "kv_consumer":
+        extra["idle_step_wait_s"] = 0.0
     if "once" in mods and role == "kv_consumer":
         extra["handoff_inbox"] = True
     return {
