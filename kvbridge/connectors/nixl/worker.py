@@ -288,6 +288,7 @@ class NixlWorker:
         self._progress()
         if self._idle_step and self._recvs and not self._finished_recving:
             self._wait_in_idle_step()
+        self._idle_step = False  # said of this step only: a get_finished without a start_load_kv never waits
         self._in_step.clear()
         recving, self._finished_recving = self._finished_recving, set()
         sending, self._digested = self._leases.collect(self._clock()) | self._digested, set()
