@@ -49,7 +49,7 @@ class TransferStats:
         self.num_sync_reads = 0  # of those, loaded in the step that scheduled them (sync_ipc_reads)
         self.num_refused_sync_reads = 0  # synchronous loads that could not be made: load errors in their step
         self.num_unusable_grants = 0  # grants refused (forged, stale, another lease): confirmed instead
-        # decode, idle_step_wait_s: waits in steps that run no model, ended by a read's end or landing / by the bound
+        # decode, idle_step_wait_s: waits in steps that run no model, ended by a read's end / by the bound
         self.num_idle_step_waits_ended = 0
         self.num_idle_step_waits_timed_out = 0
         self.idle_step_wait_s = 0.0  # their total time
