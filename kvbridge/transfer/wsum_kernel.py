@@ -9,8 +9,9 @@ partial sum; the multipliers (8 bytes per word of one block, a few MiB) are reus
 and stay in L2. The partial sums of a block add up mod 2^64 in int64, as the torch path's do.
 
 `wsum_head_partials` is the same pass split by KV head: a page seen as [outer, heads, inner] words,
-each program sums one head's runs of some rows of one page (with the whole block's multipliers), so
-a block's heads add up to its digest and a lease's per-head digests cost no second pass.
+each program reads some whole rows of one page, as contiguous as `wsum_partials`' chunks, and sums
+each head's runs apart (with the whole block's multipliers), so a block's heads add up to its digest
+and a lease's per-head digests cost no second pass.
 
 Imported only where Triton is installed; digest.py chooses it for KV on a GPU.
 """
@@ -70,32 +71,34 @@ ROW_CHUNK_WORDS = 8192  # about as many words per program as `wsum_partials` rea
 def wsum_head_partials(
     words_ptr, ids_ptr, c_ptr, out_ptr,
     block_w, layer_w, outer, num_heads, inner, rows_per_program, programs_per_layer,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, HEADS: tl.constexpr, INNER: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h, layer * programs_per_layer + k): head h's runs of `inner` words in rows
-    [k * rows_per_program, ...) of block ids[b]'s page of `layer`; its sum goes to out[b, h, piece]."""
+    """Program (b, layer * programs_per_layer + k): rows [k * rows_per_program, ...) of block ids[b]'s
+    page of `layer`, every head of them, read front to back as `wsum_partials` reads a chunk; each
+    head's sum goes to out[b, piece, h]. A tile is [ROWS, HEADS, INNER] words (HEADS and INNER the
+    powers of two at or above num_heads and min(inner, a vector step), the excess masked off)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    piece = tl.program_id(2)
+    piece = tl.program_id(1)
     layer = piece // programs_per_layer
     first_row = (piece - layer * programs_per_layer) * rows_per_program
     last_row = tl.minimum(first_row + rows_per_program, outer)
     block_id = tl.load(ids_ptr + b)  # int64
     page = words_ptr + block_id * block_w + layer.to(tl.int64) * layer_w
     c = c_ptr + layer.to(tl.int64) * (outer * num_heads * inner)
-    acc = tl.zeros([ROWS, BLOCK], dtype=tl.int64)
+    h = tl.arange(0, HEADS)[None, :, None]
+    acc = tl.zeros([ROWS, HEADS, INNER], dtype=tl.int64)
     for r0 in range(first_row, last_row, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        base = (rows.to(tl.int64) * num_heads + h) * inner  # [ROWS]: where each row's run of head h starts
-        for k in range(0, inner, BLOCK):
-            off = k + tl.arange(0, BLOCK)
-            ok = (rows < last_row)[:, None] & (off < inner)[None, :]
-            at = base[:, None] + off[None, :]
-            x = tl.load(page + at, mask=ok, other=0)
-            m = tl.load(c + at, mask=ok, other=0)
+        rows = (r0 + tl.arange(0, ROWS))[:, None, None]
+        base = (rows * num_heads + h) * inner  # [ROWS, HEADS, 1]: where each row's run of each head starts
+        for k in range(0, inner, INNER):
+            i = k + tl.arange(0, INNER)[None, None, :]
+            ok = (rows < last_row) & (h < num_heads) & (i < inner)
+            x = tl.load(page + base + i, mask=ok, other=0)
+            m = tl.load(c + base + i, mask=ok, other=0)
             acc += x.to(tl.int64) * m  # wraps mod 2^64
-    total = tl.sum(tl.sum(acc, axis=1), axis=0)
-    tl.store(out_ptr + (b * num_heads + h) * tl.num_programs(2) + piece, total)
+    per_head = tl.sum(tl.sum(acc, axis=2), axis=0)  # [HEADS]
+    heads = tl.arange(0, HEADS)
+    tl.store(out_ptr + (b * tl.num_programs(1) + piece) * num_heads + heads, per_head, mask=heads < num_heads)
 
 
 def wsum_head_blocks(words, ids, c, block_w: int, layer_w: int, num_layers: int, outer: int, num_heads: int, inner: int):
@@ -103,13 +106,14 @@ def wsum_head_blocks(words, ids, c, block_w: int, layer_w: int, num_layers: int,
     num_heads, inner] words; `c` the [num_layers * outer * num_heads * inner] int64 multipliers."""
     import torch
 
-    block = min(BLOCK_WORDS, triton.next_power_of_2(inner))
-    rows = max(1, BLOCK_WORDS // block)
-    rows_per_program = max(1, ROW_CHUNK_WORDS // inner)
+    heads = triton.next_power_of_2(num_heads)
+    step = min(triton.next_power_of_2(inner), max(1, BLOCK_WORDS // heads))
+    rows = max(1, BLOCK_WORDS // (heads * step))
+    rows_per_program = max(1, ROW_CHUNK_WORDS // (num_heads * inner))
     programs_per_layer = triton.cdiv(outer, rows_per_program)
-    partials = torch.empty((len(ids), num_heads, num_layers * programs_per_layer), dtype=torch.int64, device=words.device)
+    partials = torch.empty((len(ids), num_layers * programs_per_layer, num_heads), dtype=torch.int64, device=words.device)
     if len(ids):
-        grid = (len(ids), num_heads, num_layers * programs_per_layer)
+        grid = (len(ids), num_layers * programs_per_layer)
         wsum_head_partials[grid](words, ids, c, partials, block_w, layer_w, outer, num_heads, inner, rows_per_program,
-                                 programs_per_layer, ROWS=rows, BLOCK=block)  # fmt: skip
-    return partials.sum(dim=2)  # int64, wraps mod 2^64
+                                 programs_per_layer, ROWS=rows, HEADS=heads, INNER=step)  # fmt: skip
+    return partials.sum(dim=1)  # int64, wraps mod 2^64

@@ -57,12 +57,17 @@ def test_no_block_and_out_of_range_ids(device):
         block_digests(region, layout, [3], WSUM)
 
 
+# 3 heads of 96 (48 words a run) in 7-token blocks: the kernel's tiles padded in both, rows not a multiple of its step
+ODD_GEOMETRY = dict(num_layers=3, block_size=7, num_kv_heads=3, head_dim=96, dtype="bfloat16")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_format", ["2NHD", "H2ND"])
-def test_the_per_head_kernel_splits_the_digest_by_head(device, page_format):
+@pytest.mark.parametrize("geometry", [GEOMETRY, ODD_GEOMETRY], ids=["4x128", "3x96"])
+def test_the_per_head_kernel_splits_the_digest_by_head(device, page_format, geometry):
     """Each head's share, from the kernel, equals the torch path's, and the shares add up to the block's
     digest (one pass yields both; transfer/head_digests.py)."""
-    layout = KVCacheLayout(**GEOMETRY, num_blocks=4, page_format=page_format)
+    layout = KVCacheLayout(**geometry, num_blocks=4, page_format=page_format)
     region = _region(layout, seed=9, device=device)
     ids = np.array([3, 0, 3], dtype=np.int64)
     kernel = _wsum_heads(region, layout, ids, use_kernel=True).cpu()
