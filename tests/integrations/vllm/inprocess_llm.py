@@ -10,6 +10,10 @@ a subprocess of its own, so vLLM's process-wide state (its config, the KV transf
 distributed environment) never leaks into pytest. VLLM_ENABLE_V1_MULTIPROCESSING=0 puts vLLM's
 engine core and its worker in this process: that is where the adapter can drain transfers before a
 prefix-cache reset. Everything vLLM logs goes to stderr.
+
+With INPROCESS_LLM_DEVICE=cuda the same scenarios run on the GPU (bf16, 16-token blocks, a small share
+of the GPU's memory, eager), and each cycle also reports `torch.cuda.memory_allocated()` and the
+device's used memory (test_gpu_offload_seeds.py).
 """
 
 from __future__ import annotations
@@ -22,15 +26,18 @@ import threading
 import time
 import weakref
 
+ON_GPU = os.environ.get("INPROCESS_LLM_DEVICE", "cpu") == "cuda"
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if not ON_GPU:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries the JSON answers only
 
 MAX_MODEL_LEN = 1024
-BLOCK_SIZE = 128  # vLLM's block size on CPU
+BLOCK_SIZE = 16 if ON_GPU else 128  # vLLM's block size on CPU; the one these scenarios ask for on the GPU
+GPU_MEMORY_UTILIZATION = 0.08  # of an H200: about 11 GiB, most of it KV cache
 OFFLOAD_STORE_DELAY_S = 1.0  # each offload store sleeps this long: the reset comes while it is in flight
 PREFILL_LEG_PARAMS = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -50,7 +57,11 @@ def make_llm(model: str, role: str, extra: dict):
         kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
         kv_role=role, kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
     )  # fmt: skip
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, kv_transfer_config=kv)
+    device_args = (
+        {"dtype": "bfloat16", "block_size": BLOCK_SIZE, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
+        if ON_GPU else {"dtype": "float32"}
+    )  # fmt: skip
+    return LLM(model=model, enforce_eager=True, max_model_len=MAX_MODEL_LEN, kv_transfer_config=kv, **device_args)
 
 
 def shut_down(llm) -> None:
@@ -145,6 +156,18 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def device_memory() -> dict:
+    """On the GPU: what torch holds allocated, and what the device has in use once torch's cache is empty."""
+    if not ON_GPU:
+        return {}
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return {"cuda_allocated": torch.cuda.memory_allocated(), "cuda_used": total - free}
+
+
 def cycles(model: str, num_cycles: int) -> None:
     """Create -> generate -> shut down, NixlConnector and OffloadingConnector in turn; the process's
     threads, RSS and NIXL registrations after each cycle."""
@@ -162,7 +185,7 @@ def cycles(model: str, num_cycles: int) -> None:
     KVBridgeConnector.shutdown = counted_shutdown
     prompt = random_prompt(seed=2, num_tokens=2 * BLOCK_SIZE + 5)
     emit({"cycle": -1, "rss": rss_bytes(), "num_os_threads": len(os.listdir("/proc/self/task")),
-          "threads": sorted(t.name for t in threading.enumerate())})  # fmt: skip
+          "threads": sorted(t.name for t in threading.enumerate()), **device_memory()})  # fmt: skip
     for cycle in range(num_cycles):
         connector = ("NixlConnector", "OffloadingConnector")[cycle % 2]
         extra = {"connector": connector, **({"host_num_blocks": 16} if connector == "OffloadingConnector" else {})}
@@ -177,7 +200,7 @@ def cycles(model: str, num_cycles: int) -> None:
             "rss": rss_bytes(), "num_os_threads": len(os.listdir("/proc/self/task")),
             "threads": sorted(t.name for t in threading.enumerate()), "threads_running": threads_running,
             "nixl_agents_alive": len(ledger.agents), "nixl_registered": ledger.num_registered,
-            "nixl_deregistered": ledger.num_deregistered, "connector_shutdowns": num_shutdowns,
+            "nixl_deregistered": ledger.num_deregistered, "connector_shutdowns": num_shutdowns, **device_memory(),
         })  # fmt: skip
 
 

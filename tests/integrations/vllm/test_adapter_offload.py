@@ -9,6 +9,8 @@ Two servers of one tiny checkpoint, booted once for the module:
 Either way the prompt's full blocks must come back from kvbridge's host tier: the worker's
 `blocks_loaded` gauge grows by exactly that many blocks. A server that recomputed the prompt, or
 that still had it in vLLM's cache, fails the test.
+* `disk`: the OffloadingConnector with a disk tier under a host tier of one prompt's blocks; two other
+  prompts evict the first from the host tier, and after a reset it comes back from disk.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ NUM_FULL_BLOCKS = 3
 PROMPT_LEN = NUM_FULL_BLOCKS * CPU_BLOCK_SIZE + 17
 HOST_NUM_BLOCKS = 64
 MULTI_KV_BLOCKS = 16  # vLLM's whole KV cache on `multi` (block 0 is vLLM's null block)
+DISK_HOST_BLOCKS = NUM_FULL_BLOCKS + 1  # `disk`'s host tier: one prompt's blocks, not two
 
 
 def _sum_of(metrics: dict[str, float], side: str, leaf: str) -> float:
@@ -42,7 +45,7 @@ def _loaded(metrics: dict[str, float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_servers, tiny_checkpoint):
+def servers(vllm_servers, tiny_checkpoint, tmp_path_factory):
     offload = vllm_servers.start(
         "offload", tiny_checkpoint, max_model_len=MAX_MODEL_LEN, env={"VLLM_SERVER_DEV_MODE": "1"},
         kv_transfer_config=kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=HOST_NUM_BLOCKS),
@@ -56,14 +59,19 @@ def servers(vllm_servers, tiny_checkpoint):
         extra_args=["--num-gpu-blocks-override", str(MULTI_KV_BLOCKS)],
         kv_transfer_config=kvbridge_transfer_config("kv_both", "MultiConnector", connectors=children),
     )  # fmt: skip
+    disk = vllm_servers.start(
+        "disk", tiny_checkpoint, max_model_len=MAX_MODEL_LEN, env={"VLLM_SERVER_DEV_MODE": "1"},
+        kv_transfer_config=kvbridge_transfer_config("kv_both", "OffloadingConnector", host_num_blocks=DISK_HOST_BLOCKS,
+                                                    disk_dir=str(tmp_path_factory.mktemp("kv-disk"))),
+    )  # fmt: skip
     start = time.monotonic()
     vllm_servers.wait()
     print(f"\nservers ready after {time.monotonic() - start:.0f} s more")
-    return offload, multi
+    return offload, multi, disk
 
 
 def test_host_tier_serves_prompt_after_prefix_cache_reset(servers):
-    offload, _ = servers
+    offload, _, _ = servers
     prompt = random_prompt(seed=100, num_tokens=PROMPT_LEN)
     first = complete(offload.url, greedy(prompt, MAX_TOKENS))
     stored = wait_for_metrics(offload.url, lambda m: _sum_of(m, "worker", "blocks_stored") >= NUM_FULL_BLOCKS)
@@ -82,7 +90,7 @@ def test_host_tier_serves_prompt_after_prefix_cache_reset(servers):
 
 
 def test_host_tier_serves_prompt_evicted_from_a_small_kv_cache_multiconnector(servers):
-    _, multi = servers
+    _, multi, _ = servers
     prompt = random_prompt(seed=200, num_tokens=PROMPT_LEN)
     first = complete(multi.url, greedy(prompt, MAX_TOKENS))
     # Other prompts that need every block of vLLM's cache between them: the first prompt's are evicted.
@@ -97,3 +105,30 @@ def test_host_tier_serves_prompt_evicted_from_a_small_kv_cache_multiconnector(se
     assert second.token_ids == first.token_ids
     assert _loaded(after) - _loaded(before) == NUM_FULL_BLOCKS, "the evicted prompt was not loaded from the host tier"
     assert _sum_of(after, "worker", "load_failures") == 0, after
+
+
+def check_disk_tier_serves_an_evicted_prompt(url: str, prompt_len: int, num_full_blocks: int, max_tokens: int) -> None:
+    """On a server whose host tier holds one prompt's blocks and a disk tier: a prompt that two later
+    prompts evicted from the host tier comes back from disk, once vLLM's prefix cache is reset, with
+    the same tokens (also test_gpu_offload_seeds.py's)."""
+    prompt = random_prompt(seed=400, num_tokens=prompt_len)
+    first = complete(url, greedy(prompt, max_tokens))
+    for i, seed in enumerate((401, 402), start=2):
+        complete(url, greedy(random_prompt(seed=seed, num_tokens=prompt_len), max_tokens))
+        wait_for_metrics(url, lambda m, n=i: _sum_of(m, "worker", "blocks_stored") >= n * num_full_blocks)
+    reset_prefix_cache(url)
+    before = kvbridge_metrics(url)
+
+    second = complete(url, greedy(prompt, max_tokens))
+    after = wait_for_metrics(url, lambda m: _loaded(m) > _loaded(before))
+
+    assert second.token_ids == first.token_ids
+    assert _loaded(after) - _loaded(before) == num_full_blocks, "the prompt was not loaded from kvbridge's tiers"
+    disk_hits = _sum_of(after, "scheduler", "disk_hit_blocks") - _sum_of(before, "scheduler", "disk_hit_blocks")
+    assert disk_hits == num_full_blocks, f"the host tier evicted the prompt, yet {disk_hits} blocks came from disk: {after}"
+    assert _sum_of(after, "worker", "load_failures") == 0, after
+
+
+def test_disk_tier_serves_a_prompt_the_host_tier_evicted(servers):
+    _, _, disk = servers
+    check_disk_tier_serves_an_evicted_prompt(disk.url, PROMPT_LEN, NUM_FULL_BLOCKS, MAX_TOKENS)
