@@ -138,6 +138,17 @@ class OfferInbox:
         entry = self._offers.pop(key, None)
         return None if entry is None else entry[1]
 
+    def wait_for(self, key: str, timeout_s: float) -> m.HandoffOffer | None:
+        """`take(key)`, waiting up to `timeout_s` for the offer to arrive; whatever else arrives meanwhile
+        is kept for its own request. Wakes as a frame lands, not at the next poll."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            offer = self.take(key)
+            remaining = deadline - time.monotonic()
+            if offer is not None or remaining <= 0:
+                return offer
+            self._socket.poll(max(1, math.ceil(remaining * 1e3)), zmq.POLLIN)  # whole ms: zmq_poll's unit
+
     def _drain(self, max_frames: int = 1024) -> None:
         for _ in range(max_frames):
             try:

@@ -62,7 +62,7 @@ class NixlConnector(SplitConnector):
         return NixlScheduler(
             config, self.context.block_size, opts.lease_s, self.context.incarnation, opts.peer_policy, secret,
             unreachable_cooldown_s=opts.unreachable_peer_cooldown_s, sync_ipc_reads=opts.sync_ipc_reads,
-            inbox=inbox, outbox=outbox, handoff_wait_s=opts.handoff_wait_s,
+            inbox=inbox, outbox=outbox, handoff_wait_s=opts.handoff_wait_s, idle_step_wait_s=opts.idle_step_wait_s,
         )
 
     def make_worker_half(self) -> NixlWorker:

@@ -47,8 +47,10 @@ class NixlOptions(TransferOptions):
     # Decode: in a step where the engine runs no model and polls its connectors again only after it (vLLM
     # sleeps ~1 ms after such a step, then runs another), wait up to this long for a read in flight to end,
     # so that its request computes in the next step instead of some polls later: a same-host read and its
-    # verification take well under this. Nothing runs meanwhile; a request arriving in it waits at most this
-    # long. 0: never wait. The reference engine runs no such steps (its connectors wake it).
+    # verification take well under this. Likewise the schedule after such a step waits up to this long, once,
+    # for the offer of a request sent at once (handoff_inbox), taking it as it lands. Nothing runs meanwhile;
+    # a request arriving in it waits at most this long. 0: never wait. The reference engine runs no such
+    # steps (its connectors wake it).
     idle_step_wait_s: float = 0.003
     # Decode: bind an inbox (on side_channel_host; handoff_inbox_port, 0 picks a free one) where prefill
     # nodes offer a request's kv_transfer_params as it finishes, for clients that send both legs at once

@@ -49,7 +49,7 @@ from kvbridge.kv_transfer_params import (
     wants_remote_decode,
 )
 from kvbridge.transfer.address_proof import SideChannelAddress, check_address, prove_address
-from kvbridge.transfer.messages import LeaseRef
+from kvbridge.transfer.messages import HandoffOffer, LeaseRef
 
 if TYPE_CHECKING:
     from kvbridge.block_hash import BlockHash
@@ -99,6 +99,7 @@ class NixlScheduler:
         inbox: OfferInbox | None = None,
         outbox: OfferOutbox | None = None,
         handoff_wait_s: float = 30.0,
+        idle_step_wait_s: float = 0.0,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -131,6 +132,13 @@ class NixlScheduler:
         self._inbox, self._outbox, self._handoff_wait_s = inbox, outbox, handoff_wait_s
         self._offered: dict[str, dict[str, Any]] = {}
         self._waiting_for_offer: dict[str, tuple[str, float]] = {}  # request id -> (its handoff key, until when)
+        # at once, decode: after a step that ran no model (the engine polls again only after a sleep), the
+        # next schedule may wait up to idle_step_wait_s on the inbox for one waiting request's offer, once
+        self._idle_step_wait_s = idle_step_wait_s
+        self._may_wait_for_offer = False
+        self.num_offer_waits_ended = 0  # ... the offer came within the wait
+        self.num_offer_waits_timed_out = 0
+        self.offer_wait_ms_total = 0.0
         # decode: from the prefill's send of an offer to this scheduler's taking it, the last 256 (ms)
         self._offer_latencies_ms: collections.deque[float] = collections.deque(maxlen=256)
         self._wall_clock_ns = lambda: int(wall_clock() * 1e9)
@@ -239,6 +247,8 @@ class NixlScheduler:
             waiting = self._waiting_for_offer[request_id] = (key, self._clock() + self._handoff_wait_s)
         key, deadline = waiting
         offer = self._inbox.take(key)
+        if offer is None and self._may_wait_for_offer:
+            offer = self._wait_for_offer(key, deadline)
         if offer is not None:
             del self._waiting_for_offer[request_id]
             self._offered[request_id] = offer.params
@@ -254,6 +264,19 @@ class NixlScheduler:
                      "named another inbox")  # fmt: skip
         self.num_offers_missed += 1
         return True
+
+    def _wait_for_offer(self, key: str, deadline: float) -> HandoffOffer | None:
+        """The engine is idle but for requests waiting for their offers, and polls again only after a sleep
+        and an empty step: wait on the inbox instead, so that an offer landing now is taken now."""
+        self._may_wait_for_offer = False  # once per schedule: a request arriving meanwhile waits at most this
+        start = self._clock()
+        offer = self._inbox.wait_for(key, min(self._idle_step_wait_s, max(0.0, deadline - start)))
+        self.offer_wait_ms_total += (self._clock() - start) * 1e3
+        if offer is None:
+            self.num_offer_waits_timed_out += 1
+        else:
+            self.num_offer_waits_ended += 1
+        return offer
 
     def _handoff_key_to_wait_for(self, request: ConnectorRequest) -> str | None:
         """The hand-off key whose offer this request waits for in this node's inbox; None when it names
@@ -368,6 +391,7 @@ class NixlScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(recvs=self._new_recvs, leases=self._new_leases,
                                      idle_step=scheduler_output.runs_model is False)  # fmt: skip
+        self._may_wait_for_offer = scheduler_output.runs_model is False and self._idle_step_wait_s > 0
         self._new_recvs, self._new_leases = {}, {}
         return meta
 
@@ -504,5 +528,8 @@ class NixlScheduler:
             "num_offers_missed": self.num_offers_missed,
             "num_offers_misdirected": self.num_offers_misdirected,
             "num_offers_refused": self.num_offers_refused,
+            "num_offer_waits_ended": self.num_offer_waits_ended,
+            "num_offer_waits_timed_out": self.num_offer_waits_timed_out,
+            "offer_wait_ms_total": self.offer_wait_ms_total,
             **offer_latency_stats(self._offer_latencies_ms),
         }
