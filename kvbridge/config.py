@@ -69,11 +69,15 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule and launch the next decode step before waiting for this one's tokens (docs/engine.md,
     # "Asynchronous scheduling"): outputs come one step() later. Without a KV connector, at TP 1.
-    async_scheduling: bool = False
+    # None: on where it can run on a CUDA device, as vLLM does; off on the CPU, where the host's step
+    # work is the step (there is no device to hide it behind).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.async_scheduling, bool):
-            raise ConfigError(f"SchedulerConfig.async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(
+                f"SchedulerConfig.async_scheduling must be True, False or None (on a CUDA device), got {self.async_scheduling!r}"
+            )
         if self.max_num_seqs <= 0:
             raise ConfigError(f"SchedulerConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

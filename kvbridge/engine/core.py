@@ -108,8 +108,9 @@ class EngineCore:
         )
         self._pending_outputs: list[RequestOutput] = []  # produced outside step(), returned by the next one
         self._in_flight: StepLaunched | None = None  # asynchronous scheduling: launched, its tokens not read yet
-        self.is_async = config.scheduler.async_scheduling and self.runner.can_launch
-        if config.scheduler.async_scheduling and not self.is_async:
+        asked = config.scheduler.async_scheduling
+        self.is_async = (asked if asked is not None else self.runner.device.type == "cuda") and self.runner.can_launch
+        if asked and not self.is_async:
             logger.warning("async_scheduling is off: it needs TP 1 and no KV connector; every step runs synchronously")
         self.is_idle = False  # the last step computed nothing, and made nothing ready for the next
         self._froze_gc = False

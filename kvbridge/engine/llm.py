@@ -41,7 +41,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,

@@ -27,7 +27,7 @@ Requests = dict[str, tuple[list[int], SamplingParams]]
 React = Callable[[EngineCore, RequestOutput], None]
 
 
-def make_engine(is_async: bool, num_blocks: int = 64, block_size: int = 16, device: str = "cpu", **scheduler) -> EngineCore:
+def make_engine(is_async: bool | None, num_blocks: int = 64, block_size: int = 16, device: str = "cpu", **scheduler) -> EngineCore:
     return EngineCore(
         EngineConfig(
             model=ModelConfig(device=device),
@@ -128,7 +128,17 @@ def first_new_token(tokens: list[int], at_least: int) -> tuple[int, int]:
 def test_config_is_validated():
     with pytest.raises(ConfigError, match="async_scheduling"):
         SchedulerConfig(async_scheduling="yes")
-    assert SchedulerConfig().async_scheduling is False
+    assert SchedulerConfig().async_scheduling is None  # on where it can run on a CUDA device
+
+
+def test_by_default_it_is_off_on_the_cpu_and_asked_for_it_runs_there_too(caplog):
+    engines = [make_engine(is_async=None), make_engine(is_async=True), make_engine(is_async=False)]
+    try:
+        assert [e.is_async for e in engines] == [False, True, False]
+        assert "async_scheduling is off" not in caplog.text
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 def test_a_steady_decode_is_scheduled_ahead_every_step():
@@ -301,6 +311,16 @@ def test_with_a_kv_connector_every_step_runs_synchronously(monkeypatch, caplog):
         assert engine.get_stats()["num_async_steps"] == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_device_it_is_on_unless_turned_off():
+    engines = [make_engine(is_async=None, device="cuda"), make_engine(is_async=False, device="cuda")]
+    try:
+        assert [e.is_async for e in engines] == [True, False]
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 @pytest.mark.gpu

@@ -49,8 +49,9 @@ def test_enforce_eager_reaches_the_model_config():
 
 
 def test_async_scheduling_reaches_the_scheduler_config():
-    assert server.build_engine_config(_args("--no-connector", "--async-scheduling")).scheduler.async_scheduling
-    assert not server.build_engine_config(_args()).scheduler.async_scheduling
+    assert server.build_engine_config(_args("--no-connector", "--async-scheduling")).scheduler.async_scheduling is True
+    assert server.build_engine_config(_args("--no-async-scheduling")).scheduler.async_scheduling is False
+    assert server.build_engine_config(_args()).scheduler.async_scheduling is None  # on a CUDA device only
 
 
 @pytest.mark.parametrize("extra", ["{bad", "[1]"])
