@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from kvbridge.block_runs import run_starts
+from kvbridge.layer_tensors import LayerTensors
 from kvbridge.layout import OPAQUE_FORMATS
 from kvbridge.transfer.digest import (
     _MASK64,
@@ -46,6 +47,8 @@ def lease_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: s
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if layout.num_kv_heads == 1 or layout.page_format in OPAQUE_FORMATS:
         return block_digests(region, layout, ids, alg)
+    if isinstance(region, LayerTensors):
+        return _gathered_lease_digests(region, layout, ids, alg)
     if alg == WSUM:
         layout.page_offsets(ids)  # raises IndexError
         heads = _wsum_heads(region, layout, ids)  # [n, H] int64
@@ -54,6 +57,27 @@ def lease_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: s
         return KVDigest(alg=WSUM, values=whole.values, head_values=per_head)
     whole = block_digests(region, layout, ids, alg)
     return KVDigest(alg=alg, values=whole.values, head_values=_xxh3_heads(region, layout, ids))
+
+
+def _gathered_lease_digests(layers: LayerTensors, layout: KVCacheLayout, ids: np.ndarray, alg: str) -> KVDigest:
+    """`lease_digests` of blocks held one tensor per layer (vLLM's default model runner): gathered, a chunk
+    of blocks at a time, into one block-major buffer, whose blocks' bytes and heads are the same."""
+    import torch
+
+    layout.page_offsets(ids)  # raises IndexError
+    per_chunk = max(1, _WSUM_CHUNK_NBYTES // layout.block_nbytes)
+    index = torch.from_numpy(np.ascontiguousarray(ids))
+    if layers.is_cuda:
+        index = index.pin_memory().to(layers.device, non_blocking=True)
+    values: list[int] = []
+    heads: list[list[int]] = [[] for _ in range(layout.num_kv_heads)]
+    for first in range(0, len(ids), per_chunk):
+        blocks = layers.index_select(0, index[first : first + per_chunk])  # [n, L, *page_shape] contiguous
+        part = lease_digests(blocks.view(-1).view(torch.uint8), layout.block_major(len(blocks)), np.arange(len(blocks)), alg)
+        values += part.values
+        for head, part_values in zip(heads, part.head_values):
+            head += part_values
+    return KVDigest(alg=alg, values=values, head_values=heads)
 
 
 def head_multipliers(layout: KVCacheLayout, head: int, device) -> torch.Tensor:

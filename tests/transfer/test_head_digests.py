@@ -49,3 +49,26 @@ def test_per_head_digests_are_what_a_reader_of_one_head_rebuilds(page_format, al
 
 def _one_head(layout: KVCacheLayout) -> KVCacheLayout:
     return dataclasses.replace(layout, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("alg", [XXH3, WSUM])
+@pytest.mark.parametrize("page_format", ["2NHD", "H2ND"])
+def test_blocks_held_one_tensor_per_layer_give_the_same_lease_digests(page_format, alg):
+    """vLLM's default model runner allocates each layer alone (`LayerTensors`): a lease's digests, each
+    head's too, are those of the same bytes in one block-major buffer (a grant once raised here)."""
+    from kvbridge.layer_tensors import LayerTensors
+    from kvbridge.transfer.digest import region_bytes
+    from kvbridge.transfer.head_digests import lease_digests
+
+    torch.manual_seed(5)
+    layout = KVCacheLayout(num_blocks=40, num_layers=3, block_size=16, num_kv_heads=4, head_dim=8, dtype="float32", page_format=page_format)
+    per_layer = KVCacheLayout.per_layer(layout.page_nbytes, **{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)
+                                                               if f.name not in ("layer_stride", "block_stride")})  # fmt: skip
+    kv = torch.randn(layout.shape)  # block-major: [blocks, layers, *page]
+    layers = LayerTensors([kv[:, i].clone() for i in range(layout.num_layers)], per_layer)
+    ids = [31, 2, 3, 4, 17, 39, 0]
+    want = lease_digests(region_bytes(kv, layout), layout, ids, alg)
+    got = lease_digests(region_bytes(layers, per_layer), per_layer, ids, alg)
+    assert got.values == want.values and got.head_values == want.head_values and len(got.head_values) == 4
+    with pytest.raises(IndexError):
+        lease_digests(region_bytes(layers, per_layer), per_layer, [40], alg)

@@ -205,6 +205,10 @@ class NixlWorker:
         except (DigestError, IndexError) as e:  # readers that verify will refuse this lease's blocks
             logger.error("request %s: cannot digest its leased blocks: %s", lease.req_id, e)
             return None
+        except Exception:  # a defect, not this request's fault: it costs this lease's reads, never the engine
+            logger.exception("request %s: digesting its leased blocks failed; readers that verify will refuse them",
+                             lease.req_id)  # fmt: skip
+            return None
 
     def _track(self, job: RecvJob, now: float) -> bool:
         """Record a read starting now. False when its prefill host is not allowed: refused, a load error
