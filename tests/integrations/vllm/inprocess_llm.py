@@ -92,7 +92,7 @@ def offload_reset(model: str) -> None:
     extra = {"connector": "OffloadingConnector", "host_num_blocks": 64, "debug_store_delay_s": OFFLOAD_STORE_DELAY_S}
     llm = make_llm(model, "kv_both", extra)
     prompt = random_prompt(seed=1, num_tokens=3 * BLOCK_SIZE + 17)  # 3 full blocks and a partial one
-    first = llm.generate([{"prompt_token_ids": prompt}], greedy_params(8), use_tqdm=False)[0]
+    first = run_to_finish(llm, "first", prompt, greedy_params(8))
     start = time.monotonic()
     is_reset = llm.reset_prefix_cache()
     reset_s = time.monotonic() - start
@@ -104,6 +104,18 @@ def offload_reset(model: str) -> None:
         "num_prompt_tokens": len(prompt),
     })  # fmt: skip
     shut_down(llm)
+
+
+def run_to_finish(llm, request_id: str, prompt: list[int], params):
+    """Step the engine until the request's output is final, and not one step more: whatever the request
+    left in flight (an offload store) is still in flight when this returns. `LLM.generate` steps on
+    while the engine has work, which in some vLLM releases includes blocks whose free waits for a store."""
+    engine = llm.llm_engine
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
 
 
 def prefill_reset(model: str, prompt: list[int]) -> None:

@@ -27,11 +27,11 @@ from vllm_client import complete, pd_complete
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 BLOCK_SIZE = 16
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8
 PROMPT_BLOCKS = 24
 PROMPT_LEN = PROMPT_BLOCKS * BLOCK_SIZE + 9
-MULTI_KV_BLOCKS = 64  # vLLM's whole KV cache on `multi`: two prompts and a half
+MULTI_KV_BLOCKS = 72  # vLLM's whole KV cache on `multi`: one max_model_len, under three prompts
 DISK_HOST_BLOCKS = PROMPT_BLOCKS + 1  # `disk`'s host tier: one prompt's blocks, not two
 NUM_CYCLES = 6
 MAX_ALLOCATED_GROWTH = 16 << 20  # torch's own allocations after the warm-up pair
