@@ -109,6 +109,13 @@ def fault_flip_read_bit() -> bool:
     return _get_bool("KVBRIDGE_FAULT_FLIP_READ_BIT", False)
 
 
+def fault_digest_defect() -> bool:
+    """KVBRIDGE_FAULT_DIGEST_DEFECT: fault injection for tests. An owner's lease digests raise an
+    unexpected error (RuntimeError), as a defect in them would: the node must refuse those leases' reads
+    to verifying readers and keep serving. Never set it in production."""
+    return _get_bool("KVBRIDGE_FAULT_DIGEST_DEFECT", False)
+
+
 def fault_flip_read_bit_rank() -> int | None:
     """KVBRIDGE_FAULT_FLIP_READ_BIT_RANK: with KVBRIDGE_FAULT_FLIP_READ_BIT, only this tensor-parallel
     rank of the decode node flips its reads' bit (default: every rank). For tests only."""

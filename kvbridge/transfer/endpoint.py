@@ -169,6 +169,7 @@ class KVEndpoint:
         self.transfer_timeout_s = opts.transfer_timeout_s
         self._wait_ipc_reads = opts.wait_ipc_reads
         self._read_delay_s = env.fault_delay_read_s()  # fault injection (tests): reads whose bytes land late
+        self._digest_defect = env.fault_digest_defect()  # fault injection (tests): lease digests that raise
         if secret is _FROM_ENV:
             self._secret = side_channel_secret(opts.insecure_side_channel)
         else:
@@ -651,6 +652,8 @@ class KVEndpoint:
             return self._digest_lease(block_ids, per_head)
 
     def _digest_lease(self, block_ids, per_head: bool) -> m.KVDigest:
+        if self._digest_defect:
+            raise RuntimeError("fault injection (KVBRIDGE_FAULT_DIGEST_DEFECT): a defect in the lease digests")
         if not per_head:
             return self.digest_blocks(block_ids)
         return lease_digests(self._region_bytes, self.layout, block_ids, self.digest_alg)
