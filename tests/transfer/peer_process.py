@@ -11,6 +11,7 @@ prints {"address": ..., "engine_id": ..., "incarnation": ...} once serving, then
     {"cmd": "messages"}               -> {"messages": [[type, req_ids], ...]}  (side-channel handler)
     {"cmd": "digest", "ids": [...]}   -> {"digest": sha256 hex of those blocks' bytes, in order}
     {"cmd": "block_digests", "ids": [...]} -> {"alg": ..., "values": [...]}  (the endpoint's lease digests)
+    {"cmd": "lease_digests", "ids": [...]} -> {"alg": ..., "values": [...], "head_values": [[...], ...]}  (with each head's)
     {"cmd": "stats"}                  -> the endpoint's get_stats()
     {"cmd": "quit"}                   -> exits 0 after closing the endpoint
 """
@@ -148,6 +149,9 @@ def main() -> int:
             case "block_digests":  # what a lease on those blocks would carry
                 got = ep.digest_blocks(cmd["ids"])
                 out = {"alg": got.alg, "values": list(got.values)}
+            case "lease_digests":  # what a grant carries: the blocks' digests and each KV head's
+                got = ep.digest_lease(cmd["ids"], per_head=True)
+                out = {"alg": got.alg, "values": list(got.values), "head_values": [list(h) for h in got.head_values]}
             case "stats":
                 out = ep.get_stats()
             case "quit":

@@ -231,6 +231,11 @@ def test_pages_move_between_per_layer_allocations_one_descriptor_per_run_per_lay
         theirs = per_layer_peer.ask("block_digests", ids=remote_ids)
         ours = ep.digest_blocks(local_ids)
         assert (ours.alg, list(ours.values)) == (theirs["alg"], theirs["values"])
+        # and so do a lease's digests with each KV head's, what the owner's grant carries (once raised there)
+        theirs = per_layer_peer.ask("lease_digests", ids=remote_ids)
+        ours = ep.digest_lease(local_ids, per_head=True)
+        assert len(theirs["head_values"]) == make_layout(GEOMETRY).num_kv_heads > 1, theirs
+        assert (list(ours.values), [list(h) for h in ours.head_values]) == (theirs["values"], theirs["head_values"])
     finally:
         ep.close()
 
