@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="schedule and launch the next decode step before waiting for this one's tokens (hides the host's "
-        "step work behind the GPU's; without a KV connector (--no-connector), at --tensor-parallel-size 1). "
-        "Default: on where it can run on a CUDA device, off on the CPU",
+        "step work behind the GPU's; without a KV connector (--no-connector), at --tensor-parallel-size 1; "
+        "default: on where it can run on a CUDA device, off on the CPU)",
     )  # fmt: skip
     events = parser.add_argument_group("KV events (vLLM's format, for routers: docs/deploy.md)")
     events.add_argument(
