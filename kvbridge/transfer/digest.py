@@ -38,6 +38,8 @@ from kvbridge.layer_tensors import LayerTensors
 from kvbridge.transfer.messages import KVDigest
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
     from kvbridge.layout import KVCacheLayout
@@ -120,22 +122,31 @@ def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, 
     raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
 
 
+def gathered_blocks(
+    layers: LayerTensors, layout: KVCacheLayout, ids: np.ndarray
+) -> Iterator[tuple[torch.Tensor, KVCacheLayout]]:
+    """Blocks `ids` of KV held one tensor per layer, a chunk at a time, each chunk gathered into one
+    block-major buffer (every layer's page in layer order: the bytes a block's digest is defined on):
+    yields (its bytes, its layout), its blocks numbered from 0 in the order of `ids`."""
+    import torch
+
+    per_chunk = max(1, _WSUM_CHUNK_NBYTES // layout.block_nbytes)
+    index = torch.from_numpy(np.ascontiguousarray(ids))
+    if layers.is_cuda:
+        index = index.pin_memory().to(layers.device, non_blocking=True)
+    for first in range(0, len(ids), per_chunk):
+        blocks = layers.index_select(0, index[first : first + per_chunk])  # [n, L, *page_shape] contiguous
+        yield blocks.view(-1).view(torch.uint8), layout.block_major(len(blocks))
+
+
 def _gathered_digests(layers: LayerTensors, layout: KVCacheLayout, ids: np.ndarray, alg: str) -> DigestJob:
-    """Digests of blocks held one tensor per layer: gathered, a chunk of blocks at a time, into one
-    block-major buffer (every layer's page in layer order: the bytes a block's digest is defined on)."""
+    """Digests of blocks held one tensor per layer, gathered a chunk at a time (`gathered_blocks`)."""
     import torch
 
     if alg not in ALGORITHMS:
         raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
-    per_chunk = max(1, _WSUM_CHUNK_NBYTES // layout.block_nbytes)
-    index = torch.from_numpy(ids)
-    if layers.is_cuda:
-        index = index.pin_memory().to(layers.device, non_blocking=True)
-    jobs = []
-    for first in range(0, len(ids), per_chunk):
-        blocks = layers.index_select(0, index[first : first + per_chunk])  # [n, L, *page_shape] contiguous
-        flat = blocks.view(-1).view(torch.uint8)
-        jobs.append(start_block_digests(flat, layout.block_major(len(blocks)), np.arange(len(blocks)), alg))
+    jobs = [start_block_digests(flat, chunk, np.arange(chunk.num_blocks), alg)
+            for flat, chunk in gathered_blocks(layers, layout, ids)]  # fmt: skip
     if alg == XXH3:
         return DigestJob(alg, values=[v for job in jobs for v in job.result().values])
     sums = [job._sums for job in jobs]

@@ -29,6 +29,7 @@ from kvbridge.transfer.digest import (
     DigestJob,
     _multipliers,
     block_digests,
+    gathered_blocks,
     has_wsum_kernel,
 )
 from kvbridge.transfer.messages import KVDigest
@@ -60,20 +61,13 @@ def lease_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: s
 
 
 def _gathered_lease_digests(layers: LayerTensors, layout: KVCacheLayout, ids: np.ndarray, alg: str) -> KVDigest:
-    """`lease_digests` of blocks held one tensor per layer (vLLM's default model runner): gathered, a chunk
-    of blocks at a time, into one block-major buffer, whose blocks' bytes and heads are the same."""
-    import torch
-
+    """`lease_digests` of blocks held one tensor per layer (vLLM's default model runner), gathered a chunk
+    at a time (`gathered_blocks`): a block-major buffer's blocks have the same bytes and heads."""
     layout.page_offsets(ids)  # raises IndexError
-    per_chunk = max(1, _WSUM_CHUNK_NBYTES // layout.block_nbytes)
-    index = torch.from_numpy(np.ascontiguousarray(ids))
-    if layers.is_cuda:
-        index = index.pin_memory().to(layers.device, non_blocking=True)
     values: list[int] = []
     heads: list[list[int]] = [[] for _ in range(layout.num_kv_heads)]
-    for first in range(0, len(ids), per_chunk):
-        blocks = layers.index_select(0, index[first : first + per_chunk])  # [n, L, *page_shape] contiguous
-        part = lease_digests(blocks.view(-1).view(torch.uint8), layout.block_major(len(blocks)), np.arange(len(blocks)), alg)
+    for flat, chunk in gathered_blocks(layers, layout, ids):
+        part = lease_digests(flat, chunk, np.arange(chunk.num_blocks), alg)
         values += part.values
         for head, part_values in zip(heads, part.head_values):
             head += part_values
