@@ -9,18 +9,15 @@ refuses its blocks and computes the prompt itself, and the prefill node keeps se
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from prefill_node import BLOCK_SIZE, engine_kwargs, prefill_node
-from test_pd import GREEDY, colocated, decode_engine
+from test_pd import GREEDY, colocated, decode_engine, same_length_prompts
 
 pytestmark = pytest.mark.nixl
 
 
-def prompts_of(seed: int, count: int = 2) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(3 * BLOCK_SIZE + 5)]} for _ in range(count)]
+def prompts_of(seed: int) -> list[dict]:
+    return same_length_prompts(seed, 3 * BLOCK_SIZE + 5, count=2)
 
 
 def test_a_prefill_whose_digests_raise_keeps_serving_and_readers_compute(reference, monkeypatch):

@@ -10,11 +10,9 @@ its connectors, so it never says it).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from prefill_node import BLOCK_SIZE, PrefillNode, engine_kwargs, prefill_node
-from test_pd import GREEDY, colocated, decode_engine
+from test_pd import GREEDY, colocated, decode_engine, same_length_prompts
 
 pytestmark = pytest.mark.nixl
 
@@ -26,8 +24,7 @@ def node():
 
 
 def prompts_of(seed: int, count: int = 3) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(4 * BLOCK_SIZE + 3)]} for _ in range(count)]
+    return same_length_prompts(seed, 4 * BLOCK_SIZE + 3, count)
 
 
 def says_whether_each_step_runs_model(engine, monkeypatch) -> list[bool]:

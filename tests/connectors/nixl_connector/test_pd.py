@@ -27,6 +27,13 @@ def make_prompts(seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in lengths]
 
 
+def same_length_prompts(seed: int, num_tokens: int, count: int = 3) -> list[dict]:
+    """`count` token prompts of `num_tokens` each."""
+    rng = random.Random(seed)
+    print(f"prompt seed {seed}")
+    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(num_tokens)]} for _ in range(count)]
+
+
 @pytest.fixture(scope="module")
 def node():
     with prefill_node(**engine_kwargs("prefill-main", "kv_producer")) as n:

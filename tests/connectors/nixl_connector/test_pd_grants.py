@@ -10,11 +10,10 @@ confirming the read with the prefill, which answers only for the lease it grante
 from __future__ import annotations
 
 import base64
-import random
 
 import pytest
 from prefill_node import BLOCK_SIZE, PrefillNode, engine_kwargs, prefill_node
-from test_pd import GREEDY, colocated, decode_engine
+from test_pd import GREEDY, colocated, decode_engine, same_length_prompts
 
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.grants import GrantSigner
@@ -29,9 +28,7 @@ def node():
 
 
 def prompts_of(seed: int, count: int = 3) -> list[dict]:
-    rng = random.Random(seed)
-    print(f"prompt seed {seed}")
-    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(3 * BLOCK_SIZE + 5)]} for _ in range(count)]
+    return same_length_prompts(seed, 3 * BLOCK_SIZE + 5, count)
 
 
 def worker_stats(dec) -> dict:
