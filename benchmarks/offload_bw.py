@@ -21,6 +21,13 @@ repetitions; the repetitions of all cases are interleaved (store, load, both, ba
 ...), so a shared machine's load changes hit every case alike. GB/s = 1e9 bytes per second.
 Index preparation is inside the timing.
 
+On CUDA the copier moves these blocks (each one byte range: block-major) with one DMA per run and
+no kernel (`cuda_ways.is_direct`); `store_staged` / `load_staged` are the same copies through the
+staging buffer's gather and scatter kernels. `*_beside_compute` times a store from its hand-over to
+its end while `--compute-matmuls` large matmuls run on another stream, queued right behind it, as the
+next step's forward pass follows a store inside an engine; each against one contiguous copy beside
+the same matmuls (`cuda_ways.beside_compute`): a copy that needs SMs waits for them there.
+
 Verification (the OffloadingConnector's `verify_kv_digest`, on by default): `store_verified` and
 `load_verified` are the same copies by a copier that also digests the KV-cache side of each copy
 (as the connector's worker does: fused into the copy on CPU, queued behind it on the GPU);
@@ -70,9 +77,9 @@ def time_interleaved(cases: dict, device: str, reps: int, warmup: int) -> dict[s
         for name, fn in cases.items():
             sync(device)
             start = time.perf_counter()
-            fn()
+            own_s = fn()  # a case that times itself returns its seconds
             sync(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(own_s if own_s is not None else time.perf_counter() - start)
     return times
 
 
@@ -93,6 +100,8 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--staging-blocks", type=int, default=64)
+    parser.add_argument("--compute-matmuls", type=int, default=40,
+                        help="CUDA: 8192^2 bf16 matmuls queued beside the *_beside_compute copies (~1.1 ms each on an H200)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -112,6 +121,7 @@ def main() -> int:
     ids = rng.sample(range(kv_blocks), 2 * n)
     store_ids, load_ids = ids[:n], ids[n:]
     copier = make_copier(kv, host, args.staging_blocks)
+    copier_is_direct = getattr(copier, "is_direct", None)
     digest = BlockDigester(region_bytes(kv, layout), layout, algorithm_for(kv))  # as the connector's worker has it
     verifying = make_copier(kv, host, args.staging_blocks, digest=digest)
     nbytes = n * layout.block_nbytes
@@ -193,10 +203,57 @@ def main() -> int:
                 other_dev.copy_(other_host, non_blocking=True)
 
         cases["baseline_bidir"] = baseline_bidir
+        # The copier's two ways on the same blocks (the default is direct: these blocks are each one byte range)
+        staged = make_copier(kv, host, args.staging_blocks, direct=False)
+        cases["store_staged"] = lambda: staged.store(store_ids, list(range(n))).wait(600) or None
+        cases["load_staged"] = lambda: staged.load(list(range(n, 2 * n)), load_ids).wait(600) or None
+        # ... and beside a forward pass: matmuls filling every SM on another stream, queued right behind
+        # the copy (as the next step's forward follows a store), for longer than the copy takes. The
+        # copy's time is from its hand-over until its waiter sees it end.
+        compute = torch.cuda.Stream(args.device)
+        a = torch.randn((8192, 8192), dtype=torch.bfloat16, device=args.device)
+        c = torch.empty_like(a)
+
+        def beside_compute(submit):
+            def case() -> float:
+                start = time.perf_counter()
+                handle = submit()
+                with torch.cuda.stream(compute):
+                    for _ in range(args.compute_matmuls):
+                        torch.mm(a, a, out=c)
+                assert handle.wait(600)
+                return time.perf_counter() - start
+
+            return case
+
+        class _EventHandle:  # the baseline's copy, waited for like a copier's
+            def __init__(self, event: torch.cuda.Event) -> None:
+                self.event = event
+
+            def wait(self, timeout_s: float) -> bool:
+                while not self.event.query():
+                    time.sleep(20e-6)
+                return True
+
+        side = torch.cuda.Stream(args.device)
+
+        def baseline_submit() -> _EventHandle:
+            with torch.cuda.stream(side):
+                flat_host.copy_(flat_dev, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            return _EventHandle(done)
+
+        cases["store_beside_compute"] = beside_compute(lambda: copier.store(store_ids, list(range(n))))
+        cases["store_verified_beside_compute"] = beside_compute(lambda: verifying.store(store_ids, list(range(n))))
+        cases["store_staged_beside_compute"] = beside_compute(lambda: staged.store(store_ids, list(range(n))))
+        cases["baseline_beside_compute"] = beside_compute(baseline_submit)
     times = time_interleaved(cases, args.device, args.reps, args.warmup)
     results = {name: summarize(t, 2 * nbytes if "bidir" in name else nbytes) for name, t in times.items()}
     copier.close()
     verifying.close()
+    if is_cuda:
+        staged.close()
     if not is_cuda:  # the strongest primitive of each direction is its baseline: by median, and by best
         for way, suffix in (("baseline", ""), ("baseline_load", "_load")):
             results[f"{way}_torch"] = results[way]
@@ -227,6 +284,20 @@ def main() -> int:
             None if is_cuda else results["store_torch_copy_per_run"]["gbps"] / base
         ),  # the old CPU path, same run
         "baseline_bidir_gbps": results["baseline_bidir"]["gbps"] if is_cuda else None,
+        # CUDA: the copier's default (direct DMAs, blocks being one byte range each) against staging
+        # through gather/scatter kernels, alone and beside a forward pass's worth of matmuls, each
+        # against one contiguous copy beside the same matmuls
+        "cuda_ways": None if not is_cuda else {
+            "is_direct": copier_is_direct,
+            "store_staged_ratio": results["store_staged"]["gbps"] / base,
+            "load_staged_ratio": results["load_staged"]["gbps"] / base_load,
+            "beside_compute": {
+                name: results[f"{name}_beside_compute"]["gbps"] / results["baseline_beside_compute"]["gbps"]
+                for name in ("store", "store_verified", "store_staged")
+            },
+            "baseline_beside_compute_gbps": results["baseline_beside_compute"]["gbps"],
+            "compute_matmuls": args.compute_matmuls,
+        },  # fmt: skip
         "bidir_vs_baseline_bidir": results["bidir"]["gbps"] / results["baseline_bidir"]["gbps"] if is_cuda else None,
         # the same ratios from each case's fastest repetition: what a shared machine's load hides least
         "best_ratios": {

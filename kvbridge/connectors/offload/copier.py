@@ -7,12 +7,13 @@ Two implementations behind one interface:
   into one copy.
 * `LayerCopier` (CPU KV cache held one tensor per layer, `kvbridge.layer_tensors`): a gather or a
   scatter per layer on a helper thread per direction.
-* `CudaCopier` (CUDA KV cache, cuda_copier.py; per-layer caches too, always through staging): dedicated streams and a helper thread per direction, never the
-  compute stream.
-  Scattered GPU blocks are gathered with `index_select` into a device staging buffer, which then
-  goes to a contiguous range of (pinned) host slots in one DMA; loads do the reverse with
-  `index_copy_`. Two staging halves let one segment's DMA overlap the next one's kernel. Runs
-  contiguous on both sides skip the staging buffer. A store first waits (on
+* `CudaCopier` (CUDA KV cache, cuda_copier.py): dedicated streams and a helper thread per
+  direction, never the compute stream. Where each block is one byte range of the KV cache, one DMA
+  per run of blocks adjacent on both sides, and no SM takes part. Otherwise (blocks strided over
+  layers, or per-layer caches) scattered GPU blocks are gathered with `index_select` into a device
+  staging buffer, which then goes to a contiguous range of (pinned) host slots in one DMA; loads do
+  the reverse with `index_copy_`. Two staging halves let one segment's DMA overlap the next one's
+  kernel. Runs contiguous on both sides skip the staging buffer. A store first waits (on
   the GPU, not the host) for an event recorded on the compute stream, so it reads the blocks the
   forward pass wrote without delaying it. Completion is signalled by CUDA events.
 
@@ -243,12 +244,13 @@ class LayerCopier(BlockCopier):
 
 def make_copier(
     kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int = 64, copy_threads: int | None = None,
-    digest: DigestFn | None = None,
+    digest: DigestFn | None = None, direct: bool | None = None,
 ) -> BlockCopier:
     """`staging_blocks`: CUDA's staging buffer; `copy_threads`: the CPU copy threads (None: one per core);
-    `digest`: digest the KV-cache side of every copy (None: do not)."""
+    `digest`: digest the KV-cache side of every copy (None: do not); `direct`: CUDA copies one DMA per
+    run of blocks, no staging (None: wherever each block is one byte range; `CudaCopier`)."""
     if kv_cache.is_cuda:
-        return CudaCopier(kv_cache, host_pool, staging_blocks, digest)
+        return CudaCopier(kv_cache, host_pool, staging_blocks, digest, direct)
     if isinstance(kv_cache, LayerTensors):
         return LayerCopier(kv_cache, host_pool, digest)
     return ThreadCopier(kv_cache, host_pool, copy_threads, digest)

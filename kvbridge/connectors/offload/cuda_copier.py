@@ -1,8 +1,20 @@
 """`CudaCopier`: block copies between a CUDA KV cache and the host pool (copy_base.py has the
 contract, copier.py the CPU copier and the whole design): dedicated streams and a helper thread per
-direction, never the compute stream; scattered blocks gathered through a device staging buffer into
-one DMA; completion by CUDA events, which a waiter thread per direction also sleeps on, so that the
-engine is woken the moment a copy ends rather than at its next poll."""
+direction, never the compute stream; completion by CUDA events, which a waiter thread per direction
+also sleeps on, so that the engine is woken the moment a copy ends rather than at its next poll.
+
+Two ways to move scattered blocks:
+
+* **direct** (blocks whose bytes are one range in the KV cache: vLLM's cross-layer buffer, kvbridge's
+  own engine): one DMA per run of blocks adjacent on both sides, straight between the KV cache and
+  the host pool. Only the copy engines work, no SM: the copy keeps its speed while the next forward
+  pass fills every SM (a staged gather waits for free SMs behind that pass's kernels).
+* **staged** (blocks strided over layers, or one tensor per layer): a gather (store) or scatter
+  (load) kernel through a device staging buffer, one DMA per segment of consecutive host slots.
+
+Side kernels (gather, scatter, digest) run on a high-priority stream, so an SM that frees up takes
+them ahead of the forward pass's queued blocks. A store's digest reads the same KV blocks as its
+DMA and runs beside it; a load's digests the blocks once the load wrote them."""
 
 from __future__ import annotations
 
@@ -13,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvbridge.block_runs import capped_runs, is_one_run
+from kvbridge.block_runs import capped_runs, is_one_run, paired_runs
 from kvbridge.connectors.offload.copy_base import BlockCopier, CopyHandle, DigestFn
 from kvbridge.layer_tensors import LayerTensors
 from kvbridge.transfer.digest import DigestJob
@@ -68,8 +80,11 @@ class _CudaHandle(CopyHandle):
 
 
 class CudaCopier(BlockCopier):
-    """Per direction: a DMA stream and a kernel stream, a staging buffer split in two halves, and a
-    helper thread.
+    """Per direction: a DMA stream and a (high-priority) kernel stream, a staging buffer split in two
+    halves (staged copies only), and a helper thread.
+
+    `direct` (None: wherever each block is one byte range of the KV cache) moves blocks with one DMA
+    per run adjacent on both sides, no staging (see the module's doc).
 
     A scattered segment is gathered (store) or scattered (load) by a kernel on the kernel stream
     while the other half's DMA runs on the DMA stream, so the copy engine never waits for the
@@ -82,14 +97,20 @@ class CudaCopier(BlockCopier):
     """
 
     def __init__(self, kv_cache: torch.Tensor, host_pool: torch.Tensor, staging_blocks: int,
-                 digest: DigestFn | None = None) -> None:  # fmt: skip
+                 digest: DigestFn | None = None, direct: bool | None = None) -> None:  # fmt: skip
         super().__init__(kv_cache, host_pool, digest)
         device = kv_cache.device
         self._is_per_layer = isinstance(kv_cache, LayerTensors)  # no view spans its layers: always staged
-        self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
-                         for d in ("store", "load")}  # fmt: skip  (DMA stream, kernel stream)
-        half = max(1, staging_blocks // 2)
-        # Two halves per direction: [2, half, L, *page_shape] on the device, contiguous.
+        can_direct = not self._is_per_layer and kv_cache[0].is_contiguous()
+        if direct and not can_direct:
+            raise ValueError("CudaCopier: direct copies need KV blocks that are each one byte range")
+        self.is_direct = can_direct if direct is None else direct
+        # (DMA stream, kernel stream); the kernels' at the highest priority (the lowest number)
+        high = torch.cuda.Stream.priority_range()[1]
+        self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device, priority=high))
+                         for d in ("store", "load")}  # fmt: skip
+        half = 0 if self.is_direct else max(1, staging_blocks // 2)
+        # Two halves per direction: [2, half, L, *page_shape] on the device, contiguous (none for direct copies).
         self._staging = {d: torch.empty((2, half, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
                          for d in ("store", "load")}  # fmt: skip
         self._helpers = {d: ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-offload-cuda-{d}")
@@ -102,17 +123,50 @@ class CudaCopier(BlockCopier):
         dma, kernels = self._streams[direction]
         staging = self._staging[direction]
         device = self.kv_cache.device
-        order = sorted(range(len(slots)), key=slots.__getitem__)  # host side contiguous when possible
-        src_ids, dst_slots = [gpu_ids[i] for i in order], [slots[i] for i in order]
-        # one gather + one DMA per run of consecutive host slots: (source ids, first slot)
-        segments = [(src_ids[i : i + n], dst_slots[i]) for i, n in capped_runs(dst_slots, staging.shape[1])]
+        segments: list[tuple[list[int], int]] = []
+        if not self.is_direct:
+            order = sorted(range(len(slots)), key=slots.__getitem__)  # host side contiguous when possible
+            src_ids, dst_slots = [gpu_ids[i] for i in order], [slots[i] for i in order]
+            # one gather + one DMA per run of consecutive host slots: (source ids, first slot)
+            segments = [(src_ids[i : i + n], dst_slots[i]) for i, n in capped_runs(dst_slots, staging.shape[1])]
         with torch.cuda.device(device):
             caller = torch.cuda.current_stream()
             try:
-                handle.event = self._launch(direction, segments, after, dma, kernels, staging, handle)
+                if self.is_direct:
+                    handle.event = self._launch_direct(direction, gpu_ids, slots, after, dma, kernels, handle)
+                else:
+                    handle.event = self._launch(direction, segments, after, dma, kernels, staging, handle)
             finally:
                 torch.cuda.set_stream(caller)  # set_stream: less CPU per switch than `with torch.cuda.stream`
         handle._ready.set()
+
+    def _launch_direct(self, direction: str, gpu_ids: list[int], slots: list[int], after: torch.cuda.Event,
+                       dma: torch.cuda.Stream, kernels: torch.cuda.Stream, handle: _CudaHandle) -> torch.cuda.Event:  # fmt: skip
+        """Enqueue one DMA per run of blocks adjacent on both sides, and the digest of the KV-side blocks
+        (with a `digest`: a store's beside its DMAs, a load's after them); returns the event that ends
+        them all. Switches this thread's current stream: the caller restores it."""
+        dma.wait_event(after)  # the compute stream's work on these blocks comes first
+        handle.began = torch.cuda.Event(enable_timing=True)
+        handle.began.record(dma)
+        is_store = direction == "store"
+        if self.digest is not None and is_store:  # reads the blocks the DMAs read: no need to wait for them
+            kernels.wait_event(after)
+            torch.cuda.set_stream(kernels)
+            handle.digest_ids = list(gpu_ids)
+            handle.digest_job = self.digest(handle.digest_ids)
+        torch.cuda.set_stream(dma)
+        for gpu, slot, n in paired_runs(gpu_ids, slots):
+            dev, host = self.kv_cache[gpu : gpu + n], self.host_pool[slot : slot + n]
+            (host.copy_(dev, non_blocking=True) if is_store else dev.copy_(host, non_blocking=True))
+        if self.digest is not None and not is_store:  # the bytes the load wrote, once written
+            kernels.wait_stream(dma)
+            torch.cuda.set_stream(kernels)
+            handle.digest_ids = list(gpu_ids)
+            handle.digest_job = self.digest(handle.digest_ids)
+        dma.wait_stream(kernels)
+        done = torch.cuda.Event(blocking=True, enable_timing=True)  # a waiter thread sleeps on it (`on_done`)
+        done.record(dma)
+        return done
 
     def _launch(self, direction: str, segments: list[tuple[list[int], int]], after: torch.cuda.Event,
                 dma: torch.cuda.Stream, kernels: torch.cuda.Stream, staging: torch.Tensor,
@@ -170,8 +224,9 @@ class CudaCopier(BlockCopier):
                 self.kv_cache.index_copy_(0, seg_index, buf)  # scatter on the device
                 half_free[k % 2] = torch.cuda.Event()
                 half_free[k % 2].record(kernels)
-        if self.digest is not None:  # a store: the blocks it read; a load: the blocks it wrote, once written
-            kernels.wait_stream(dma)
+        if self.digest is not None:  # a store: the blocks it read, beside its DMAs; a load: the blocks it wrote, once written
+            if direction == "load":
+                kernels.wait_stream(dma)
             torch.cuda.set_stream(kernels)
             handle.digest_ids = [b for ids, _ in segments for b in ids]
             handle.digest_job = self.digest(handle.digest_ids)

@@ -14,7 +14,7 @@ from kvbridge.connectors.offload import copier as copier_module
 from kvbridge.connectors.offload.copier import make_copier
 from kvbridge.connectors.offload.host_tier import HostTier
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.digest import XXH3, algorithm_for, block_digests, region_bytes, start_block_digests
+from kvbridge.transfer.digest import WSUM, XXH3, BlockDigester, algorithm_for, block_digests, region_bytes, start_block_digests
 
 SHAPE = (3, 2, 4, 2, 8)  # [L, 2, block_size, H, D]
 
@@ -89,11 +89,11 @@ def test_thread_copier_keeps_a_small_copy_in_one_share(shares):
     copier.close()
 
 
-def _check_round_trip(device: str, staging_blocks: int = 2) -> None:
+def _check_round_trip(device: str, staging_blocks: int = 2, direct: bool | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn((10, *SHAPE), generator=gen).to(device)
     host = torch.zeros((6, *SHAPE), pin_memory=device != "cpu")
-    copier = make_copier(kv, host, staging_blocks)
+    copier = make_copier(kv, host, staging_blocks, direct=direct)
     gpu_ids, slots = [7, 2, 3, 4, 9], [0, 1, 2, 3, 5]  # scattered and contiguous parts
     assert copier.store(gpu_ids, slots).wait(10)
     for g, s in zip(gpu_ids, slots):
@@ -146,8 +146,61 @@ def test_a_failed_share_fails_the_copy_only_once_every_share_ended(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_copier_round_trip_on_side_streams():
-    _check_round_trip("cuda", staging_blocks=2)
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "staged"])
+def test_cuda_copier_round_trip_on_side_streams(direct):
+    _check_round_trip("cuda", staging_blocks=2, direct=direct)
+
+
+def _copy_kernels_and_memcpys(fn) -> tuple[list[str], list[str]]:
+    """The names of the CUDA kernels and of the memcpys that `fn()` ran, from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    memcpys = [n for n in names if "memcpy" in n.lower()]
+    return [n for n in names if n not in memcpys], memcpys
+
+
+@pytest.mark.gpu
+def test_cuda_copies_of_blocks_that_are_one_byte_range_each_use_no_kernel():
+    """Blocks laid out block-major (vLLM's cross-layer buffer, kvbridge's engine): scattered blocks go
+    host-ward and back by DMA alone, one per run adjacent on both sides, so a forward pass that fills
+    every SM cannot hold them up; the staged copier of the same cache gathers through kernels. With a
+    digest, the digest kernels are the only ones."""
+    kv = torch.randn((64, *SHAPE), device="cuda")
+    host = torch.zeros((16, *SHAPE), pin_memory=True)
+    gpu_ids, slots = [40, 41, 42, 7, 19, 3, 4, 60], list(range(8))  # runs: 40-42, 7, 19, 3-4, 60
+    direct = make_copier(kv, host, 4)
+    assert direct.is_direct
+    kernels, memcpys = _copy_kernels_and_memcpys(lambda: direct.store(gpu_ids, slots).wait(10))
+    assert kernels == [] and len(memcpys) == 5, (kernels, memcpys)
+    kernels, memcpys = _copy_kernels_and_memcpys(lambda: direct.load(slots, [9, 10, 11, 12, 13, 50, 2, 30]).wait(10))
+    assert kernels == [] and len(memcpys) == 4, (kernels, memcpys)  # runs: 9-13 (slots 0-4), 50, 2, 30
+    assert torch.equal(kv[[9, 10, 11, 12, 13, 50, 2, 30]], kv[gpu_ids])
+    direct.close()
+    staged = make_copier(kv, host, 4, direct=False)
+    kernels, _ = _copy_kernels_and_memcpys(lambda: staged.store(gpu_ids, slots).wait(10))
+    assert kernels, "the staged copier gathers on the device"
+    staged.close()
+    layout = KVCacheLayout(64, 3, 4, 2, 8, "float32")
+    assert tuple(layout.shape[1:]) == tuple(SHAPE)
+    digest = BlockDigester(region_bytes(kv, layout), layout, algorithm_for(kv))
+    verifying = make_copier(kv, host, 4, digest=digest)
+    handle = verifying.store(gpu_ids, slots)
+    assert handle.wait(10) and handle.digests() == dict(zip(gpu_ids, block_digests(region_bytes(kv, layout), layout, gpu_ids, WSUM).values))
+    verifying.close()
+
+
+@pytest.mark.gpu
+def test_a_direct_cuda_copier_refuses_blocks_that_are_not_one_byte_range():
+    layout = LAYER_MAJOR
+    kv = torch.zeros(layout.region_nbytes // 4, device="cuda").as_strided(layout.shape, layout.strides)
+    host = torch.zeros((4, *layout.block_shape), pin_memory=True)
+    with pytest.raises(ValueError, match="one byte range"):
+        make_copier(kv, host, 2, direct=True)
+    assert not make_copier(kv, host, 2).is_direct  # the default stages them
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
