@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SamplingParams
 from kvbridge.errors import InvalidRequestError, SamplingParamsError
-from kvbridge.kv_transfer_params import parse_handoff, parse_handoff_inbox, parse_handoff_key, parse_remote_prefill
+from kvbridge.kv_transfer_params import parse_handoff, parse_handoff_inbox, parse_remote_prefill
 from kvbridge.serve.logprobs import MAX_COMPLETION_LOGPROBS
 from kvbridge.serve.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 

@@ -9,7 +9,11 @@ copy per byte range `descriptors.coalesce_blocks` gives (a run of blocks between
 caches; per layer or per page with strided ones), enqueued with `cuMemcpyBatchAsync` (CUDA ≥ 12.8
 drivers; one `cuMemcpyAsync` per copy before) in batches of 16, 32, 64... on a dedicated stream,
 and completed by a CUDA event.
-Copy engines move the bytes: no SM is taken from the model.
+Copy engines move the bytes: no SM is taken from the model. The exception is a read from a peer on
+this very GPU (`sm_reads`, with Triton): copy engines move a same-GPU copy at about a quarter of
+what the SMs reach (0.55 against 1.9 TB/s for 512 MiB on an H200), so one kernel copies the blocks
+on the SMs and digests (wsum64) the bytes it wrote from the registers that wrote them
+(`digest.copy_blocks_with_digests`): the reader's check of the read costs no second pass.
 
 Batches that grow were measured closest to a raw peer copy of every way to issue the copies
 (`benchmarks/ipc_copy_methods.py`), and transfers of few runs faster through NIXL inside the P/D
@@ -35,6 +39,7 @@ from kvbridge.errors import TransferError
 from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer.cuda_driver import IpcHandle, driver
 from kvbridge.transfer.descriptors import coalesce_blocks
+from kvbridge.transfer.digest import DigestJob, copy_blocks_with_digests, has_wsum_kernel, region_bytes
 from kvbridge.transfer.messages import IpcExport
 from kvbridge.transfer.options import TransferOp
 
@@ -102,24 +107,46 @@ class IpcMapping:
             )
         self.addr = ptr + export.offset  # the peer's KV tensor, as a device pointer here
         self.nbytes = export.nbytes
+        self.device = device
         self.same_device = export.device_uuid == str(torch.cuda.get_device_properties(device).uuid)
+        self._bytes: torch.Tensor | None = None
+
+    def region_bytes(self) -> torch.Tensor:
+        """The mapped bytes as a [nbytes] uint8 tensor (no copy, no ownership: valid until `close`)."""
+        import torch
+
+        if self._base is None:
+            raise TransferError("CUDA IPC mapping used after it was closed")
+        if self._bytes is None:
+            self._bytes = torch.as_tensor(_DeviceBytes(self.addr, self.nbytes), device=self.device)
+        return self._bytes
 
     def close(self) -> None:
         """Unmap. The caller has synchronized every stream that used the mapping. Idempotent."""
         if self._base is None:
             return
-        base, self._base = self._base, None
+        base, self._base, self._bytes = self._base, None, None
         driver().ipc_close(base)
+
+
+class _DeviceBytes:
+    """`nbytes` bytes of device memory at `addr`, as torch reads a foreign buffer (CUDA array interface)."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
 
 
 class IpcCopy:
     """A transfer through a mapping, in flight until `event` completes. `began` is recorded on the
-    copy stream once the work it waits for is done, so `device_seconds` is the copies' own time."""
+    copy stream once the work it waits for is done, so `device_seconds` is the copies' own time.
+    `digests`: a read on the SMs, the wsum64 digests of the blocks it wrote (in local id order)."""
 
-    def __init__(self, began: torch.cuda.Event, event: torch.cuda.Event, num_runs: int) -> None:
+    def __init__(self, began: torch.cuda.Event, event: torch.cuda.Event, num_runs: int,
+                 digests: DigestJob | None = None) -> None:  # fmt: skip
         self.began = began
         self.event = event
-        self.num_runs = num_runs  # copies enqueued: byte ranges adjacent on both sides
+        self.num_runs = num_runs  # copies enqueued: byte ranges adjacent on both sides (one kernel on the SMs)
+        self.digests = digests
 
     def is_done(self) -> bool:
         return self.event.query()
@@ -150,16 +177,22 @@ def copy_plan(
 
 
 class IpcCopier:
-    """Copies blocks between the local GPU KV cache and mapped peer caches, on one dedicated stream."""
+    """Copies blocks between the local GPU KV cache and mapped peer caches, on one dedicated stream.
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout, min_runs: int = 1) -> None:
+    `sm_reads`: a read from a peer on this very GPU runs as one kernel on the SMs (with Triton), which
+    also digests the blocks it wrote (the copy's `digests`)."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVCacheLayout, min_runs: int = 1, sm_reads: bool = True) -> None:
         self.device = kv_cache.device
         self.min_runs = min_runs  # fewer runs: start() declines, NIXL moves it
         self._addr = kv_cache.data_ptr()
         self._layout = layout
+        self._region = region_bytes(kv_cache, layout)
+        self.sm_reads = sm_reads and has_wsum_kernel()
         self._stream: torch.cuda.Stream | None = None  # made on first use
         self._ready: torch.cuda.Event | None = None
         self.num_copies = 0
+        self.num_sm_reads = 0
 
     def start(
         self, op: TransferOp, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
@@ -170,6 +203,8 @@ class IpcCopier:
         this very GPU: NIXL/UCX moves such a read through host staging, hundreds of times slower."""
         import torch
 
+        if self.sm_reads and TransferOp(op) is TransferOp.READ and mapping.same_device:
+            return self._read_on_sms(mapping, peer_layout, local_ids, remote_ids)
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
         if len(sizes) < self.min_runs and not mapping.same_device:
             return None
@@ -187,6 +222,29 @@ class IpcCopier:
         done.record(stream)
         self.num_copies += 1
         return IpcCopy(began, done, len(sizes))
+
+    def _read_on_sms(self, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray,
+                     remote_ids: np.ndarray) -> IpcCopy:  # fmt: skip
+        """READ as one kernel on the SMs that copies every block and digests what it wrote. The peer's
+        layout is its own claim: a layout that reaches past its mapping is refused, never read."""
+        import torch
+
+        if peer_layout.region_nbytes > mapping.nbytes:
+            raise TransferError(f"the peer's KV layout spans {peer_layout.region_nbytes} bytes, past the "
+                                f"{mapping.nbytes} bytes it exported")  # fmt: skip
+        source = mapping.region_bytes()[: peer_layout.region_nbytes]
+        stream, ready = self._copy_stream()
+        ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
+        stream.wait_event(ready)  # of blocks about to be overwritten, comes first
+        began = torch.cuda.Event(enable_timing=True)
+        began.record(stream)
+        with torch.cuda.stream(stream):
+            digests = copy_blocks_with_digests(source, peer_layout, remote_ids, self._region, self._layout, local_ids)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(stream)
+        self.num_copies += 1
+        self.num_sm_reads += 1
+        return IpcCopy(began, done, 1, digests)
 
     def synchronize(self) -> None:
         if self._stream is not None:

@@ -177,6 +177,43 @@ class BlockDigester:
         return DigestJob(self.alg, values=[xxhash.xxh3_64_intdigest(buf[b * s : b * s + n]) for b in ids])
 
 
+def copy_blocks_with_digests(
+    src_region: torch.Tensor, src_layout: KVCacheLayout, src_ids, dst_region: torch.Tensor, dst_layout: KVCacheLayout,
+    dst_ids, digest: bool = True,
+) -> DigestJob | None:
+    """Copy block src_ids[i] of `src_region` into block dst_ids[i] of `dst_region` (both `region_bytes`
+    of layouts with the same pages, on one device) on the SMs, queued on the current stream, and with
+    `digest` return the wsum64 digests of the blocks written, from the same pass: equal to
+    `start_block_digests(dst_region, dst_layout, dst_ids, WSUM)` once the copy ran. Needs Triton
+    (`has_wsum_kernel`). Raises IndexError for an id outside a layout, DigestError for layouts whose
+    pages differ or are not whole 32-bit words."""
+    import torch
+
+    from kvbridge.transfer.wsum_kernel import copy_blocks
+
+    src, dst = (np.ascontiguousarray(np.asarray(i, dtype=np.int64).reshape(-1)) for i in (src_ids, dst_ids))
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    src_layout.page_offsets(src), dst_layout.page_offsets(dst)  # IndexError for ids outside
+    if (src_layout.page_nbytes, src_layout.page_format, src_layout.num_layers) != (
+        dst_layout.page_nbytes, dst_layout.page_format, dst_layout.num_layers
+    ):  # fmt: skip
+        raise DigestError("a block copy with its digest needs the same pages on both sides")
+    strides = [(lay.block_stride_bytes, lay.layer_stride_bytes) for lay in (src_layout, dst_layout)]
+    if any(s % 4 for pair in strides for s in pair) or src_layout.page_nbytes % 4:
+        raise DigestError(f"{WSUM} needs pages of whole 32-bit words; these strides are {strides} bytes")
+    device = dst_region.device
+    index = torch.from_numpy(np.concatenate([src, dst]))
+    if device.type == "cuda":  # pinned: a pageable upload would wait for everything queued on the stream
+        index = index.pin_memory().to(device, non_blocking=True)
+    page_words = src_layout.page_nbytes // 4
+    c = _multipliers(src_layout.num_layers * page_words, device) if digest else None
+    sums = copy_blocks(src_region.view(torch.int32), dst_region.view(torch.int32), index[: len(src)], index[len(src) :], c,
+                       tuple(s // 4 for s in strides[0]), tuple(s // 4 for s in strides[1]), page_words,
+                       src_layout.num_layers)  # fmt: skip
+    return DigestJob(WSUM, sums=sums) if digest else None
+
+
 def block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, alg: str) -> KVDigest:
     """The digest of each block of `block_ids` (in their order), computed on `region`'s device."""
     return start_block_digests(region, layout, block_ids, alg).result()

@@ -213,7 +213,8 @@ class KVEndpoint:
             ipc_device=kv_cache.device if use_ipc else None,
             before_unmap=self._sync_ipc_copies,  # nothing may use a mapping once it is closed
         )
-        self._ipc = IpcCopier(kv_cache, layout, opts.ipc_min_runs) if use_ipc else None  # through CUDA IPC mappings
+        # through CUDA IPC mappings
+        self._ipc = IpcCopier(kv_cache, layout, opts.ipc_min_runs, opts.ipc_sm_reads) if use_ipc else None
         # req id -> (expired read in flight, since, the peer instance it reads from)
         self._quarantine: dict[str, tuple[TransferRecord, float, tuple[str, str]]] = {}
         self._unquarantined: list[TransferRecord] = []  # ended quarantines, reported by the next poll
@@ -378,7 +379,7 @@ class KVEndpoint:
         self.tracker.start(req_id, address, self.transfer_timeout_s, payload=_Read(local, remote, expect))
         return self.tracker.mark_posted(
             req_id, self.transfer_timeout_s, handle=copy, nbytes=len(local) * self.layout.block_nbytes,
-            num_descriptors=copy.num_runs,
+            num_descriptors=copy.num_runs, copy_digests=copy.digests,
         )  # fmt: skip
 
     def hold_stream_for_digests(self) -> None:
@@ -423,7 +424,8 @@ class KVEndpoint:
         # the record keeps its original deadline: handshake time counts against it
         remaining_s = max(0.0, rec.deadline - self.tracker.clock())
         nbytes = len(read.local_ids) * self.layout.block_nbytes
-        self.tracker.mark_posted(rec.req_id, remaining_s, handle=posted, nbytes=nbytes, num_descriptors=num_descs)
+        self.tracker.mark_posted(rec.req_id, remaining_s, handle=posted, nbytes=nbytes, num_descriptors=num_descs,
+                                 copy_digests=posted.digests if isinstance(posted, IpcCopy) else None)  # fmt: skip
         if posted is None:
             self.tracker.mark_done(rec.req_id)
 

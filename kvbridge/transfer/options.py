@@ -42,6 +42,10 @@ class TransferOptions:
     # waited for in the poll after its post, so it lands in the engine step that posted it, not in a
     # later one. Off: polled like a NIXL read.
     wait_ipc_reads: bool = True
+    # A read from a peer on this very GPU runs as one kernel on the SMs, which also digests (wsum64) the
+    # bytes it wrote, instead of copy-engine copies (about a quarter of the SMs' rate for a same-GPU copy).
+    # Needs Triton; without it, or off, the copy engines move it.
+    ipc_sm_reads: bool = True
     # Serve a side channel off loopback without KVBRIDGE_SIDE_CHANNEL_SECRET (refused otherwise; auth.py)
     insecure_side_channel: bool = False
 

@@ -61,6 +61,7 @@ class TransferRecord:
     error: str | None = None
     finished_at: float | None = None
     device_s: float | None = None  # a CUDA IPC read's copies timed on the device (None: not measured)
+    copy_digests: Any = None  # a read on the SMs: the wsum64 DigestJob of the blocks it wrote (cuda_ipc.py)
     handle: Any = None  # owner's in-flight handle(s); None once released
     payload: Any = None  # owner's data (block ids, the instance expected, ...)
     history: list[TransferState] = field(default_factory=list)

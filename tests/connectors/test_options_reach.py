@@ -57,6 +57,7 @@ NIXL_VALUES = {
     "peer_idle_s": 9.0, "verify_kv_digest": False, "insecure_side_channel": True, "digest_kv_heads": False,
     "wait_ipc_reads": False, "sign_grants": False, "unreachable_peer_cooldown_s": 0.0, "sync_ipc_reads": True,
     "handoff_inbox": True, "handoff_inbox_port": 45678, "handoff_wait_s": 5.0, "idle_step_wait_s": 0.0,
+    "ipc_sm_reads": False,
 }  # fmt: skip
 OFFLOAD_VALUES = {
     "host_num_blocks": 33, "host_capacity_bytes": 1 << 22, "eviction_policy": "arc", "disk_dir": "/nonexistent/kv",

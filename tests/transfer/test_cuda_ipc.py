@@ -14,6 +14,7 @@ from kvbridge.layout import KVCacheLayout
 from kvbridge.transfer import cuda_ipc
 from kvbridge.transfer import messages as m
 from kvbridge.transfer.cuda_driver import IpcHandle
+from kvbridge.transfer.digest import WSUM, block_digests, region_bytes
 
 
 def export(**changes) -> m.IpcExport:
@@ -90,7 +91,7 @@ def test_driver_copies_move_pages_between_a_layer_major_and_a_block_major_cache(
     owner_buffer = torch.randn(layer_major.region_nbytes // 2, device="cuda").half()
     owner = owner_buffer.as_strided(layer_major.shape, layer_major.strides)
     kv = torch.zeros(block_major.shape, dtype=torch.float16, device="cuda")
-    copier = cuda_ipc.IpcCopier(kv, block_major, min_runs=1)
+    copier = cuda_ipc.IpcCopier(kv, block_major, min_runs=1, sm_reads=False)
 
     class Mapped:
         addr = owner.data_ptr()
@@ -137,20 +138,57 @@ def test_transfers_of_fewer_runs_than_min_runs_are_declined_before_touching_the_
     assert copier.num_copies == 0
 
 
+class _SameGpuPeer:
+    """A tensor of this process standing in for a mapped peer cache on this very GPU."""
+
+    same_device = True
+
+    def __init__(self, owner: torch.Tensor, nbytes: int | None = None) -> None:
+        self.addr, self.nbytes = owner.data_ptr(), nbytes or owner.numel() * owner.element_size()
+        self._bytes = owner.view(-1).view(torch.uint8)[: self.nbytes]
+
+    def region_bytes(self) -> torch.Tensor:
+        return self._bytes
+
+
 @pytest.mark.gpu
-def test_a_peer_on_this_very_gpu_is_read_through_the_mapping_whatever_the_runs():
+@pytest.mark.parametrize("sm_reads", [True, False], ids=["on the SMs", "by the copy engines"])
+def test_a_peer_on_this_very_gpu_is_read_through_the_mapping_whatever_the_runs(sm_reads):
     """NIXL/UCX stages a same-GPU read through the host (~0.4 GB/s on an H200): one run goes
-    through the mapping too."""
+    through the mapping too. On the SMs (the default with Triton), one kernel, which also digests the
+    blocks it wrote: wsum64 digests equal to those of the local blocks afterwards."""
     layout = KVCacheLayout(16, 2, 4, 2, 8, "float16")
     owner = torch.randn(layout.shape, device="cuda").half()
     kv = torch.zeros(layout.shape, dtype=torch.float16, device="cuda")
-    copier = cuda_ipc.IpcCopier(kv, layout, min_runs=16)
-
-    class Mapped:
-        addr = owner.data_ptr()
-        same_device = True
-
-    copy = copier.start("READ", Mapped(), layout, np.array([0, 1, 2]), np.array([5, 6, 7]))
-    assert copy is not None and copy.num_runs == 1
+    copier = cuda_ipc.IpcCopier(kv, layout, min_runs=16, sm_reads=sm_reads)
+    assert copier.sm_reads is sm_reads
+    local, remote = np.array([0, 1, 2, 9]), np.array([5, 6, 7, 1])
+    copy = copier.start("READ", _SameGpuPeer(owner), layout, local, remote)
+    assert copy is not None and copy.num_runs == (1 if sm_reads else 2)
     copy.event.synchronize()
-    assert torch.equal(kv[:3], owner[5:8])
+    assert torch.equal(kv[[0, 1, 2, 9]], owner[[5, 6, 7, 1]])
+    assert not kv[[3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15]].any()
+    if sm_reads:
+        expected = block_digests(region_bytes(kv, layout), layout, local, WSUM)
+        assert copy.digests.result() == expected
+        assert expected == block_digests(region_bytes(owner, layout), layout, remote, WSUM)
+        assert copier.num_sm_reads == 1
+    else:
+        assert copy.digests is None
+
+
+@pytest.mark.gpu
+def test_a_read_on_the_sms_refuses_a_peer_layout_that_reaches_past_its_mapping():
+    """The peer's layout is its own claim: one that spans more than the bytes it exported would send
+    the kernel outside the mapping (a device fault: the node down). Refused; nothing is written."""
+    layout = KVCacheLayout(16, 2, 4, 2, 8, "float16")
+    owner = torch.randn(layout.shape, device="cuda").half()
+    kv = torch.zeros(layout.shape, dtype=torch.float16, device="cuda")
+    copier = cuda_ipc.IpcCopier(kv, layout, min_runs=1)
+    bigger = KVCacheLayout(64, 2, 4, 2, 8, "float16")  # claims 4x the exported bytes
+    with pytest.raises(TransferError, match="past"):
+        copier.start("READ", _SameGpuPeer(owner), bigger, np.array([0]), np.array([40]))
+    with pytest.raises(IndexError):
+        copier.start("READ", _SameGpuPeer(owner), layout, np.array([0]), np.array([16]))
+    torch.cuda.synchronize()
+    assert not kv.any()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbridge.layout import KVCacheLayout
-from kvbridge.transfer.digest import WSUM, _wsum, block_digests, has_wsum_kernel, region_bytes
+from kvbridge.transfer.digest import WSUM, DigestError, _wsum, block_digests, copy_blocks_with_digests, has_wsum_kernel, region_bytes
 from kvbridge.transfer.head_digests import _wsum_heads
 
 # 40-token blocks of 4 heads of 128, bf16: 80 KiB pages = 20,480 words, 2.5 kernel chunks of 8,192
@@ -75,3 +75,35 @@ def test_the_per_head_kernel_splits_the_digest_by_head(device, page_format, geom
     assert kernel.shape == (3, layout.num_kv_heads) and torch.equal(kernel, torch_)
     assert torch.equal(kernel.sum(dim=1), _wsum(region.cpu(), layout, ids, use_kernel=False))
     assert len(set(kernel[0].tolist())) == layout.num_kv_heads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_block_copy_digests_the_blocks_it_wrote_in_the_same_pass(device):
+    """copy_blocks_with_digests: a block-major source into a layer-outermost destination, scattered
+    ids: every destination page holds its source page's bytes, nothing else is touched, and the
+    digests are the torch reduction's of the blocks written. Without `digest`, the same copy."""
+    src_layout = KVCacheLayout(**GEOMETRY, num_blocks=5)
+    plain = KVCacheLayout(**GEOMETRY, num_blocks=6)
+    dst_layout = KVCacheLayout(**GEOMETRY, num_blocks=6, layer_stride=6 * plain.page_nbytes, block_stride=plain.page_nbytes)
+    src, dst = _region(src_layout, seed=10, device=device), _region(dst_layout, seed=11, device=device)
+    before = dst.clone()
+    src_ids, dst_ids = [4, 0, 2], [1, 5, 3]
+    job = copy_blocks_with_digests(src, src_layout, src_ids, dst, dst_layout, dst_ids)
+    got = job.result().values
+    assert got == block_digests(dst.cpu(), dst_layout, dst_ids, WSUM).values  # the torch path, of the bytes written
+    assert got == block_digests(src.cpu(), src_layout, src_ids, WSUM).values  # ... which are the source's
+    src_pages, dst_pages = src_layout.page_offsets(np.array(src_ids)), dst_layout.page_offsets(np.array(dst_ids))
+    touched = torch.zeros(dst.numel(), dtype=torch.bool)
+    for s_row, d_row in zip(src_pages, dst_pages):
+        for s, d in zip(s_row, d_row):
+            assert torch.equal(dst[d : d + src_layout.page_nbytes].cpu(), src[s : s + src_layout.page_nbytes].cpu())
+            touched[d : d + src_layout.page_nbytes] = True
+    assert torch.equal(dst.cpu()[~touched], before.cpu()[~touched])
+    again = before.clone()
+    assert copy_blocks_with_digests(src, src_layout, src_ids, again, dst_layout, dst_ids, digest=False) is None
+    assert torch.equal(again.cpu(), dst.cpu())
+    with pytest.raises(IndexError):
+        copy_blocks_with_digests(src, src_layout, [5], dst, dst_layout, [0])
+    other_pages = KVCacheLayout(**GEOMETRY, num_blocks=6, page_format="H2ND")
+    with pytest.raises(DigestError, match="same pages"):
+        copy_blocks_with_digests(src, src_layout, [0], dst, other_pages, [0])

@@ -34,14 +34,20 @@ class ReadVerifier:
         # req id -> (digests of its landed blocks per rank of the peer node (endpoint.start_read_digests), time spent)
         self._started: dict[str, tuple[list[list[tuple[int | None, DigestJob]]], float]] = {}
 
-    def start(self, job: RecvJob) -> None:
-        """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake)."""
+    def start(self, job: RecvJob, copied: DigestJob | None = None) -> None:
+        """Digest a landed read's blocks with the algorithm the prefill said it uses (handshake).
+        `copied`: the digests of the blocks its copy wrote, taken by the copy itself (a read on the
+        SMs, in local block order); used when they are of that algorithm and of the whole blocks."""
         peers = self._endpoint.peers
         if not job.local_block_ids or job.remote.address not in peers:
             return
-        alg = peers.get(job.remote.address).digest_alg
+        peer = peers.get(job.remote.address)
+        alg = peer.digest_alg
         if alg not in ALGORITHMS:
             return  # an older prefill: digested once its answer names the algorithm
+        if copied is not None and copied.alg == alg and not self._endpoint.is_translated(peer):
+            self._started[job.request_id] = ([[(None, copied)]], 0.0)
+            return
         start = self._clock()
         try:
             started = self._endpoint.start_read_digests(job.remote.address, job.local_block_ids, job.remote_block_ids, alg)

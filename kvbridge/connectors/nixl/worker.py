@@ -267,7 +267,8 @@ class NixlWorker:
         if self._flip_landed_bit:  # fault injection (tests): a bit flipped in flight, before the digest sees it
             self._endpoint.hold_stream_for_digests()  # after the copy
             self._endpoint.flip_bit(job.local_block_ids[0])
-        self._verifier.start(job)  # on the digest stream, after the copy
+        # on the digest stream, after the copy (a copy on the SMs took them as it wrote the blocks)
+        self._verifier.start(job, None if self._flip_landed_bit else rec.copy_digests)
         self._endpoint.hold_stream_for_digests()  # the forward pass may rewrite the prompt's last slot
         self._in_step[job.request_id] = rec
 
@@ -357,12 +358,15 @@ class NixlWorker:
         if self._endpoint is None:
             return
         landed: list[RecvJob] = []
+        copied: dict[str, object] = {}  # req id -> the digests its read took of the blocks it wrote (on the SMs)
         for rec in self._endpoint.poll():
             job = self._recvs[rec.req_id]
             if rec.is_ok:
                 self.stats.record_done(rec.created_at, rec.finished_at, rec.nbytes, rec.num_descriptors, rec.device_s)
                 if self._flip_landed_bit and not job.sync:  # fault injection (tests): a bit flipped in flight
                     self._endpoint.flip_bit(job.local_block_ids[0])
+                elif rec.copy_digests is not None:
+                    copied[rec.req_id] = rec.copy_digests
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
                 if self._verify_by_grant(job):
                     continue
@@ -383,7 +387,7 @@ class NixlWorker:
         outcomes = self._peers.progress(self._reading())  # sends the confirmations queued above
         for job in landed:
             if self._verifier is not None:  # digested while those confirmations are on the network
-                self._verifier.start(job)
+                self._verifier.start(job, copied.get(job.request_id))
             if self._may_compute_early(job):
                 self._newly_landed.add(job.request_id)
         for outcome in outcomes:
