@@ -188,11 +188,22 @@ class IpcCopier:
         self._addr = kv_cache.data_ptr()
         self._layout = layout
         self._region = region_bytes(kv_cache, layout)
-        self.sm_reads = sm_reads and has_wsum_kernel()
+        self.sm_reads = sm_reads and has_wsum_kernel() and kv_cache.is_cuda
         self._stream: torch.cuda.Stream | None = None  # made on first use
         self._ready: torch.cuda.Event | None = None
         self.num_copies = 0
         self.num_sm_reads = 0
+        if self.sm_reads:
+            self._compile_read_kernel()
+
+    def _compile_read_kernel(self) -> None:
+        """Triton compiles a kernel at its first launch (a second or more): do it now, not inside the first
+        read. Block 0 copied onto itself, the layouts of a peer like us: the same bytes, the same kernel."""
+        import torch
+
+        stream, _ = self._copy_stream()
+        with torch.cuda.stream(stream):
+            copy_blocks_with_digests(self._region, self._layout, [0], self._region, self._layout, [0]).result()
 
     def start(
         self, op: TransferOp, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
