@@ -53,7 +53,7 @@ from kvbridge.connectors.nixl.verify import ReadVerifier
 from kvbridge.errors import KVBridgeError
 from kvbridge.repeated_log import RepeatedWarnings
 from kvbridge.transfer import messages as m
-from kvbridge.transfer.digest import DigestError
+from kvbridge.transfer.digest import DigestError, DigestJob
 from kvbridge.transfer.grants import GrantError, check_grant, open_grant
 from kvbridge.transfer.progress import drive_until
 
@@ -358,7 +358,7 @@ class NixlWorker:
         if self._endpoint is None:
             return
         landed: list[RecvJob] = []
-        copied: dict[str, object] = {}  # req id -> the digests its read took of the blocks it wrote (on the SMs)
+        copied: dict[str, DigestJob] = {}  # req id -> the digests its read took of the blocks it wrote (on the SMs)
         for rec in self._endpoint.poll():
             job = self._recvs[rec.req_id]
             if rec.is_ok:
@@ -368,7 +368,7 @@ class NixlWorker:
                 elif rec.copy_digests is not None:
                     copied[rec.req_id] = rec.copy_digests
                 self._landed[rec.req_id] = (rec.created_at, rec.finished_at)
-                if self._verify_by_grant(job):
+                if self._verify_by_grant(job, copied.get(rec.req_id)):
                     continue
                 if job.sync:  # its grant's term ended within the step: no verdict now means none in time
                     self._fail(job, "synchronous load: its prefill's signed grant could not be relied on when it landed")
@@ -406,13 +406,16 @@ class NixlWorker:
         for address in {r.address for r in dropped} - in_use:
             self._endpoint.forget_peer(address)  # its NIXL agent, cached lists, mapping and socket
 
-    def _verify_by_grant(self, job: RecvJob) -> bool:
+    def _verify_by_grant(self, job: RecvJob, copied: DigestJob | None = None) -> bool:
         """A landed read whose params carry the prefill's signed grant: verify its bytes against the
         grant's digests now and finish it (a load error on a mismatch), releasing the lease without
-        waiting for an answer. False: no usable grant; the read is confirmed on the side channel."""
+        waiting for an answer. False: no usable grant; the read is confirmed on the side channel.
+        `copied`: the digests its copy took of the blocks it wrote (a read on the SMs)."""
         grant = self._usable_grant(job)
         if grant is None:
             return False
+        if copied is not None:
+            self._verifier.start(job, copied)
         if (error := self._verifier.verify(job, grant.digest)) is not None:  # digests what landed, now
             self._fail(job, error)
         else:
