@@ -105,6 +105,8 @@ class CudaCopier(BlockCopier):
         if direct and not can_direct:
             raise ValueError("CudaCopier: direct copies need KV blocks that are each one byte range")
         self.is_direct = can_direct if direct is None else direct
+        # adjacent blocks one range too (no padding between them): a run is one DMA, else one per block
+        self._max_run = None if can_direct and kv_cache.stride(0) == kv_cache[0].numel() else 1
         # (DMA stream, kernel stream); the kernels' at the highest priority (the lowest number)
         high = torch.cuda.Stream.priority_range()[1]
         self._streams = {d: (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device, priority=high))
@@ -156,8 +158,10 @@ class CudaCopier(BlockCopier):
             handle.digest_job = self.digest(handle.digest_ids)
         torch.cuda.set_stream(dma)
         for gpu, slot, n in paired_runs(gpu_ids, slots):
-            dev, host = self.kv_cache[gpu : gpu + n], self.host_pool[slot : slot + n]
-            (host.copy_(dev, non_blocking=True) if is_store else dev.copy_(host, non_blocking=True))
+            step = self._max_run or n
+            for k in range(0, n, step):
+                dev, host = self.kv_cache[gpu + k : gpu + k + step], self.host_pool[slot + k : slot + k + step]
+                (host.copy_(dev, non_blocking=True) if is_store else dev.copy_(host, non_blocking=True))
         if self.digest is not None and not is_store:  # the bytes the load wrote, once written
             kernels.wait_stream(dma)
             torch.cuda.set_stream(kernels)

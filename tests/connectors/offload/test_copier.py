@@ -180,6 +180,13 @@ def test_cuda_copies_of_blocks_that_are_one_byte_range_each_use_no_kernel():
     assert kernels == [] and len(memcpys) == 4, (kernels, memcpys)  # runs: 9-13 (slots 0-4), 50, 2, 30
     assert torch.equal(kv[[9, 10, 11, 12, 13, 50, 2, 30]], kv[gpu_ids])
     direct.close()
+    numel = kv[0].numel()  # the same blocks with room between them: each its own range, one DMA per block
+    padded = torch.randn(64 * (numel + 8), device="cuda").as_strided(kv.shape, (numel + 8, *kv.stride()[1:]))
+    spaced = make_copier(padded, host, 4)
+    kernels, memcpys = _copy_kernels_and_memcpys(lambda: spaced.store(gpu_ids, slots).wait(10))
+    assert spaced.is_direct and kernels == [] and len(memcpys) == 8, (kernels, memcpys)
+    assert torch.equal(host[:8].cuda(), padded[gpu_ids])
+    spaced.close()
     staged = make_copier(kv, host, 4, direct=False)
     kernels, _ = _copy_kernels_and_memcpys(lambda: staged.store(gpu_ids, slots).wait(10))
     assert kernels, "the staged copier gathers on the device"
