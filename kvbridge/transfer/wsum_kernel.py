@@ -13,7 +13,7 @@ each program reads some whole rows of one page, as contiguous as `wsum_partials`
 each head's runs apart (with the whole block's multipliers), so a block's heads add up to its digest
 and a lease's per-head digests cost no second pass.
 
-`copy_wsum_partials` is `wsum_partials` fused into a block copy: the same-GPU read of a peer's KV
+`copy_blocks` runs the same pass as a block copy: the same-GPU read of a peer's KV
 (cuda_ipc.py) moves the bytes on the SMs and digests them from the registers that wrote them.
 
 Imported only where Triton is installed; digest.py chooses it for KV on a GPU.
@@ -30,41 +30,64 @@ BLOCK_WORDS = 1024  # words per vector step
 
 @triton.jit
 def wsum_partials(
-    words_ptr, ids_ptr, c_ptr, out_ptr,
-    block_w, layer_w, page_words, chunks_per_page,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, c_ptr, out_ptr,
+    src_block_w, src_layer_w, dst_block_w, dst_layer_w, page_words, chunks_per_page,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, COPY: tl.constexpr, DIGEST: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, layer * chunks_per_page + k): words [k * CHUNK, (k + 1) * CHUNK) of block ids[b]'s
-    page of `layer`; its partial sum goes to out[b, layer * chunks_per_page + k]."""
+    """Program (b, layer * chunks_per_page + k): words [k * CHUNK, (k + 1) * CHUNK) of block
+    src_ids[b]'s page of `layer`; (DIGEST) their partial sum goes to out[b, layer * chunks_per_page + k],
+    and (COPY) they are written to the same words of block dst_ids[b]'s page: the digest of what was
+    written, from the registers that wrote it, with no second read."""
     b = tl.program_id(0)
     piece = tl.program_id(1)
     layer = piece // chunks_per_page
     first = (piece - layer * chunks_per_page) * CHUNK
-    block_id = tl.load(ids_ptr + b)  # int64
-    page = words_ptr + block_id * block_w + layer.to(tl.int64) * layer_w
+    src = src_ptr + tl.load(src_ids_ptr + b) * src_block_w + layer.to(tl.int64) * src_layer_w  # ids: int64
+    dst = dst_ptr + tl.load(dst_ids_ptr + b) * dst_block_w + layer.to(tl.int64) * dst_layer_w
     c = c_ptr + layer.to(tl.int64) * page_words
     acc = tl.zeros([BLOCK], dtype=tl.int64)
     for k in range(0, CHUNK, BLOCK):
         off = first + k + tl.arange(0, BLOCK)
         ok = off < page_words
-        x = tl.load(page + off, mask=ok, other=0)
-        m = tl.load(c + off, mask=ok, other=0)
-        acc += x.to(tl.int64) * m  # wraps mod 2^64
-    tl.store(out_ptr + b * tl.num_programs(1) + piece, tl.sum(acc, axis=0))
+        x = tl.load(src + off, mask=ok, other=0)
+        if COPY:
+            tl.store(dst + off, x, mask=ok)
+        if DIGEST:
+            m = tl.load(c + off, mask=ok, other=0)
+            acc += x.to(tl.int64) * m  # wraps mod 2^64
+    if DIGEST:
+        tl.store(out_ptr + b * tl.num_programs(1) + piece, tl.sum(acc, axis=0))
 
 
 def wsum_blocks(words, ids, c, block_w: int, layer_w: int, page_words: int, num_layers: int):
     """[n] int64 digests of the blocks `ids` ([n] int64 on `words`' device): `words` is the KV region as
     int32 words, `c` the [num_layers * page_words] int64 multipliers. Queued on the current stream."""
+    return _blocks_pass(words, None, ids, None, c, (block_w, layer_w), None, page_words, num_layers)
+
+
+def copy_blocks(src_words, dst_words, src_ids, dst_ids, c, src_strides: tuple[int, int], dst_strides: tuple[int, int],
+                page_words: int, num_layers: int):  # fmt: skip
+    """Copy blocks src_ids[i] -> dst_ids[i] ([n] int64 on the device) between two KV regions seen as int32
+    words with the same pages (`*_strides`: (block, layer) strides in words), on the SMs; with `c` (the
+    [num_layers * page_words] int64 multipliers) also return the [n] int64 wsum64 digests of the
+    blocks written, else None. Queued on the current stream."""
+    return _blocks_pass(src_words, dst_words, src_ids, dst_ids, c, src_strides, dst_strides, page_words, num_layers)
+
+
+def _blocks_pass(src_words, dst_words, src_ids, dst_ids, c, src_strides, dst_strides, page_words: int, num_layers: int):
+    """One `wsum_partials` launch: a digest (no `dst_words`), a copy (no `c`) or both; the digests or None."""
     import torch
 
     chunks_per_page = triton.cdiv(page_words, CHUNK_WORDS)
-    partials = torch.empty((len(ids), num_layers * chunks_per_page), dtype=torch.int64, device=words.device)
-    if len(ids):
-        grid = (len(ids), num_layers * chunks_per_page)
-        wsum_partials[grid](words, ids, c, partials, block_w, layer_w, page_words, chunks_per_page,
-                            CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS)  # fmt: skip
-    return partials.sum(dim=1)  # int64, wraps mod 2^64
+    copy, digest = dst_words is not None, c is not None
+    partials = torch.empty((len(src_ids), num_layers * chunks_per_page) if digest else (0,), dtype=torch.int64,
+                           device=src_words.device)  # fmt: skip
+    if len(src_ids):
+        grid = (len(src_ids), num_layers * chunks_per_page)
+        wsum_partials[grid](src_words, dst_words if copy else src_words, src_ids, dst_ids if copy else src_ids,
+                            c if digest else partials, partials, *src_strides, *(dst_strides if copy else src_strides),
+                            page_words, chunks_per_page, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, COPY=copy, DIGEST=digest)  # fmt: skip
+    return partials.sum(dim=1) if digest else None  # int64, wraps mod 2^64
 
 
 ROW_CHUNK_WORDS = 8192  # about as many words per program as `wsum_partials` reads
@@ -121,52 +144,3 @@ def wsum_head_blocks(words, ids, c, block_w: int, layer_w: int, num_layers: int,
                                  programs_per_layer, ROWS=rows, HEADS=heads, INNER=step)  # fmt: skip
     return partials.sum(dim=1)  # int64, wraps mod 2^64
 
-
-@triton.jit
-def copy_wsum_partials(
-    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, c_ptr, out_ptr,
-    src_block_w, src_layer_w, dst_block_w, dst_layer_w, page_words, chunks_per_page,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DIGEST: tl.constexpr,
-):  # fmt: skip
-    """`wsum_partials` over a copy: program (b, layer * chunks_per_page + k) copies words [k * CHUNK,
-    (k + 1) * CHUNK) of block src_ids[b]'s page of `layer` to block dst_ids[b]'s, and (DIGEST) sums
-    the words it moved into out[b, layer * chunks_per_page + k]: the digest of what was written, from
-    the registers that wrote it, with no second read."""
-    b = tl.program_id(0)
-    piece = tl.program_id(1)
-    layer = piece // chunks_per_page
-    first = (piece - layer * chunks_per_page) * CHUNK
-    src = src_ptr + tl.load(src_ids_ptr + b) * src_block_w + layer.to(tl.int64) * src_layer_w
-    dst = dst_ptr + tl.load(dst_ids_ptr + b) * dst_block_w + layer.to(tl.int64) * dst_layer_w
-    c = c_ptr + layer.to(tl.int64) * page_words
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
-    for k in range(0, CHUNK, BLOCK):
-        off = first + k + tl.arange(0, BLOCK)
-        ok = off < page_words
-        x = tl.load(src + off, mask=ok, other=0)
-        tl.store(dst + off, x, mask=ok)
-        if DIGEST:
-            m = tl.load(c + off, mask=ok, other=0)
-            acc += x.to(tl.int64) * m  # wraps mod 2^64
-    if DIGEST:
-        tl.store(out_ptr + b * tl.num_programs(1) + piece, tl.sum(acc, axis=0))
-
-
-def copy_blocks(src_words, dst_words, src_ids, dst_ids, c, src_strides: tuple[int, int], dst_strides: tuple[int, int],
-                page_words: int, num_layers: int):  # fmt: skip
-    """Copy blocks src_ids[i] -> dst_ids[i] ([n] int64 on the device) between two KV regions seen as int32
-    words with the same pages (`*_strides`: (block, layer) strides in words), on the SMs; with `c` (the
-    [num_layers * page_words] int64 multipliers) also return the [n] int64 wsum64 digests of the
-    blocks written, else None. Queued on the current stream."""
-    import torch
-
-    chunks_per_page = triton.cdiv(page_words, CHUNK_WORDS)
-    digest = c is not None
-    partials = torch.empty((len(src_ids), num_layers * chunks_per_page) if digest else (0,), dtype=torch.int64,
-                           device=dst_words.device)  # fmt: skip
-    if len(src_ids):
-        grid = (len(src_ids), num_layers * chunks_per_page)
-        copy_wsum_partials[grid](src_words, dst_words, src_ids, dst_ids, c if digest else partials, partials,
-                                 *src_strides, *dst_strides, page_words, chunks_per_page,
-                                 CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, DIGEST=digest)  # fmt: skip
-    return partials.sum(dim=1) if digest else None  # int64, wraps mod 2^64
