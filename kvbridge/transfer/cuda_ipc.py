@@ -198,12 +198,18 @@ class IpcCopier:
 
     def _compile_read_kernel(self) -> None:
         """Triton compiles a kernel at its first launch (a second or more): do it now, not inside the first
-        read. Block 0 copied onto itself, the layouts of a peer like us: the same bytes, the same kernel."""
+        read. Block 0 copied onto itself, the layouts of a peer like us: the same bytes, the same kernel.
+        A kernel that cannot be built here leaves same-GPU reads to the copy engines, named in the log."""
         import torch
 
         stream, _ = self._copy_stream()
-        with torch.cuda.stream(stream):
-            copy_blocks_with_digests(self._region, self._layout, [0], self._region, self._layout, [0]).result()
+        try:
+            with torch.cuda.stream(stream):
+                copy_blocks_with_digests(self._region, self._layout, [0], self._region, self._layout, [0]).result()
+        except Exception as e:  # noqa: BLE001 - Triton and its compilers raise many kinds; none may stop the node
+            self.sm_reads = False
+            logger.warning("same-GPU KV reads go through the copy engines: the SM copy kernel cannot run here (%s: %s)",
+                           type(e).__name__, e)  # fmt: skip
 
     def start(
         self, op: TransferOp, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray, remote_ids: np.ndarray
@@ -215,7 +221,9 @@ class IpcCopier:
         import torch
 
         if self.sm_reads and TransferOp(op) is TransferOp.READ and mapping.same_device:
-            return self._read_on_sms(mapping, peer_layout, local_ids, remote_ids)
+            source = self._mapped_source(mapping, peer_layout)
+            if source is not None:
+                return self._read_on_sms(source, peer_layout, local_ids, remote_ids)
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
         if len(sizes) < self.min_runs and not mapping.same_device:
             return None
@@ -234,16 +242,27 @@ class IpcCopier:
         self.num_copies += 1
         return IpcCopy(began, done, len(sizes))
 
-    def _read_on_sms(self, mapping: IpcMapping, peer_layout: KVCacheLayout, local_ids: np.ndarray,
-                     remote_ids: np.ndarray) -> IpcCopy:  # fmt: skip
-        """READ as one kernel on the SMs that copies every block and digests what it wrote. The peer's
-        layout is its own claim: a layout that reaches past its mapping is refused, never read."""
-        import torch
-
+    def _mapped_source(self, mapping: IpcMapping, peer_layout: KVCacheLayout) -> torch.Tensor | None:
+        """The peer's KV region, as its layout claims it, for a read on the SMs. The claim is the peer's own:
+        one that reaches past the bytes it exported is refused, never read. None (and the copy engines from
+        now on, named in the log) where torch cannot see the mapped memory as a tensor."""
         if peer_layout.region_nbytes > mapping.nbytes:
             raise TransferError(f"the peer's KV layout spans {peer_layout.region_nbytes} bytes, past the "
                                 f"{mapping.nbytes} bytes it exported")  # fmt: skip
-        source = mapping.region_bytes()[: peer_layout.region_nbytes]
+        try:
+            return mapping.region_bytes()[: peer_layout.region_nbytes]
+        except (RuntimeError, TypeError, ValueError) as e:
+            self.sm_reads = False
+            logger.warning("same-GPU KV reads go through the copy engines: torch cannot read the mapped KV (%s: %s)",
+                           type(e).__name__, e)  # fmt: skip
+            return None
+
+    def _read_on_sms(self, source: torch.Tensor, peer_layout: KVCacheLayout, local_ids: np.ndarray,
+                     remote_ids: np.ndarray) -> IpcCopy:  # fmt: skip
+        """READ as one kernel on the SMs that copies every block of `source` (the peer's region) and
+        digests what it wrote."""
+        import torch
+
         stream, ready = self._copy_stream()
         ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
         stream.wait_event(ready)  # of blocks about to be overwritten, comes first
