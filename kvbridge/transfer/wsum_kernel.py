@@ -33,11 +33,16 @@ def wsum_partials(
     src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, c_ptr, out_ptr,
     src_block_w, src_layer_w, dst_block_w, dst_layer_w, page_words, chunks_per_page,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, COPY: tl.constexpr, DIGEST: tl.constexpr,
+    HEADS: tl.constexpr = 1, INNER: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (b, layer * chunks_per_page + k): words [k * CHUNK, (k + 1) * CHUNK) of block
     src_ids[b]'s page of `layer`; (DIGEST) their partial sum goes to out[b, layer * chunks_per_page + k],
     and (COPY) they are written to the same words of block dst_ids[b]'s page: the digest of what was
-    written, from the registers that wrote it, with no second read."""
+    written, from the registers that wrote it, with no second read.
+
+    HEADS > 1: pages of [rows, HEADS, INNER] words (powers of two, HEADS * INNER dividing BLOCK), and
+    the partial sum of each head apart, to out[b, piece, h]: the same contiguous reads, the heads told
+    apart only in the program's last reduction."""
     b = tl.program_id(0)
     piece = tl.program_id(1)
     layer = piece // chunks_per_page
@@ -56,7 +61,11 @@ def wsum_partials(
             m = tl.load(c + off, mask=ok, other=0)
             acc += x.to(tl.int64) * m  # wraps mod 2^64
     if DIGEST:
-        tl.store(out_ptr + b * tl.num_programs(1) + piece, tl.sum(acc, axis=0))
+        if HEADS == 1:
+            tl.store(out_ptr + b * tl.num_programs(1) + piece, tl.sum(acc, axis=0))
+        else:  # a step starts on a row: word i of it belongs to head (i // INNER) % HEADS
+            per_head = tl.sum(tl.sum(tl.reshape(acc, (BLOCK // (HEADS * INNER), HEADS, INNER)), axis=2), axis=0)
+            tl.store(out_ptr + (b * tl.num_programs(1) + piece) * HEADS + tl.arange(0, HEADS), per_head)
 
 
 def wsum_blocks(words, ids, c, block_w: int, layer_w: int, page_words: int, num_layers: int):
@@ -74,20 +83,27 @@ def copy_blocks(src_words, dst_words, src_ids, dst_ids, c, src_strides: tuple[in
     return _blocks_pass(src_words, dst_words, src_ids, dst_ids, c, src_strides, dst_strides, page_words, num_layers)
 
 
-def _blocks_pass(src_words, dst_words, src_ids, dst_ids, c, src_strides, dst_strides, page_words: int, num_layers: int):
-    """One `wsum_partials` launch: a digest (no `dst_words`), a copy (no `c`) or both; the digests or None."""
+def _blocks_pass(src_words, dst_words, src_ids, dst_ids, c, src_strides, dst_strides, page_words: int, num_layers: int,
+                 heads: int = 1, inner: int = 1):  # fmt: skip
+    """One `wsum_partials` launch: a digest (no `dst_words`), a copy (no `c`) or both; the digests ([n], or
+    [n, heads] with `heads` > 1) or None."""
     import torch
 
     chunks_per_page = triton.cdiv(page_words, CHUNK_WORDS)
     copy, digest = dst_words is not None, c is not None
-    partials = torch.empty((len(src_ids), num_layers * chunks_per_page) if digest else (0,), dtype=torch.int64,
-                           device=src_words.device)  # fmt: skip
+    shape = (len(src_ids), num_layers * chunks_per_page, *((heads,) if heads > 1 else ()))
+    partials = torch.empty(shape if digest else (0,), dtype=torch.int64, device=src_words.device)
     if len(src_ids):
         grid = (len(src_ids), num_layers * chunks_per_page)
         wsum_partials[grid](src_words, dst_words if copy else src_words, src_ids, dst_ids if copy else src_ids,
                             c if digest else partials, partials, *src_strides, *(dst_strides if copy else src_strides),
-                            page_words, chunks_per_page, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, COPY=copy, DIGEST=digest)  # fmt: skip
+                            page_words, chunks_per_page, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, COPY=copy, DIGEST=digest,
+                            HEADS=heads, INNER=inner)  # fmt: skip
     return partials.sum(dim=1) if digest else None  # int64, wraps mod 2^64
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 ROW_CHUNK_WORDS = 8192  # about as many words per program as `wsum_partials` reads
@@ -129,8 +145,14 @@ def wsum_head_partials(
 
 def wsum_head_blocks(words, ids, c, block_w: int, layer_w: int, num_layers: int, outer: int, num_heads: int, inner: int):
     """[n, num_heads] int64: each head's share of the digests of blocks `ids`, whose pages are [outer,
-    num_heads, inner] words; `c` the [num_layers * outer * num_heads * inner] int64 multipliers."""
+    num_heads, inner] words; `c` the [num_layers * outer * num_heads * inner] int64 multipliers. Where a
+    row of every head is a power of two that divides a vector step (e.g. 8 heads of 128 bf16: 512
+    words), `wsum_partials`' own contiguous pass, split by head at its end; else tiles of rows."""
     import torch
+
+    if num_heads > 1 and _is_pow2(num_heads) and _is_pow2(inner) and BLOCK_WORDS % (num_heads * inner) == 0:
+        page_words = outer * num_heads * inner
+        return _blocks_pass(words, None, ids, None, c, (block_w, layer_w), None, page_words, num_layers, num_heads, inner)
 
     heads = triton.next_power_of_2(num_heads)
     step = min(triton.next_power_of_2(inner), max(1, BLOCK_WORDS // heads))
