@@ -10,9 +10,9 @@ caches; per layer or per page with strided ones), enqueued with `cuMemcpyBatchAs
 drivers; one `cuMemcpyAsync` per copy before) in batches of 16, 32, 64... on a dedicated stream,
 and completed by a CUDA event.
 Copy engines move the bytes: no SM is taken from the model. The exception is a read from a peer on
-this very GPU (`sm_reads`, with Triton): copy engines move a same-GPU copy at about a quarter of
-what the SMs reach (0.55 against 1.9 TB/s for 512 MiB on an H200), so one kernel copies the blocks
-on the SMs and digests (wsum64) the bytes it wrote from the registers that wrote them
+this very GPU (`sm_reads`, with Triton): there the mapped copies reached 0.55 TB/s at best against
+1.9 TB/s for a plain device copy of the same 512 MiB (H200, `pd_transfer-h200`), so one kernel copies
+the blocks on the SMs and digests (wsum64) the bytes it wrote from the registers that wrote them
 (`digest.copy_blocks_with_digests`): the reader's check of the read costs no second pass.
 
 Batches that grow were measured closest to a raw peer copy of every way to issue the copies
