@@ -122,6 +122,25 @@ def start_block_digests(region: torch.Tensor, layout: KVCacheLayout, block_ids, 
     raise DigestError(f"unknown KV digest algorithm {alg!r}; this build knows {', '.join(ALGORITHMS)}")
 
 
+def device_index(ids, device) -> torch.Tensor:
+    """Block ids as an int64 tensor on `device`; on a GPU uploaded from pinned memory, without waiting:
+    a pageable upload would wait for everything queued on the stream (e.g. the copies being digested)."""
+    import torch
+
+    index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    device = torch.device(device)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
+
+
+def _word_strides(layout: KVCacheLayout) -> tuple[int, int, int]:
+    """(block stride, layer stride, page size) of `layout` in 32-bit words, as wsum64 reads it; DigestError
+    where one is not whole words."""
+    strides = (layout.block_stride_bytes, layout.layer_stride_bytes, layout.page_nbytes)
+    if any(s % 4 for s in strides):
+        raise DigestError(f"{WSUM} needs pages of whole 32-bit words; this layout's strides are {strides} bytes")
+    return strides[0] // 4, strides[1] // 4, strides[2] // 4
+
+
 def gathered_blocks(
     layers: LayerTensors, layout: KVCacheLayout, ids: np.ndarray
 ) -> Iterator[tuple[torch.Tensor, KVCacheLayout]]:
@@ -131,9 +150,7 @@ def gathered_blocks(
     import torch
 
     per_chunk = max(1, _WSUM_CHUNK_NBYTES // layout.block_nbytes)
-    index = torch.from_numpy(np.ascontiguousarray(ids))
-    if layers.is_cuda:
-        index = index.pin_memory().to(layers.device, non_blocking=True)
+    index = device_index(ids, layers.device)
     for first in range(0, len(ids), per_chunk):
         blocks = layers.index_select(0, index[first : first + per_chunk])  # [n, L, *page_shape] contiguous
         yield blocks.view(-1).view(torch.uint8), layout.block_major(len(blocks))
@@ -199,18 +216,12 @@ def copy_blocks_with_digests(
         dst_layout.page_nbytes, dst_layout.page_format, dst_layout.num_layers
     ):  # fmt: skip
         raise DigestError("a block copy with its digest needs the same pages on both sides")
-    strides = [(lay.block_stride_bytes, lay.layer_stride_bytes) for lay in (src_layout, dst_layout)]
-    if any(s % 4 for pair in strides for s in pair) or src_layout.page_nbytes % 4:
-        raise DigestError(f"{WSUM} needs pages of whole 32-bit words; these strides are {strides} bytes")
+    (*src_strides, page_words), (*dst_strides, _) = _word_strides(src_layout), _word_strides(dst_layout)
     device = dst_region.device
-    index = torch.from_numpy(np.concatenate([src, dst]))
-    if device.type == "cuda":  # pinned: a pageable upload would wait for everything queued on the stream
-        index = index.pin_memory().to(device, non_blocking=True)
-    page_words = src_layout.page_nbytes // 4
+    index = device_index(np.concatenate([src, dst]), device)  # one upload for both sides
     c = _multipliers(src_layout.num_layers * page_words, device) if digest else None
     sums = copy_blocks(src_region.view(torch.int32), dst_region.view(torch.int32), index[: len(src)], index[len(src) :], c,
-                       tuple(s // 4 for s in strides[0]), tuple(s // 4 for s in strides[1]), page_words,
-                       src_layout.num_layers)  # fmt: skip
+                       tuple(src_strides), tuple(dst_strides), page_words, src_layout.num_layers)  # fmt: skip
     return DigestJob(WSUM, sums=sums) if digest else None
 
 
@@ -316,17 +327,12 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray, use_kern
     with Triton) takes the one-pass kernel; otherwise torch reductions, chunk by chunk."""
     import torch
 
-    strides = (layout.block_stride_bytes, layout.layer_stride_bytes, layout.page_nbytes)
-    if any(s % 4 for s in strides):
-        raise DigestError(f"{WSUM} needs pages of whole 32-bit words; this layout's strides are {strides} bytes")
+    block_w, layer_w, page_words = _word_strides(layout)
     words = region.view(torch.int32)  # [region_nbytes / 4]
-    page_words, block_w, layer_w = layout.page_nbytes // 4, layout.block_stride_bytes // 4, layout.layer_stride_bytes // 4
     if use_kernel if use_kernel is not None else region.is_cuda and has_wsum_kernel():
         from kvbridge.transfer.wsum_kernel import wsum_blocks
 
-        index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-        if region.is_cuda:  # pinned: a pageable upload would wait for everything queued on the stream
-            index = index.pin_memory().to(region.device, non_blocking=True)
+        index = device_index(ids, region.device)
         c = _multipliers(layout.num_layers * page_words, region.device)
         return wsum_blocks(words, index, c, block_w, layer_w, page_words, layout.num_layers)
     c = _multipliers(layout.num_layers * page_words, region.device).view(layout.num_layers, page_words)
@@ -346,9 +352,7 @@ def _wsum(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray, use_kern
             view = blocks[int(chunk[0]) : int(chunk[0]) + len(chunk)]
         else:
             if index is None:
-                index = torch.from_numpy(ids)
-                if region.is_cuda:
-                    index = index.pin_memory().to(region.device, non_blocking=True)
+                index = device_index(ids, region.device)
             view = blocks.index_select(0, index[first : first + len(chunk)])
         sums.append((view * c).sum(dim=(1, 2)))  # int64, wraps mod 2^64
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=region.device)  # [n] int64

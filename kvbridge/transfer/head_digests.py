@@ -29,6 +29,7 @@ from kvbridge.transfer.digest import (
     DigestJob,
     _multipliers,
     block_digests,
+    device_index,
     gathered_blocks,
     has_wsum_kernel,
 )
@@ -117,9 +118,7 @@ def _wsum_heads(region: torch.Tensor, layout: KVCacheLayout, ids: np.ndarray, us
     if use_kernel if use_kernel is not None else region.is_cuda and has_wsum_kernel():
         from kvbridge.transfer.wsum_kernel import wsum_head_blocks
 
-        index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-        if region.is_cuda:
-            index = index.pin_memory().to(region.device, non_blocking=True)
+        index = device_index(ids, region.device)
         return wsum_head_blocks(words, index, c, block_w, layer_w, layout.num_layers, outer, num_heads, inner)
     c = c.view(layout.num_layers, outer, num_heads, inner)
     # [num_blocks, num_layers, outer, heads, inner] int32: every block's pages, split around the heads' dim
