@@ -218,7 +218,6 @@ class IpcCopier:
         already queued on this device's current stream; None (nothing enqueued) for fewer than
         `min_runs` copies (runs of blocks between block-major caches), unless the peer's cache is on
         this very GPU: NIXL/UCX moves such a read through host staging, hundreds of times slower."""
-        import torch
 
         if self.sm_reads and TransferOp(op) is TransferOp.READ and mapping.same_device:
             source = self._mapped_source(mapping, peer_layout)
@@ -227,20 +226,32 @@ class IpcCopier:
         dsts, srcs, sizes = copy_plan(op, self._addr, self._layout, local_ids, mapping.addr, peer_layout, remote_ids)
         if len(sizes) < self.min_runs and not mapping.same_device:
             return None
+
+        def enqueue(stream: torch.cuda.Stream) -> None:
+            try:
+                driver().copy(dsts, srcs, sizes, stream.cuda_stream, self.device.index)
+            except TransferError:
+                stream.synchronize()  # copies enqueued before the failure land before anyone reuses blocks
+                raise
+
+        began, done, _ = self._on_copy_stream(enqueue)
+        return IpcCopy(began, done, len(sizes))
+
+    def _on_copy_stream(self, enqueue):
+        """(began, done, what `enqueue(stream)` returned): its work on the dedicated stream, after all work
+        already queued on this device's current stream, between two timing events."""
+        import torch
+
         stream, ready = self._copy_stream()
         ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
         stream.wait_event(ready)  # of blocks about to be overwritten, comes first
         began = torch.cuda.Event(enable_timing=True)
         began.record(stream)
-        try:
-            driver().copy(dsts, srcs, sizes, stream.cuda_stream, self.device.index)
-        except TransferError:
-            stream.synchronize()  # copies enqueued before the failure land before anyone reuses blocks
-            raise
+        result = enqueue(stream)
         done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
         self.num_copies += 1
-        return IpcCopy(began, done, len(sizes))
+        return began, done, result
 
     def _mapped_source(self, mapping: IpcMapping, peer_layout: KVCacheLayout) -> torch.Tensor | None:
         """The peer's KV region, as its layout claims it, for a read on the SMs. The claim is the peer's own:
@@ -263,16 +274,11 @@ class IpcCopier:
         digests what it wrote."""
         import torch
 
-        stream, ready = self._copy_stream()
-        ready.record(torch.cuda.current_stream(self.device))  # work queued so far, e.g. the last reads
-        stream.wait_event(ready)  # of blocks about to be overwritten, comes first
-        began = torch.cuda.Event(enable_timing=True)
-        began.record(stream)
-        with torch.cuda.stream(stream):
-            digests = copy_blocks_with_digests(source, peer_layout, remote_ids, self._region, self._layout, local_ids)
-        done = torch.cuda.Event(enable_timing=True)
-        done.record(stream)
-        self.num_copies += 1
+        def enqueue(stream: torch.cuda.Stream):
+            with torch.cuda.stream(stream):
+                return copy_blocks_with_digests(source, peer_layout, remote_ids, self._region, self._layout, local_ids)
+
+        began, done, digests = self._on_copy_stream(enqueue)
         self.num_sm_reads += 1
         return IpcCopy(began, done, 1, digests)
 
