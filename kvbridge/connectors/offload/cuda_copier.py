@@ -134,28 +134,32 @@ class CudaCopier(BlockCopier):
         with torch.cuda.device(device):
             caller = torch.cuda.current_stream()
             try:
+                dma.wait_event(after)  # the compute stream's work on these blocks comes first
+                kernels.wait_event(after)
+                # the copy's own time starts here, not when it was enqueued: with CUDA graphs the CPU enqueues a
+                # store long before the forward pass that writes its blocks has ended on the device
+                handle.began = torch.cuda.Event(enable_timing=True)
+                handle.began.record(dma)
                 if self.is_direct:
-                    handle.event = self._launch_direct(direction, gpu_ids, slots, after, dma, kernels, handle)
+                    self._launch_direct(direction, gpu_ids, slots, dma, kernels, handle)
                 else:
-                    handle.event = self._launch(direction, segments, after, dma, kernels, staging, handle)
+                    self._launch(direction, segments, dma, kernels, staging, handle)
+                dma.wait_stream(kernels)
+                done = torch.cuda.Event(blocking=True, enable_timing=True)  # a waiter thread sleeps on it (`on_done`)
+                done.record(dma)
+                handle.event = done
             finally:
                 torch.cuda.set_stream(caller)  # set_stream: less CPU per switch than `with torch.cuda.stream`
         handle._ready.set()
 
-    def _launch_direct(self, direction: str, gpu_ids: list[int], slots: list[int], after: torch.cuda.Event,
-                       dma: torch.cuda.Stream, kernels: torch.cuda.Stream, handle: _CudaHandle) -> torch.cuda.Event:  # fmt: skip
+    def _launch_direct(self, direction: str, gpu_ids: list[int], slots: list[int], dma: torch.cuda.Stream,
+                       kernels: torch.cuda.Stream, handle: _CudaHandle) -> None:  # fmt: skip
         """Enqueue one DMA per run of blocks adjacent on both sides, and the digest of the KV-side blocks
-        (with a `digest`: a store's beside its DMAs, a load's after them); returns the event that ends
-        them all. Switches this thread's current stream: the caller restores it."""
-        dma.wait_event(after)  # the compute stream's work on these blocks comes first
-        handle.began = torch.cuda.Event(enable_timing=True)
-        handle.began.record(dma)
+        (with a `digest`: a store's beside its DMAs, a load's after them). Switches this thread's current
+        stream: the caller restores it."""
         is_store = direction == "store"
         if self.digest is not None and is_store:  # reads the blocks the DMAs read: no need to wait for them
-            kernels.wait_event(after)
-            torch.cuda.set_stream(kernels)
-            handle.digest_ids = list(gpu_ids)
-            handle.digest_job = self.digest(handle.digest_ids)
+            self._queue_digest(handle, kernels, list(gpu_ids))
         torch.cuda.set_stream(dma)
         for gpu, slot, n in paired_runs(gpu_ids, slots):
             step = self._max_run or n
@@ -164,27 +168,13 @@ class CudaCopier(BlockCopier):
                 (host.copy_(dev, non_blocking=True) if is_store else dev.copy_(host, non_blocking=True))
         if self.digest is not None and not is_store:  # the bytes the load wrote, once written
             kernels.wait_stream(dma)
-            torch.cuda.set_stream(kernels)
-            handle.digest_ids = list(gpu_ids)
-            handle.digest_job = self.digest(handle.digest_ids)
-        dma.wait_stream(kernels)
-        done = torch.cuda.Event(blocking=True, enable_timing=True)  # a waiter thread sleeps on it (`on_done`)
-        done.record(dma)
-        return done
+            self._queue_digest(handle, kernels, list(gpu_ids))
 
-    def _launch(self, direction: str, segments: list[tuple[list[int], int]], after: torch.cuda.Event,
-                dma: torch.cuda.Stream, kernels: torch.cuda.Stream, staging: torch.Tensor,
-                handle: _CudaHandle) -> torch.cuda.Event:  # fmt: skip
+    def _launch(self, direction: str, segments: list[tuple[list[int], int]], dma: torch.cuda.Stream,
+                kernels: torch.cuda.Stream, staging: torch.Tensor, handle: _CudaHandle) -> None:  # fmt: skip
         """Enqueue every segment's gather/scatter and DMA, then the digest of the KV-side blocks (with a
-        `digest`); returns the event that ends them all. Switches this thread's current stream: the
-        caller restores it."""
+        `digest`). Switches this thread's current stream: the caller restores it."""
         device = self.kv_cache.device
-        dma.wait_event(after)  # the compute stream's work on these blocks comes first
-        kernels.wait_event(after)
-        # the copy's own time starts here, not when it was enqueued: with CUDA graphs the CPU enqueues a
-        # store long before the forward pass that writes its blocks has ended on the device
-        handle.began = torch.cuda.Event(enable_timing=True)
-        handle.began.record(dma)
         torch.cuda.set_stream(kernels)
         # every segment's block ids in one pinned host tensor, one upload: no pageable copy
         # (which would block this thread until the stream drains) inside the loop
@@ -231,13 +221,13 @@ class CudaCopier(BlockCopier):
         if self.digest is not None:  # a store: the blocks it read, beside its DMAs; a load: the blocks it wrote, once written
             if direction == "load":
                 kernels.wait_stream(dma)
-            torch.cuda.set_stream(kernels)
-            handle.digest_ids = [b for ids, _ in segments for b in ids]
-            handle.digest_job = self.digest(handle.digest_ids)
-        dma.wait_stream(kernels)
-        done = torch.cuda.Event(blocking=True, enable_timing=True)  # a waiter thread sleeps on it (`on_done`)
-        done.record(dma)
-        return done
+            self._queue_digest(handle, kernels, [b for ids, _ in segments for b in ids])
+
+    def _queue_digest(self, handle: _CudaHandle, kernels: torch.cuda.Stream, ids: list[int]) -> None:
+        """The digests of KV blocks `ids`, queued on the kernel stream (made this thread's current one)."""
+        torch.cuda.set_stream(kernels)
+        handle.digest_ids = ids
+        handle.digest_job = self.digest(ids)
 
     def _submit(self, direction, gpu_ids, slots, before) -> CopyHandle:
         handle = _CudaHandle(self._waiters[direction])
